@@ -1,0 +1,151 @@
+"""Loaded models as `(apply_fn, params)` pairs. Each apply_fn is a small frozen object that
+keeps its Flax module (so the parallel layer can swap the site ops with `with_ops`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
+from patchpar.models.loading import CheckpointError, read_config, read_state_dict, state_dict_to_params
+from patchpar.models.sites import SiteOps
+from patchpar.models.unet import UNet2DConditionModel, UNetConfig
+from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+
+@dataclass(frozen=True)
+class UNetFn:
+    """`unet_apply(params, sample, timesteps, encoder_hidden_states, text_embeds=, time_ids=)`."""
+
+    module: UNet2DConditionModel
+
+    @property
+    def config(self) -> UNetConfig:
+        return self.module.config
+
+    def __call__(self, params, sample, timesteps, encoder_hidden_states, **added_cond):
+        return self.module.apply({"params": params}, sample, timesteps, encoder_hidden_states, **added_cond)
+
+    def with_ops(self, ops: SiteOps) -> UNetFn:
+        return replace(self, module=self.module.clone(ops=ops))
+
+    def example_inputs(self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 77):
+        """Abstract inputs of the right shapes (latent size = sample_size unless given)."""
+        cfg, dt = self.config, self.module.dtype
+        h, w = height or cfg.sample_size, width or cfg.sample_size
+        sds = jax.ShapeDtypeStruct
+        args = (sds((batch, h, w, cfg.in_channels), dt), sds((batch,), jnp.float32), sds((batch, seq, cfg.cross_attention_dim), dt))
+        added = {}
+        if cfg.addition_embed_type == "text_time":
+            pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+            added = {"text_embeds": sds((batch, pooled), dt), "time_ids": sds((batch, 6), jnp.float32)}
+        return args, added
+
+    def abstract_params(self):
+        args, added = self.example_inputs(1, 2 ** self.config.num_downsamples)
+        return _abstract_init(self.module, *args, **added)
+
+    def init(self, seed: int = 0):
+        args, added = self.example_inputs(1, 2 ** self.config.num_downsamples)
+        zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+        return self.module.init(jax.random.key(seed), *map(zeros, args), **{k: zeros(v) for k, v in added.items()})["params"]
+
+
+@dataclass(frozen=True)
+class VAEFn:
+    """`vae_apply(params, latents)` decodes (B,h,w,C) latents to (B,H,W,3) images in [-1, 1];
+    `vae_apply.encode(params, images)` gives the latent distribution's (mean, logvar)."""
+
+    module: AutoencoderKL
+
+    @property
+    def config(self) -> VAEConfig:
+        return self.module.config
+
+    def __call__(self, params, latents):
+        return self.module.apply({"params": params}, latents, method=AutoencoderKL.decode)
+
+    def encode(self, params, images):
+        return self.module.apply({"params": params}, images, method=AutoencoderKL.encode)
+
+    def with_ops(self, ops: SiteOps) -> VAEFn:
+        return replace(self, module=self.module.clone(ops=ops))
+
+    def abstract_params(self):
+        x = jax.ShapeDtypeStruct((1, self.config.downsample_factor, self.config.downsample_factor, self.config.in_channels), self.module.dtype)
+        return _abstract_init(self.module, x)
+
+    def init(self, seed: int = 0):
+        f = self.config.downsample_factor
+        return self.module.init(jax.random.key(seed), jnp.zeros((1, f, f, self.config.in_channels), self.module.dtype))["params"]
+
+
+@dataclass(frozen=True)
+class TextEncoderFn:
+    """`text_apply(params, input_ids (B, S))` -> dict with last_hidden_state, pooler_output,
+    hidden_states and (with a projection) text_embeds."""
+
+    module: CLIPTextModel
+
+    @property
+    def config(self) -> CLIPTextConfig:
+        return self.module.config
+
+    def __call__(self, params, input_ids):
+        return self.module.apply({"params": params}, input_ids)
+
+    def abstract_params(self):
+        ids = jax.ShapeDtypeStruct((1, self.config.max_position_embeddings), jnp.int32)
+        return _abstract_init(self.module, ids)
+
+    def init(self, seed: int = 0):
+        ids = jnp.zeros((1, self.config.max_position_embeddings), jnp.int32)
+        return self.module.init(jax.random.key(seed), ids)["params"]
+
+
+def _abstract_init(module, *args, **kwargs):
+    """Parameter shapes and dtypes without computing anything (works for full-size presets)."""
+    init = lambda *a, **k: module.init(jax.random.key(0), *a, **k)["params"]  # noqa: E731
+    return jax.eval_shape(init, *args, **kwargs)
+
+
+def _load(fn, path: Path, where: str, state_map=None):
+    state = read_state_dict(path)
+    if state_map:
+        state = {state_map(k): v for k, v in state.items()}
+    return state_dict_to_params(state, fn.abstract_params(), where, dtype=fn.module.dtype)
+
+
+def load_unet(path: str | Path, dtype=jnp.float32) -> tuple[UNetFn, dict]:
+    """UNet from a diffusers folder (`.../unet` or a pipeline folder holding `unet/`)."""
+    path = _component(path, "unet")
+    fn = UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype))
+    return fn, _load(fn, path, str(path))
+
+
+def load_vae(path: str | Path, dtype=jnp.float32) -> tuple[VAEFn, dict]:
+    path = _component(path, "vae")
+    fn = VAEFn(AutoencoderKL(VAEConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype))
+    return fn, _load(fn, path, str(path))
+
+
+def load_text_encoder(path: str | Path, dtype=jnp.float32, subfolder: str = "text_encoder") -> tuple[TextEncoderFn, dict]:
+    path = _component(path, subfolder)
+    fn = TextEncoderFn(CLIPTextModel(CLIPTextConfig.from_transformers(read_config(path), f"{path}/config.json"), dtype))
+
+    def rename(key: str) -> str:  # transformers 5 saves CLIPTextModel without the text_model. prefix
+        return key if key.startswith(("text_model.", "text_projection.")) else "text_model." + key
+
+    return fn, _load(fn, path, str(path), rename)
+
+
+def _component(path: str | Path, name: str) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist")
+    if (path / name / "config.json").is_file():
+        return path / name
+    return path

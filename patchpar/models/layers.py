@@ -1,0 +1,209 @@
+"""Building blocks shared by the UNet and the VAE, named as in diffusers so that checkpoints
+map onto them key by key (`down_blocks.0.resnets.1.conv1.weight` ->
+`down_blocks_0/resnets_1/conv1/kernel`). Images are NHWC; the spatial sites go through `ops`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from patchpar.models.sites import IDENTITY, SiteOps
+
+
+class Conv(nn.Module):
+    """2-D convolution with diffusers' padding; row halos come from `ops.halo`.
+
+    `padding` is the symmetric zero padding of the PyTorch conv. `asym_pad=True` is the VAE
+    encoder's downsampler: pad one row/column at the bottom/right only, then convolve unpadded.
+    """
+
+    features: int
+    kernel_size: int = 3
+    stride: int = 1
+    padding: int = 1
+    asym_pad: bool = False
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, Cin) -> (B, h/stride, W/stride, Cout)
+        k = self.kernel_size
+        kernel = self.param(
+            "kernel", nn.initializers.lecun_normal(), (k, k, x.shape[-1], self.features), self.dtype
+        )
+        if self.asym_pad:
+            top, bottom, cols = 0, 1, (0, 1)
+        else:
+            top = bottom = self.padding
+            cols = (self.padding, self.padding)
+        if k > 1 or top or bottom:
+            x = self.ops.halo(self, x, top, bottom)  # (B, top + h + bottom, W, Cin)
+        y = jax.lax.conv_general_dilated(
+            x.astype(self.dtype),
+            kernel,
+            window_strides=(self.stride, self.stride),
+            padding=((0, 0), cols),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class GroupNorm(nn.Module):
+    """GroupNorm over (rows, cols, channels-in-group); global statistics via `ops.group_stats`."""
+
+    num_groups: int = 32
+    epsilon: float = 1e-5
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, C)
+        b, h, w, c = x.shape
+        g = self.num_groups
+        if c % g:
+            raise ValueError(f"GroupNorm: {c} channels are not divisible into {g} groups")
+        xg = x.astype(jnp.float32).reshape(b, h, w, g, c // g)
+        mean = xg.mean(axis=(1, 2, 4))  # (B, G)
+        mean_sq = jnp.square(xg).mean(axis=(1, 2, 4))  # (B, G)
+        mean, mean_sq = self.ops.group_stats(self, mean, mean_sq)
+        var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
+        xg = (xg - mean[:, None, None, :, None]) * jax.lax.rsqrt(var + self.epsilon)[:, None, None, :, None]
+        scale = self.param("scale", nn.initializers.ones, (c,), self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (c,), self.dtype)
+        return (xg.reshape(b, h, w, c) * scale + bias).astype(self.dtype)
+
+
+def dense(features: int, name: str, dtype, use_bias: bool = True) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
+    """Softmax attention. q: (B, Tq, H*D), k/v: (B, Tk, H*D) -> (B, Tq, H*D); softmax in float32."""
+    b, tq, inner = q.shape
+    d = inner // heads
+    split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, d)  # noqa: E731
+    logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits / math.sqrt(d), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, split(v))
+    return out.reshape(b, tq, inner)
+
+
+class Attention(nn.Module):
+    """diffusers `Attention`: to_q/to_k/to_v/to_out.0. Self-attention K/V go through the site."""
+
+    heads: int
+    dim_head: int
+    out_dim: int
+    qkv_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:  # (B, T, C)
+        inner = self.heads * self.dim_head
+        q = dense(inner, "to_q", self.dtype, self.qkv_bias)(x)
+        src = x if context is None else context
+        k = dense(inner, "to_k", self.dtype, self.qkv_bias)(src)
+        v = dense(inner, "to_v", self.dtype, self.qkv_bias)(src)
+        if context is None:
+            k, v = self.ops.self_attn_kv(self, k, v)  # (B, T_all, inner)
+        out = attention(q, k, v, self.heads)
+        return dense(self.out_dim, "to_out_0", self.dtype)(out)
+
+
+class ResnetBlock2D(nn.Module):
+    """diffusers `ResnetBlock2D` (time-scale-shift 'default', SiLU, output scale 1)."""
+
+    out_channels: int
+    groups: int = 32
+    eps: float = 1e-5
+    use_temb: bool = True
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, temb: jax.Array | None = None) -> jax.Array:  # (B, h, W, C)
+        kw = dict(dtype=self.dtype, ops=self.ops)
+        h = nn.silu(GroupNorm(self.groups, self.eps, name="norm1", **kw)(x))
+        h = Conv(self.out_channels, name="conv1", **kw)(h)
+        if self.use_temb:
+            t = dense(self.out_channels, "time_emb_proj", self.dtype)(nn.silu(temb))  # (B, Cout)
+            h = h + t[:, None, None, :]
+        h = nn.silu(GroupNorm(self.groups, self.eps, name="norm2", **kw)(h))
+        h = Conv(self.out_channels, name="conv2", **kw)(h)
+        if x.shape[-1] != self.out_channels:
+            x = Conv(self.out_channels, kernel_size=1, padding=0, name="conv_shortcut", **kw)(x)
+        return x + h
+
+
+class Downsample2D(nn.Module):
+    """Stride-2 3x3 conv. padding=1 (UNet) or 0 (VAE encoder: pad bottom/right by one)."""
+
+    channels: int
+    padding: int = 1
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, C) -> (B, h/2, W/2, C)
+        return Conv(
+            self.channels, stride=2, padding=self.padding, asym_pad=self.padding == 0,
+            dtype=self.dtype, ops=self.ops, name="conv",
+        )(x)
+
+
+class Upsample2D(nn.Module):
+    """Nearest 2x upsampling then a 3x3 conv (its halo is taken after upsampling: exact)."""
+
+    channels: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, C) -> (B, 2h, 2W, C)
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+        return Conv(self.channels, dtype=self.dtype, ops=self.ops, name="conv")(x)
+
+
+def timestep_embedding(
+    t: jax.Array, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float = 10000.0
+) -> jax.Array:
+    """diffusers `get_timestep_embedding`: (B,) -> (B, dim), float32."""
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - freq_shift)
+    args = t.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]
+    emb = jnp.concatenate([jnp.sin(args), jnp.cos(args)], axis=-1)
+    if flip_sin_to_cos:
+        emb = jnp.concatenate([emb[:, half:], emb[:, :half]], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+class TimestepEmbedding(nn.Module):
+    """linear_1 -> SiLU -> linear_2."""
+
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = dense(self.dim, "linear_1", self.dtype)(x.astype(self.dtype))
+        return dense(self.dim, "linear_2", self.dtype)(nn.silu(x))
+
+
+def as_list(value, n: int, what: str) -> list:
+    """An int (or None) broadcast to n entries, or a sequence that must have n entries."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ValueError(f"{what} has {len(value)} entries, expected {n} (one per block)")
+        return list(value)
+    return [value] * n

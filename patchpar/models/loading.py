@@ -1,0 +1,146 @@
+"""Diffusers-format checkpoints (config.json + *.safetensors) <-> Flax parameter trees.
+
+PyTorch keys map onto Flax paths mechanically: a numeric key part joins its parent
+(`down_blocks.0.resnets.1` -> `down_blocks_0/resnets_1`), `weight` becomes the Flax leaf that
+exists in the target tree (`kernel`, `scale` or `embedding`), conv kernels go from OIHW to
+HWIO and linear kernels are transposed. The target tree comes from `jax.eval_shape(init)`, so
+every expected key and shape is checked: missing or mis-shaped keys raise `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder, file or key that does not fit the model."""
+
+
+def read_config(folder: Path, name: str = "config.json") -> dict:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
+    path = folder / name
+    if not path.is_file():
+        raise CheckpointError(f"{str(path)!r} is missing (a diffusers-format component folder has {name})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from e
+
+
+def read_state_dict(folder: Path) -> dict[str, np.ndarray]:
+    """All tensors of the *.safetensors files in `folder` (sharded files are merged)."""
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"no *.safetensors weights in {str(folder)!r} (found: {sorted(p.name for p in folder.iterdir())})"
+        )
+    # Prefer the full-precision file when a folder holds variants (model.fp16.safetensors).
+    plain = [f for f in files if f.name.count(".") == 1]
+    state: dict[str, np.ndarray] = {}
+    for f in plain or files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _flax_key(torch_key: str) -> tuple[str, ...]:
+    parts: list[str] = []
+    for p in torch_key.split("."):
+        if p.isdigit() and parts:
+            parts[-1] = f"{parts[-1]}_{p}"
+        else:
+            parts.append(p)
+    return tuple(parts)
+
+
+_WEIGHT_LEAVES = ("kernel", "scale", "embedding")
+
+
+def _to_flax(arr: np.ndarray, leaf: str) -> np.ndarray:
+    if leaf == "kernel" and arr.ndim == 4:
+        return arr.transpose(2, 3, 1, 0)  # (O, I, kh, kw) -> (kh, kw, I, O)
+    if leaf == "kernel" and arr.ndim == 2:
+        return arr.T  # (O, I) -> (I, O)
+    return arr
+
+
+def _to_torch(arr: np.ndarray, leaf: str) -> np.ndarray:
+    if leaf == "kernel" and arr.ndim == 4:
+        return arr.transpose(3, 2, 0, 1)
+    if leaf == "kernel" and arr.ndim == 2:
+        return arr.T
+    return arr
+
+
+def state_dict_to_params(state: dict[str, np.ndarray], abstract_params, where: str, dtype=None) -> dict:
+    """Convert a PyTorch state dict to the Flax tree whose shapes `abstract_params` gives."""
+    expected = flatten_dict(abstract_params)
+    # torch-style name of each expected flax path
+    by_torch: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for path in expected:
+        leaf = path[-1]
+        by_torch[path[:-1] + (("weight",) if leaf in _WEIGHT_LEAVES else (leaf,))] = path
+    out = {}
+    for key, arr in state.items():
+        path = by_torch.get(_flax_key(key))
+        if path is None:
+            continue  # buffers such as position_ids, or parts of other components
+        value = _to_flax(np.asarray(arr), path[-1])
+        want = expected[path]
+        if tuple(value.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{where}: key {key!r} has shape {tuple(arr.shape)}, the model config needs "
+                f"{tuple(_to_torch(np.empty(want.shape), path[-1]).shape)}"
+            )
+        out[path] = value.astype(dtype or want.dtype)
+    missing = [p for p in expected if p not in out]
+    if missing:
+        names = [_torch_name(p) for p in missing]
+        raise CheckpointError(
+            f"{where}: {len(missing)} key(s) missing from the checkpoint, e.g. {names[:5]}"
+        )
+    return jax.tree_util.tree_map(jax.numpy.asarray, unflatten_dict(out))
+
+
+def params_to_state_dict(params) -> dict[str, np.ndarray]:
+    """Inverse of `state_dict_to_params`: PyTorch key names and layouts (for writing folders)."""
+    return {
+        _torch_name(path): np.ascontiguousarray(_to_torch(np.asarray(value), path[-1]))
+        for path, value in flatten_dict(params).items()
+    }
+
+
+def _torch_name(path: tuple[str, ...]) -> str:
+    parts = []
+    for p in path[:-1]:
+        head, _, tail = p.rpartition("_")
+        parts.append(f"{head}.{tail}" if tail.isdigit() and head in _LIST_NAMES else p)
+    return ".".join(parts + ["weight" if path[-1] in _WEIGHT_LEAVES else path[-1]])
+
+
+# Module names that diffusers / transformers keep in lists (ModuleList / Sequential).
+_LIST_NAMES = {
+    "down_blocks", "up_blocks", "resnets", "attentions", "downsamplers", "upsamplers",
+    "transformer_blocks", "to_out", "net", "layers",
+}
+
+
+def write_component(folder: Path, config: dict, params) -> None:
+    """Write config.json and diffusion_pytorch_model.safetensors (or model.safetensors for
+    transformers components, when config has `architectures`)."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    fname = "model.safetensors" if "architectures" in config else "diffusion_pytorch_model.safetensors"
+    save_file(params_to_state_dict(params), str(folder / fname), metadata={"format": "pt"})

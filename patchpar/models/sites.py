@@ -1,0 +1,44 @@
+"""The three spatial sites of a UNet / VAE, behind one small interface (DESIGN.md §1).
+
+Everything else in the models is per-pixel or per-token and runs unchanged on a row slab.
+Model code calls a `SiteOps` object at exactly three places:
+
+1. `halo`: a spatial convolution needs `top` / `bottom` extra rows around its input;
+2. `group_stats`: GroupNorm needs global per-group E[x] and E[x^2];
+3. `self_attn_kv`: self-attention queries need keys/values of the whole image.
+
+`SiteOps` itself is the single-device (identity) implementation: zero padding, local
+statistics, local K/V. The parallel layer subclasses it; the ops object is a static, hashable
+attribute of every module, and the calling module is passed in so that an implementation can
+keep per-site state in a Flax variable collection (`mod.variable("stale", ...)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SiteOps:
+    """Identity site ops: the whole image is local."""
+
+    def halo(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
+        """Rows above/below the local slab for a spatial conv. x: (B, h, W, C) -> (B, top+h+bottom, W, C)."""
+        del mod
+        return jnp.pad(x, ((0, 0), (top, bottom), (0, 0), (0, 0)))
+
+    def group_stats(self, mod, mean: jax.Array, mean_sq: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Global per-group E[x], E[x^2] from the local ones. Each (B, G), float32."""
+        del mod
+        return mean, mean_sq
+
+    def self_attn_kv(self, mod, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys/values of all image tokens from the local ones. Each (B, h*W, D) -> (B, T, D)."""
+        del mod
+        return k, v
+
+
+IDENTITY = SiteOps()

@@ -1,0 +1,318 @@
+"""Flax UNet2DConditionModel for SD 1.x, SD 2.x and SDXL (diffusers layout, NHWC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from patchpar.models.layers import (
+    Attention,
+    Conv,
+    Downsample2D,
+    GroupNorm,
+    ResnetBlock2D,
+    TimestepEmbedding,
+    Upsample2D,
+    as_list,
+    dense,
+    timestep_embedding,
+)
+from patchpar.models.sites import IDENTITY, SiteOps
+
+DOWN_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
+UP_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
+
+# config.json keys that must hold exactly these values (anything else is not implemented).
+_REQUIRED = {
+    "act_fn": "silu",
+    "center_input_sample": False,
+    "class_embed_type": None,
+    "conv_in_kernel": 3,
+    "conv_out_kernel": 3,
+    "dual_cross_attention": False,
+    "encoder_hid_dim": None,
+    "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "only_cross_attention": False,
+    "resnet_time_scale_shift": "default",
+    "time_embedding_type": "positional",
+    "time_cond_proj_dim": None,
+    "reverse_transformer_layers_per_block": None,
+    "attention_type": "default",
+    "class_embeddings_concat": False,
+    "cross_attention_norm": None,
+    "mid_block_only_cross_attention": None,
+    "num_class_embeds": None,
+    "time_embedding_dim": None,
+    "timestep_post_act": None,
+    "addition_embed_type_num_heads": 64,
+}
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    """The parts of a diffusers UNet2DConditionModel config.json that shape the network."""
+
+    in_channels: int = 4
+    out_channels: int = 4
+    block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    down_block_types: tuple[str, ...] = DOWN_TYPES[:1] * 3 + DOWN_TYPES[1:]
+    up_block_types: tuple[str, ...] = UP_TYPES[1:] + UP_TYPES[:1] * 3
+    layers_per_block: int = 2
+    heads: tuple[int, ...] = (8, 8, 8, 8)  # diffusers' attention_head_dim/num_attention_heads
+    transformer_layers_per_block: tuple[int, ...] = (1, 1, 1, 1)
+    cross_attention_dim: int = 768
+    use_linear_projection: bool = False
+    norm_num_groups: int = 32
+    norm_eps: float = 1e-5
+    flip_sin_to_cos: bool = True
+    freq_shift: float = 0.0
+    downsample_padding: int = 1
+    addition_embed_type: str | None = None  # None or "text_time" (SDXL)
+    addition_time_embed_dim: int | None = None
+    projection_class_embeddings_input_dim: int | None = None
+    sample_size: int = 64
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def num_downsamples(self) -> int:
+        return len(self.block_out_channels) - 1
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict, where: str = "unet/config.json") -> UNetConfig:
+        """Parse and validate a diffusers config dict; unsupported values raise ValueError."""
+        for key, want in _REQUIRED.items():
+            got = cfg.get(key, want)
+            if got != want and not (key == "cross_attention_norm" and got in (None, "")):
+                raise ValueError(f"{where}: {key}={got!r} is not supported (supported: {want!r})")
+        if cfg.get("upcast_attention"):
+            pass  # attention logits are computed in float32 anyway
+        n = len(cfg["block_out_channels"])
+        down = tuple(cfg["down_block_types"])
+        up = tuple(cfg["up_block_types"])
+        for name, types, known in (("down_block_types", down, DOWN_TYPES), ("up_block_types", up, UP_TYPES)):
+            bad = [t for t in types if t not in known]
+            if bad or len(types) != n:
+                raise ValueError(
+                    f"{where}: {name}={list(types)} not supported: need {n} entries from {list(known)}"
+                )
+        if not isinstance(cfg.get("layers_per_block", 2), int):
+            raise ValueError(f"{where}: layers_per_block={cfg['layers_per_block']!r}: only an int is supported")
+        if isinstance(cfg.get("cross_attention_dim"), list):
+            raise ValueError(f"{where}: a per-block cross_attention_dim is not supported")
+        add = cfg.get("addition_embed_type")
+        if add not in (None, "text_time"):
+            raise ValueError(f"{where}: addition_embed_type={add!r} not supported (None or 'text_time')")
+        # diffusers names heads `attention_head_dim` for historical reasons (see its UNet docstring).
+        heads = cfg.get("num_attention_heads") or cfg.get("attention_head_dim", 8)
+        return cls(
+            in_channels=cfg.get("in_channels", 4),
+            out_channels=cfg.get("out_channels", 4),
+            block_out_channels=tuple(cfg["block_out_channels"]),
+            down_block_types=down,
+            up_block_types=up,
+            layers_per_block=cfg.get("layers_per_block", 2),
+            heads=tuple(as_list(heads, n, f"{where}: attention_head_dim")),
+            transformer_layers_per_block=tuple(
+                as_list(cfg.get("transformer_layers_per_block", 1), n, f"{where}: transformer_layers_per_block")
+            ),
+            cross_attention_dim=cfg.get("cross_attention_dim", 1280),
+            use_linear_projection=bool(cfg.get("use_linear_projection", False)),
+            norm_num_groups=cfg.get("norm_num_groups", 32),
+            norm_eps=cfg.get("norm_eps", 1e-5),
+            flip_sin_to_cos=cfg.get("flip_sin_to_cos", True),
+            freq_shift=cfg.get("freq_shift", 0),
+            downsample_padding=cfg.get("downsample_padding", 1),
+            addition_embed_type=add,
+            addition_time_embed_dim=cfg.get("addition_time_embed_dim"),
+            projection_class_embeddings_input_dim=cfg.get("projection_class_embeddings_input_dim"),
+            sample_size=cfg.get("sample_size", 64),
+            extra=dict(cfg),
+        )
+
+
+class FeedForward(nn.Module):
+    """GEGLU feed-forward: net.0.proj -> (h, gate) -> h * gelu(gate) -> net.2."""
+
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        inner = 4 * self.dim
+        h, gate = jnp.split(GegluProj(2 * inner, self.dtype, name="net_0")(x), 2, axis=-1)
+        return dense(self.dim, "net_2", self.dtype)(h * nn.gelu(gate, approximate=False))
+
+
+class GegluProj(nn.Module):
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return dense(self.features, "proj", self.dtype)(x)
+
+
+class BasicTransformerBlock(nn.Module):
+    dim: int
+    heads: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, T, C)
+        ln = lambda name: nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, param_dtype=self.dtype, name=name)  # noqa: E731
+        dh = self.dim // self.heads
+        x = Attention(self.heads, dh, self.dim, dtype=self.dtype, ops=self.ops, name="attn1")(ln("norm1")(x)) + x
+        x = Attention(self.heads, dh, self.dim, dtype=self.dtype, name="attn2")(ln("norm2")(x), context) + x
+        return FeedForward(self.dim, self.dtype, name="ff")(ln("norm3")(x)) + x
+
+
+class Transformer2DModel(nn.Module):
+    channels: int
+    heads: int
+    num_layers: int
+    use_linear_projection: bool
+    groups: int = 32
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, h, W, C)
+        b, h, w, c = x.shape
+        res = x
+        x = GroupNorm(self.groups, 1e-6, self.dtype, self.ops, name="norm")(x)
+        if self.use_linear_projection:
+            x = dense(c, "proj_in", self.dtype)(x.reshape(b, h * w, c))
+        else:
+            x = Conv(c, 1, padding=0, dtype=self.dtype, name="proj_in")(x).reshape(b, h * w, c)
+        for i in range(self.num_layers):
+            x = BasicTransformerBlock(c, self.heads, self.dtype, self.ops, name=f"transformer_blocks_{i}")(x, context)
+        if self.use_linear_projection:
+            x = dense(c, "proj_out", self.dtype)(x).reshape(b, h, w, c)
+        else:
+            x = Conv(c, 1, padding=0, dtype=self.dtype, name="proj_out")(x.reshape(b, h, w, c))
+        return x + res
+
+
+class DownBlock(nn.Module):
+    """CrossAttnDownBlock2D / DownBlock2D: returns the output and its skip connections."""
+
+    cfg: UNetConfig
+    index: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x, emb, ctx) -> tuple[jax.Array, list[jax.Array]]:
+        cfg, i, dt, ops = self.cfg, self.index, self.dtype, self.ops
+        c = cfg.block_out_channels[i]
+        skips = []
+        for j in range(cfg.layers_per_block):
+            x = ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name=f"resnets_{j}")(x, emb)
+            if cfg.down_block_types[i] == "CrossAttnDownBlock2D":
+                x = Transformer2DModel(
+                    c, cfg.heads[i], cfg.transformer_layers_per_block[i], cfg.use_linear_projection,
+                    cfg.norm_num_groups, dt, ops, name=f"attentions_{j}",
+                )(x, ctx)
+            skips.append(x)
+        if i < len(cfg.block_out_channels) - 1:
+            x = Downsample2D(c, cfg.downsample_padding, dt, ops, name="downsamplers_0")(x)
+            skips.append(x)
+        return x, skips
+
+
+class MidBlock(nn.Module):
+    """UNetMidBlock2DCrossAttn: resnet, transformer, resnet."""
+
+    cfg: UNetConfig
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x, emb, ctx) -> jax.Array:
+        cfg, dt, ops = self.cfg, self.dtype, self.ops
+        c = cfg.block_out_channels[-1]
+        x = ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name="resnets_0")(x, emb)
+        x = Transformer2DModel(
+            c, cfg.heads[-1], cfg.transformer_layers_per_block[-1], cfg.use_linear_projection,
+            cfg.norm_num_groups, dt, ops, name="attentions_0",
+        )(x, ctx)
+        return ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name="resnets_1")(x, emb)
+
+
+class UpBlock(nn.Module):
+    """CrossAttnUpBlock2D / UpBlock2D: consumes layers_per_block + 1 skip connections."""
+
+    cfg: UNetConfig
+    index: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x, skips: list[jax.Array], emb, ctx) -> jax.Array:
+        cfg, i, dt, ops = self.cfg, self.index, self.dtype, self.ops
+        n = len(cfg.block_out_channels)
+        bi = n - 1 - i  # the matching down block: heads and transformer depth are reversed
+        c = cfg.block_out_channels[bi]
+        for j in range(cfg.layers_per_block + 1):
+            x = jnp.concatenate([x, skips.pop()], axis=-1)  # (B, h, W, C + Cskip)
+            x = ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name=f"resnets_{j}")(x, emb)
+            if cfg.up_block_types[i] == "CrossAttnUpBlock2D":
+                x = Transformer2DModel(
+                    c, cfg.heads[bi], cfg.transformer_layers_per_block[bi], cfg.use_linear_projection,
+                    cfg.norm_num_groups, dt, ops, name=f"attentions_{j}",
+                )(x, ctx)
+        if i < n - 1:
+            x = Upsample2D(c, dt, ops, name="upsamplers_0")(x)
+        return x
+
+
+class UNet2DConditionModel(nn.Module):
+    """diffusers UNet2DConditionModel. Runs unchanged on a row slab; sites go through `ops`."""
+
+    config: UNetConfig
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(
+        self,
+        sample: jax.Array,  # (B, h, W, Cin): the whole latent, or a row slab of it
+        timesteps: jax.Array,  # (B,) or scalar
+        encoder_hidden_states: jax.Array,  # (B, S, D)
+        text_embeds: jax.Array | None = None,  # (B, P) SDXL pooled text embedding
+        time_ids: jax.Array | None = None,  # (B, 6) SDXL size/crop conditioning
+    ) -> jax.Array:  # (B, h, W, Cout)
+        cfg, dt, ops = self.config, self.dtype, self.ops
+        boc = cfg.block_out_channels
+        b = sample.shape[0]
+        timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (b,))
+        temb = timestep_embedding(timesteps, boc[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        emb = TimestepEmbedding(4 * boc[0], dt, name="time_embedding")(temb)  # (B, 4*C0)
+        if cfg.addition_embed_type == "text_time":
+            if text_embeds is None or time_ids is None:
+                raise ValueError(
+                    "this UNet has addition_embed_type='text_time' (SDXL): pass text_embeds and time_ids"
+                )
+            tid = timestep_embedding(
+                time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos, cfg.freq_shift
+            ).reshape(b, -1)  # (B, 6 * addition_time_embed_dim)
+            add = jnp.concatenate([text_embeds.astype(jnp.float32), tid], axis=-1)
+            emb = emb + TimestepEmbedding(4 * boc[0], dt, name="add_embedding")(add)
+        ctx = encoder_hidden_states.astype(dt)
+
+        x = Conv(boc[0], dtype=dt, ops=ops, name="conv_in")(sample.astype(dt))
+        skips = [x]
+        for i in range(len(boc)):
+            x, s = DownBlock(cfg, i, dt, ops, name=f"down_blocks_{i}")(x, emb, ctx)
+            skips += s
+        x = MidBlock(cfg, dt, ops, name="mid_block")(x, emb, ctx)
+        for i in range(len(boc)):
+            take = cfg.layers_per_block + 1
+            x = UpBlock(cfg, i, dt, ops, name=f"up_blocks_{i}")(x, skips[-take:], emb, ctx)
+            skips = skips[:-take]
+        x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dt, ops, name="conv_norm_out")(x))
+        return Conv(cfg.out_channels, dtype=dt, ops=ops, name="conv_out")(x)
