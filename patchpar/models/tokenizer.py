@@ -1,0 +1,91 @@
+"""CLIP tokenizer: loaded from a diffusers folder's `tokenizer/` (vocab.json + merges.txt), and
+written from the BPE vocabulary that ships inside open-clip-torch, so a model folder made here
+has a real tokenizer offline."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+
+from patchpar.models.loading import CheckpointError
+
+BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte -> printable unicode table (the BPE works on these characters), in CLIP's
+    order: printable bytes first, then the others mapped above U+0100. The order sets the ids."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out = {b: chr(b) for b in keep}
+    for extra, b in enumerate(b for b in range(256) if b not in out):
+        out[b] = chr(256 + extra)
+    return out
+
+
+def open_clip_bpe_path() -> Path:
+    """The gzipped BPE merges file inside the installed open-clip-torch (found without importing
+    it, so torch is not needed)."""
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the CLIP BPE vocabulary comes from the package open-clip-torch, which is not installed "
+            "(pip install open-clip-torch)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "bpe_simple_vocab_16e6.txt.gz"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing from the installed open-clip-torch")
+    return path
+
+
+def write_clip_tokenizer(folder: str | Path, max_length: int = 77, pad_token: str = EOS) -> Path:
+    """Write vocab.json, merges.txt and tokenizer_config.json (OpenAI CLIP's 49408-token BPE)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = gzip.open(open_clip_bpe_path(), "rt", encoding="utf-8").read().split("\n")
+    merges = lines[1 : 49152 - 256 - 2 + 1]  # 48894 merges after the version header, as CLIP uses
+    chars = list(_bytes_to_unicode().values())
+    vocab = chars + [c + "</w>" for c in chars] + ["".join(m.split()) for m in merges] + [BOS, EOS]
+    (folder / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    config = {
+        "tokenizer_class": "CLIPTokenizer", "model_max_length": max_length, "bos_token": BOS,
+        "eos_token": EOS, "unk_token": EOS, "pad_token": pad_token, "do_lower_case": True,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+class Tokenizer:
+    """Prompts -> (B, max_length) int32 token ids, padded and truncated as the SD pipelines do.
+    Reads vocab.json + merges.txt, or tokenizer.json (what transformers 5 saves)."""
+
+    def __init__(self, folder: str | Path):
+        from transformers import CLIPTokenizer
+
+        folder = Path(folder)
+        has_bpe = (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()
+        if not has_bpe and not (folder / "tokenizer.json").is_file():
+            present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder missing"
+            raise CheckpointError(
+                f"no CLIP tokenizer in {str(folder)!r}: need vocab.json and merges.txt, or tokenizer.json "
+                f"(found: {present})"
+            )
+        self.hf = CLIPTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.max_length = int(self.hf.model_max_length)
+        if self.max_length > 10_000:  # transformers' "no limit" sentinel
+            self.max_length = 77
+
+    def __call__(self, prompts: list[str]) -> np.ndarray:  # (B, max_length) int32
+        enc = self.hf(list(prompts), padding="max_length", max_length=self.max_length, truncation=True)
+        return np.asarray(enc["input_ids"], np.int32)
+
+
+def load_tokenizer(path: str | Path, subfolder: str = "tokenizer") -> Tokenizer:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"tokenizer folder {str(path)!r} does not exist")
+    return Tokenizer(path / subfolder if (path / subfolder).is_dir() else path)

@@ -1,0 +1,219 @@
+"""Text-to-image: prompts -> tokens -> text embeddings (with the negative prompt for CFG) ->
+denoising loop -> VAE decode -> uint8 images. SD-style folders (one text encoder) and
+SDXL-style folders (two, penultimate hidden states, pooled embedding and size conditioning)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, load_unet, load_vae
+from patchpar.models.loading import CheckpointError, read_config
+from patchpar.models.presets import PRESETS, preset_folder
+from patchpar.models.tokenizer import Tokenizer, load_tokenizer
+from patchpar.sampling.loop import guided, run_steps
+from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
+
+
+@struct.dataclass
+class Conditioning:
+    """Text conditioning stacked over a leading guidance axis G: [unconditional, conditional]
+    with CFG (G = 2), [conditional] without (G = 1)."""
+
+    context: jax.Array  # (G, B, S, D)
+    text_embeds: jax.Array | None = None  # (G, B, P) SDXL
+    time_ids: jax.Array | None = None  # (G, B, 6) SDXL
+
+    def added(self) -> dict:
+        return {} if self.text_embeds is None else {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
+
+
+def unet_on_stack(unet: UNetFn, params, x: jax.Array, t: jax.Array, cond: Conditioning) -> jax.Array:
+    """The UNet on every guidance half at once: x (B, h, W, C) -> (G, B, h, W, C)."""
+    g, b = cond.context.shape[:2]
+    flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
+    xs = jnp.broadcast_to(x[None], (g,) + x.shape).reshape((g * b,) + x.shape[1:])
+    added = {k: flat(v) for k, v in cond.added().items()}
+    out = unet(params, xs, jnp.broadcast_to(t, (g * b,)), flat(cond.context), **added)
+    return out.reshape((g, b) + out.shape[1:])
+
+
+@dataclass
+class Output:
+    images: np.ndarray  # (B, H, W, 3) uint8
+    latents: np.ndarray  # (B, h, w, C) final latent, before VAE scaling
+
+
+@dataclass
+class Pipeline:
+    unet: UNetFn
+    unet_params: dict
+    vae: VAEFn
+    vae_params: dict
+    text_encoders: list[tuple[TextEncoderFn, dict]]
+    tokenizers: list[Tokenizer]
+    scheduler: SchedulerConfig
+    force_zeros_for_empty_prompt: bool = True  # SDXL: zero negative embeddings for "" negatives
+    name: str = ""
+
+    @property
+    def is_xl(self) -> bool:
+        return len(self.text_encoders) == 2
+
+    @property
+    def latent_factor(self) -> int:
+        return self.vae.config.downsample_factor
+
+    def check_size(self, height: int, width: int, rows_multiple: int = 1) -> tuple[int, int]:
+        """Latent (h, w) for an image size; ValueError when it does not fit the networks."""
+        f, down = self.latent_factor, 2 ** self.unet.config.num_downsamples
+        for name, v, mult in (("height", height, f * down * rows_multiple), ("width", width, f * down)):
+            if not isinstance(v, int) or v <= 0 or v % mult:
+                fit = sorted({max(mult, v // mult * mult), (v // mult + 1) * mult}) if isinstance(v, int) and v > 0 else [mult]
+                raise ValueError(
+                    f"{name}={v!r} must be a positive multiple of {mult} (VAE factor {f} x UNet "
+                    f"downsampling {down}" + (f" x {rows_multiple} row patches" if rows_multiple > 1 else "")
+                    + f"); nearest that fit: {fit}"
+                )
+        return height // f, width // f
+
+    # ------------------------------------------------------------------ text
+
+    def encode_prompt(
+        self, prompts: list[str], negative_prompts: list[str] | None, guidance_scale: float, height: int, width: int
+    ) -> Conditioning:
+        cfg = guidance_scale > 1.0
+        negative = negative_prompts or [""] * len(prompts)
+        if len(negative) != len(prompts):
+            raise ValueError(f"{len(negative)} negative prompts for {len(prompts)} prompts; give one per prompt or none")
+        ctx, pooled = self._embed(prompts)
+        if not cfg:
+            stack = lambda a: None if a is None else a[None]  # noqa: E731
+            return self._conditioning(stack(ctx), stack(pooled), len(prompts), height, width, 1)
+        zero_negative = self.is_xl and self.force_zeros_for_empty_prompt and not any(negative_prompts or [])
+        if zero_negative:
+            nctx, npooled = jnp.zeros_like(ctx), jnp.zeros_like(pooled)
+        else:
+            nctx, npooled = self._embed(negative)
+        pool = None if pooled is None else jnp.stack([npooled, pooled])
+        return self._conditioning(jnp.stack([nctx, ctx]), pool, len(prompts), height, width, 2)
+
+    def _conditioning(self, ctx, pooled, b, height, width, g) -> Conditioning:
+        if not self.is_xl:
+            return Conditioning(ctx)
+        tid = jnp.asarray([height, width, 0, 0, height, width], jnp.float32)  # original, crop, target
+        return Conditioning(ctx, pooled, jnp.broadcast_to(tid, (g, b, 6)))
+
+    def _embed(self, prompts: list[str]) -> tuple[jax.Array, jax.Array | None]:
+        """SD: last hidden state. SDXL: both encoders' penultimate states, concatenated, and the
+        second encoder's projected pooled output."""
+        states, pooled = [], None
+        for (fn, params), tok in zip(self.text_encoders, self.tokenizers, strict=True):
+            out = _encode_text(fn, params, jnp.asarray(tok(prompts)))
+            if self.is_xl:
+                states.append(out["hidden_states"][-2])
+                pooled = out.get("text_embeds", out["pooler_output"])
+            else:
+                states.append(out["last_hidden_state"])
+        return jnp.concatenate(states, axis=-1), pooled
+
+    # ------------------------------------------------------------------ sampling
+
+    def initial_latents(self, batch: int, height: int, width: int, seed: int) -> jax.Array:
+        """Unit Gaussian latent (B, h, w, C) fixed by the seed; the sampler scales it."""
+        h, w = self.check_size(height, width)
+        return jax.random.normal(jax.random.key(seed), (batch, h, w, self.unet.config.in_channels), jnp.float32)
+
+    def denoise(
+        self, cond: Conditioning, latents: jax.Array, sampler: str, steps: int, guidance_scale: float
+    ) -> jax.Array:
+        """Single-device denoising of an initial unit-Gaussian latent; returns the final latent."""
+        smp = get_sampler(sampler)
+        schedule = smp.schedule(self.scheduler, steps)
+        x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
+        return _denoise_single(self.unet, smp, self.unet_params, cond, schedule, x, float(guidance_scale))
+
+    def decode(self, latents: jax.Array) -> np.ndarray:
+        """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process."""
+        img = _decode(self.vae, self.vae_params, latents / self.vae.config.scaling_factor)
+        return np.asarray(jnp.round(jnp.clip(img / 2 + 0.5, 0, 1) * 255)).astype(np.uint8)
+
+    def __call__(
+        self,
+        prompts: str | list[str],
+        height: int | None = None,
+        width: int | None = None,
+        steps: int = 20,
+        guidance_scale: float = 7.5,
+        seed: int = 0,
+        sampler: str = "ddim",
+        negative_prompts: list[str] | None = None,
+        latents: jax.Array | None = None,
+    ) -> Output:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        size = self.unet.config.sample_size * self.latent_factor
+        height, width = height or size, width or size
+        self.check_size(height, width)
+        get_sampler(sampler)
+        cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
+        if latents is None:
+            latents = self.initial_latents(len(prompts), height, width, seed)
+        final = self.denoise(cond, latents, sampler, steps, guidance_scale)
+        return Output(self.decode(final), np.asarray(final))
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _encode_text(fn: TextEncoderFn, params, ids):
+    return fn(params, ids)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _decode(vae: VAEFn, params, z):
+    return vae(params, z)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 6))
+def _denoise_single(unet, smp, params, cond, schedule, x, guidance_scale):
+    def model_fn(x_in, t, i, state):
+        return guided(unet_on_stack(unet, params, x_in, t, cond), guidance_scale), state
+
+    n = schedule.timesteps.shape[0]
+    x, _, _ = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), (), 0, n)
+    return x
+
+
+def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
+    """A pipeline from a local diffusers folder, or a preset name with weights (`tiny`, `tiny-xl`)."""
+    name = str(path_or_preset)
+    if name in PRESETS:
+        folder = preset_folder(name)
+    else:
+        folder = Path(path_or_preset)
+        if not folder.is_dir():
+            raise CheckpointError(
+                f"{name!r} is neither a preset ({sorted(PRESETS)}) nor an existing diffusers folder"
+            )
+    unet = load_unet(folder / "unet", dtype)
+    vae = load_vae(folder / "vae", dtype)
+    encoders, tokenizers = [], []
+    for sub in ("text_encoder", "text_encoder_2"):
+        if (folder / sub).is_dir():
+            encoders.append(load_text_encoder(folder / sub, dtype))
+            tokenizers.append(load_tokenizer(folder / sub.replace("text_encoder", "tokenizer")))
+    if not encoders:
+        raise CheckpointError(f"{str(folder)!r} has no text_encoder/ folder")
+    sched = SchedulerConfig.from_diffusers(read_config(folder / "scheduler", "scheduler_config.json"))
+    force_zeros = True
+    index = folder / "model_index.json"
+    if index.is_file():
+        force_zeros = json.loads(index.read_text()).get("force_zeros_for_empty_prompt", True)
+    return Pipeline(*unet, *vae, encoders, tokenizers, sched, force_zeros, name)

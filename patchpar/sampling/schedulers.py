@@ -1,0 +1,249 @@
+"""Schedulers as pure functions with one signature (DDIM, Euler discrete, DPM-Solver++ 2M).
+
+A `Schedule` (a pytree of arrays, built once per step count) holds everything a step needs;
+every sampler answers
+
+    scale_input(schedule, i, x)                     -> model input at step i
+    step(schedule, i, x, model_output, carry)       -> (x at step i+1, carry)
+    init_carry(x)                                   -> the solver's history (multistep methods)
+
+with `i` a (possibly traced) step index, so a whole phase of the loop compiles once.
+Numbers follow diffusers' DDIMScheduler, EulerDiscreteScheduler and
+DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2) with their
+SD defaults; `SchedulerConfig.from_diffusers` reads `scheduler/scheduler_config.json`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+    beta_schedule: str = "scaled_linear"  # linear | scaled_linear
+    prediction_type: str = "epsilon"  # epsilon | v_prediction
+    # leading | linspace | trailing; None = the sampler's own diffusers default
+    # (DDIM: leading, Euler and DPM-Solver: linspace), as `Scheduler.from_config` gives.
+    timestep_spacing: str | None = None
+    steps_offset: int = 1
+    set_alpha_to_one: bool = False  # DDIM: alpha of the step after the last
+    clip_sample: bool = False  # DDIM: clip the x0 prediction to +-clip_sample_range
+    clip_sample_range: float = 1.0
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict, where: str = "scheduler/scheduler_config.json") -> SchedulerConfig:
+        checks = {
+            "beta_schedule": ("linear", "scaled_linear"),
+            "prediction_type": ("epsilon", "v_prediction"),
+            "timestep_spacing": ("leading", "linspace", "trailing", None),
+        }
+        for key, ok in checks.items():
+            if key in cfg and cfg[key] not in ok:
+                raise ValueError(f"{where}: {key}={cfg[key]!r} not supported (supported: {list(ok)})")
+        for key in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "thresholding", "rescale_betas_zero_snr"):
+            if cfg.get(key):
+                raise ValueError(f"{where}: {key}=True is not supported")
+        if cfg.get("trained_betas") is not None:
+            raise ValueError(f"{where}: trained_betas is not supported")
+        # An in-memory diffusers config lists the keys it left at the class default; like
+        # `Scheduler.from_config`, treat those as unset so each sampler takes its own default.
+        unset = set(cfg.get("_use_default_values", ()))
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in cfg.items() if k in fields and k not in unset})
+
+    def alphas_cumprod(self) -> np.ndarray:  # (T,) float64; schedules are cast to float32 at the end
+        t = self.num_train_timesteps
+        if self.beta_schedule == "linear":
+            betas = np.linspace(self.beta_start, self.beta_end, t, dtype=np.float64)
+        else:
+            betas = np.linspace(self.beta_start**0.5, self.beta_end**0.5, t, dtype=np.float64) ** 2
+        return np.cumprod(1.0 - betas)
+
+    def spacing(self, default: str) -> str:
+        return self.timestep_spacing or default
+
+
+@struct.dataclass
+class Schedule:
+    """Per-step arrays of one sampler at one step count (a pytree; `v_prediction` is static)."""
+
+    timesteps: jax.Array  # (n,) the model's timestep input at each step
+    sigmas: jax.Array  # (n+1,) noise levels (Euler / DPM); DDIM: sqrt((1-a)/a) of t and prev
+    alphas: jax.Array  # (n,) DDIM: alpha_cumprod at t
+    alphas_prev: jax.Array  # (n,) DDIM: alpha_cumprod at the previous timestep
+    init_noise_sigma: jax.Array  # () scale of the initial Gaussian latent
+    clip_x0: jax.Array  # () DDIM: clip range of the x0 prediction, 0 = off
+    v_prediction: bool = struct.field(pytree_node=False)
+
+
+def _spaced_timesteps(cfg: SchedulerConfig, n: int, spacing: str, *, plus_one: bool = False) -> np.ndarray:
+    """Timesteps, descending. DPM-Solver spaces n+1 points and drops the last (plus_one)."""
+    t = cfg.num_train_timesteps
+    m = n + 1 if plus_one else n
+    if spacing == "linspace":
+        ts = np.linspace(0, t - 1, m).round()[::-1] if plus_one else np.linspace(0, t - 1, m)[::-1]
+    elif spacing == "leading":
+        ts = (np.arange(0, m) * (t // m)).round()[::-1] + cfg.steps_offset
+    else:  # trailing
+        ts = np.round(np.arange(t, 0, -t / n)) - 1
+    ts = ts.astype(np.float64)
+    return ts[:-1] if plus_one and spacing != "trailing" else ts
+
+
+def _check_steps(cfg: SchedulerConfig, n: int) -> None:
+    if not isinstance(n, int) or n < 1 or n > cfg.num_train_timesteps:
+        raise ValueError(f"steps={n!r}: need an integer in [1, {cfg.num_train_timesteps}]")
+
+
+def _sigmas_at(ac: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    sig = ((1 - ac) / ac) ** 0.5
+    return np.interp(ts, np.arange(len(sig)), sig)
+
+
+def _schedule(ts, sigmas, alphas, alphas_prev, init, cfg, clip: float = 0.0) -> Schedule:
+    f = lambda a: jnp.asarray(np.asarray(a, np.float64), jnp.float32)  # noqa: E731
+    return Schedule(f(ts), f(sigmas), f(alphas), f(alphas_prev), f(init), f(clip), cfg.prediction_type == "v_prediction")
+
+
+# ---------------------------------------------------------------- DDIM (eta = 0)
+
+
+def ddim_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
+    _check_steps(cfg, n)
+    ac = cfg.alphas_cumprod()
+    spacing = cfg.spacing("leading")
+    if spacing == "linspace":
+        ts = np.linspace(0, cfg.num_train_timesteps - 1, n).round()[::-1]
+    else:
+        ts = _spaced_timesteps(cfg, n, spacing)
+    ts = ts.astype(np.int64)
+    prev = ts - cfg.num_train_timesteps // n
+    final = 1.0 if cfg.set_alpha_to_one else ac[0]
+    a_prev = np.where(prev >= 0, ac[np.clip(prev, 0, None)], final)
+    clip = cfg.clip_sample_range if cfg.clip_sample else 0.0
+    return _schedule(ts, np.zeros(n + 1), ac[ts], a_prev, 1.0, cfg, clip)
+
+
+def _pred_x0_eps(s: Schedule, x, out, alpha):
+    if s.v_prediction:
+        return jnp.sqrt(alpha) * x - jnp.sqrt(1 - alpha) * out, jnp.sqrt(alpha) * out + jnp.sqrt(1 - alpha) * x
+    return (x - jnp.sqrt(1 - alpha) * out) / jnp.sqrt(alpha), out
+
+
+def ddim_step(s: Schedule, i, x, out, carry):
+    a, a_prev = s.alphas[i], s.alphas_prev[i]
+    xf = x.astype(jnp.float32)
+    x0, eps = _pred_x0_eps(s, xf, out.astype(jnp.float32), a)
+    x0 = jnp.where(s.clip_x0 > 0, jnp.clip(x0, -s.clip_x0, s.clip_x0), x0)
+    return (jnp.sqrt(a_prev) * x0 + jnp.sqrt(1 - a_prev) * eps).astype(x.dtype), carry
+
+
+# ---------------------------------------------------------------- Euler (discrete)
+
+
+def euler_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
+    _check_steps(cfg, n)
+    ac = cfg.alphas_cumprod()
+    spacing = cfg.spacing("linspace")
+    ts = _spaced_timesteps(cfg, n, spacing)
+    sig = np.concatenate([_sigmas_at(ac, ts), [0.0]])
+    smax = float(sig.max())
+    init = smax if spacing in ("linspace", "trailing") else (smax**2 + 1) ** 0.5
+    return _schedule(ts, sig, np.zeros(n), np.zeros(n), init, cfg)
+
+
+def sigma_scale_input(s: Schedule, i, x):
+    return (x / jnp.sqrt(s.sigmas[i] ** 2 + 1)).astype(x.dtype)
+
+
+def euler_step(s: Schedule, i, x, out, carry):
+    sigma, sigma_next = s.sigmas[i], s.sigmas[i + 1]
+    xf, of = x.astype(jnp.float32), out.astype(jnp.float32)
+    if s.v_prediction:
+        x0 = of * (-sigma / jnp.sqrt(sigma**2 + 1)) + xf / (sigma**2 + 1)
+    else:
+        x0 = xf - sigma * of
+    return (xf + (xf - x0) / sigma * (sigma_next - sigma)).astype(x.dtype), carry
+
+
+# ---------------------------------------------------------------- DPM-Solver++ 2M
+
+
+def dpmpp_2m_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
+    _check_steps(cfg, n)
+    ac = cfg.alphas_cumprod()
+    ts = _spaced_timesteps(cfg, n, cfg.spacing("linspace"), plus_one=True)
+    sig = np.concatenate([_sigmas_at(ac, ts), [0.0]])  # final_sigmas_type="zero"
+    return _schedule(ts, sig, np.zeros(n), np.zeros(n), 1.0, cfg)
+
+
+def _alpha_sigma_lambda(sigma):
+    alpha = 1.0 / jnp.sqrt(sigma**2 + 1)
+    sig = sigma * alpha
+    return alpha, sig, jnp.log(alpha) - jnp.log(sig)
+
+
+def dpmpp_2m_step(s: Schedule, i, x, out, carry):
+    """Second order (midpoint) after the first step; first order at the first and last step."""
+    prev_x0, have_prev = carry
+    xf = x.astype(jnp.float32)
+    a_s0, s_s0, l_s0 = _alpha_sigma_lambda(s.sigmas[i])
+    if s.v_prediction:
+        x0 = a_s0 * xf - s_s0 * out.astype(jnp.float32)
+    else:
+        x0 = (xf - s_s0 * out.astype(jnp.float32)) / a_s0
+    a_t, s_t, l_t = _alpha_sigma_lambda(s.sigmas[i + 1])
+    h = l_t - l_s0
+    phi = jnp.expm1(-h)  # exp(-h) - 1; -1 at the final step (sigma_next = 0, h = inf)
+    first = (s_t / s_s0) * xf - a_t * phi * x0  # = x0 at the final step
+    _, _, l_s1 = _alpha_sigma_lambda(s.sigmas[jnp.maximum(i - 1, 0)])
+    r0 = (l_s0 - l_s1) / h
+    d1 = (x0 - prev_x0) / r0
+    second = first - 0.5 * a_t * phi * d1
+    last = i == s.timesteps.shape[0] - 1
+    use_second = jnp.logical_and(have_prev, jnp.logical_not(last))
+    x_next = jnp.where(use_second, second, first)
+    return x_next.astype(x.dtype), (x0, jnp.asarray(True))
+
+
+# ---------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class Sampler:
+    name: str
+    schedule: Callable[[SchedulerConfig, int], Schedule]
+    step: Callable
+    scale_input: Callable
+    multistep: bool = False
+
+    def init_carry(self, x: jax.Array):
+        if self.multistep:
+            return (jnp.zeros(x.shape, jnp.float32), jnp.asarray(False))
+        return ()
+
+
+def _identity_scale(s, i, x):
+    return x
+
+
+SAMPLERS: dict[str, Sampler] = {
+    "ddim": Sampler("ddim", ddim_schedule, ddim_step, _identity_scale),
+    "euler": Sampler("euler", euler_schedule, euler_step, sigma_scale_input),
+    "dpmpp_2m": Sampler("dpmpp_2m", dpmpp_2m_schedule, dpmpp_2m_step, _identity_scale, multistep=True),
+}
+
+
+def get_sampler(name: str) -> Sampler:
+    try:
+        return SAMPLERS[name]
+    except KeyError:
+        raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}") from None
