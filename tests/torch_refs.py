@@ -76,3 +76,23 @@ def nchw(x):
 
 def nhwc(t):
     return t.detach().permute(0, 2, 3, 1).numpy()
+
+
+# Small Flax-only configs for the parallel-engine tests (compile time grows with depth).
+MICRO_UNETS = {
+    "sd": {
+        "in_channels": 4, "out_channels": 4, "block_out_channels": [16, 32], "layers_per_block": 1,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "attention_head_dim": 2,
+        "cross_attention_dim": 16, "norm_num_groups": 4, "sample_size": 16,
+    },
+    "sdxl": {
+        "in_channels": 4, "out_channels": 4, "block_out_channels": [16, 32], "layers_per_block": 1,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "attention_head_dim": [2, 4],
+        "transformer_layers_per_block": [1, 2], "use_linear_projection": True,
+        "cross_attention_dim": 16, "norm_num_groups": 4, "sample_size": 16,
+        "addition_embed_type": "text_time", "addition_time_embed_dim": 4,
+        "projection_class_embeddings_input_dim": 8 + 6 * 4,
+    },
+}

@@ -85,12 +85,15 @@ def dense(features: int, name: str, dtype, use_bias: bool = True) -> nn.Dense:
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
-    """Softmax attention. q: (B, Tq, H*D), k/v: (B, Tk, H*D) -> (B, Tq, H*D); softmax in float32."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, mask: jax.Array | None = None) -> jax.Array:
+    """Softmax attention. q: (B, Tq, H*D), k/v: (B, Tk, H*D), mask: (Tk,) bool keys that exist
+    -> (B, Tq, H*D); logits and softmax in float32."""
     b, tq, inner = q.shape
     d = inner // heads
     split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, d)  # noqa: E731
     logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32)
+    if mask is not None:
+        logits = jnp.where(mask[None, None, None, :], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits / math.sqrt(d), axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, split(v))
     return out.reshape(b, tq, inner)
@@ -113,9 +116,10 @@ class Attention(nn.Module):
         src = x if context is None else context
         k = dense(inner, "to_k", self.dtype, self.qkv_bias)(src)
         v = dense(inner, "to_v", self.dtype, self.qkv_bias)(src)
+        mask = None
         if context is None:
-            k, v = self.ops.self_attn_kv(self, k, v)  # (B, T_all, inner)
-        out = attention(q, k, v, self.heads)
+            k, v, mask = self.ops.self_attn_kv(self, k, v)  # (B, T_keys, inner)
+        out = attention(q, k, v, self.heads, mask)
         return dense(self.out_dim, "to_out_0", self.dtype)(out)
 
 

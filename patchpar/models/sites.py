@@ -5,7 +5,8 @@ Model code calls a `SiteOps` object at exactly three places:
 
 1. `halo`: a spatial convolution needs `top` / `bottom` extra rows around its input;
 2. `group_stats`: GroupNorm needs global per-group E[x] and E[x^2];
-3. `self_attn_kv`: self-attention queries need keys/values of the whole image.
+3. `self_attn_kv`: self-attention queries need keys/values of the whole image (or, for PCPP,
+   of the neighbouring bands; a key mask marks slots that do not exist on an edge device).
 
 `SiteOps` itself is the single-device (identity) implementation: zero padding, local
 statistics, local K/V. The parallel layer subclasses it; the ops object is a static, hashable
@@ -35,10 +36,13 @@ class SiteOps:
         del mod
         return mean, mean_sq
 
-    def self_attn_kv(self, mod, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys/values of all image tokens from the local ones. Each (B, h*W, D) -> (B, T, D)."""
+    def self_attn_kv(
+        self, mod, k: jax.Array, v: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Keys/values the local queries attend to, from the local ones: each (B, h*W, D) ->
+        (B, T, D), and a (T,) bool mask of the keys that exist (None = all)."""
         del mod
-        return k, v
+        return k, v, None
 
 
 IDENTITY = SiteOps()

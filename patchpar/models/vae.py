@@ -70,8 +70,8 @@ class SpatialSelfAttention(nn.Module):
         b, h, w, c = x.shape
         y = GroupNorm(self.groups, 1e-6, self.dtype, self.ops, name="group_norm")(x).reshape(b, h * w, c)
         q = dense(c, "to_q", self.dtype)(y)
-        k, v = self.ops.self_attn_kv(self, dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y))
-        y = dense(c, "to_out_0", self.dtype)(attention(q, k, v, heads=1))
+        k, v, mask = self.ops.self_attn_kv(self, dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y))
+        y = dense(c, "to_out_0", self.dtype)(attention(q, k, v, 1, mask))
         return x + y.reshape(b, h, w, c)
 
 

@@ -1,0 +1,166 @@
+"""Runs a UNet under a strategy: one `shard_map` program per phase over the (cfg, patch) mesh.
+
+Per device the UNet sees a row (or column) slab of the latent and its share of the guidance
+batch; the site ops of the strategy's phase do the exchanges. Stale buffers leave the
+shard_map as global arrays with leading (cfg, patch) device axes, so the denoising loop carries
+them explicitly from step t to step t+1. The latent stays sharded across steps (the scheduler
+update is elementwise); with `cfg=2` the two guidance halves meet by an all-gather over `cfg`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from patchpar.models import UNetFn
+from patchpar.parallel.mesh import CFG, PATCH, make_mesh
+from patchpar.parallel.sites import STALE
+from patchpar.parallel.strategies import Strategy
+from patchpar.sampling.loop import guided, run_steps
+from patchpar.sampling.schedulers import Sampler, Schedule
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A strategy placed on devices: `devices` = cfg x patch."""
+
+    strategy: Strategy
+    devices: int = 1
+    cfg: int = 1
+
+    @property
+    def patch(self) -> int:
+        return self.devices // self.cfg
+
+    def mesh(self) -> Mesh:
+        return make_mesh(self.devices, self.cfg)
+
+    def validate(self, unet: UNetFn, latent_hw: tuple[int, int], steps: int, guidance_scale: float) -> None:
+        """All checks up front; ValueError naming the numbers and what would fit."""
+        s = self.strategy
+        make_mesh(self.devices, self.cfg)  # device count, cfg
+        s.validate(steps, self.patch, self.cfg)
+        if self.cfg == 2 and not guidance_scale > 1:
+            raise ValueError(
+                f"cfg=2 puts the unconditional and conditional halves on different devices, but "
+                f"guidance_scale={guidance_scale} turns guidance off; use cfg=1 or guidance_scale > 1"
+            )
+        down = 2 ** unet.config.num_downsamples
+        axes = {s.patch_axis(0), s.patch_axis(1)}
+        for axis in sorted(axes):
+            size = latent_hw[0] if axis == "row" else latent_hw[1]
+            mult = self.patch * down
+            if size % mult:
+                what = "rows" if axis == "row" else "columns"
+                raise ValueError(
+                    f"latent {what}={size} not divisible by patch={self.patch} x 2^{unet.config.num_downsamples} "
+                    f"UNet downsamplings = {mult}: the deepest activation must split evenly; use a latent "
+                    f"size that is a multiple of {mult} (or fewer devices)"
+                )
+
+
+def _x_spec(axis: str) -> P:
+    return P(None, PATCH, None, None) if axis == "row" else P(None, None, PATCH, None)
+
+
+def _cond_spec(cond, cfg: int):
+    return jax.tree.map(lambda _: P(CFG) if cfg == 2 else P(), cond)
+
+
+def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
+    """step(params, x (B,H,W,C), t, cond, state) -> (guided model output (B,H,W,C), state).
+
+    `state` is None in the `sync` phase (buffers are written, not read)."""
+    ops = plan.strategy.ops(phase, plan.patch)
+    module = unet.module.clone(ops=ops)
+    cfg = plan.cfg
+    reads_state = phase == "steady"
+
+    def local(params, x, t, cond, state):
+        g, b = cond.context.shape[:2]  # g = 1 with cfg=2 (this device's half), else the full stack
+        flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
+        xs = jnp.broadcast_to(x[None], (g,) + x.shape).reshape((g * b,) + x.shape[1:])
+        added = {k: flat(v) for k, v in cond.added().items()}
+        variables = {"params": params}
+        if reads_state:
+            variables[STALE] = jax.tree.map(lambda a: a[0, 0], state)  # drop the (cfg, patch) axes
+        out, mutated = module.apply(
+            variables, xs, jnp.broadcast_to(t, (g * b,)), flat(cond.context), **added, mutable=[STALE]
+        )
+        out = out.reshape((g, b) + out.shape[1:])
+        if cfg == 2:
+            out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
+        new_state = jax.tree.map(lambda a: a[None, None], mutated.get(STALE, {}))
+        return guided(out, guidance_scale), new_state
+
+    xs = _x_spec(axis)
+
+    def step(params, x, t, cond, state):
+        state_in = state if reads_state else {}
+        fn = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), xs, P(), _cond_spec(cond, cfg), jax.tree.map(lambda _: P(CFG, PATCH), state_in)),
+            out_specs=(xs, P(CFG, PATCH)),
+            # The guided output is replicated over cfg by the all-gather; the static check
+            # cannot see through Flax's apply, so it is off.
+            check_vma=False,
+        )
+        return fn(params, x, t, cond, state_in)
+
+    return step
+
+
+def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
+    """Zeros shaped like the stale buffers (global, with (cfg, patch) axes), from the sync phase."""
+    warm = make_step(unet, plan, "sync", plan.strategy.patch_axis(0), guidance_scale, mesh)
+    _, shapes = jax.eval_shape(warm, params, x, jnp.zeros((), jnp.float32), cond, None)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def stale_bytes_per_device(state) -> int:
+    """Stale-buffer memory one device holds (the global arrays carry a (cfg, patch) device grid)."""
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        per = leaf.size // (leaf.shape[0] * leaf.shape[1])
+        total += per * leaf.dtype.itemsize
+    return total
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 7))
+def denoise(unet: UNetFn, plan: Plan, sampler: Sampler, params, cond, schedule: Schedule, x, guidance_scale: float):
+    """All steps of one image batch under `plan`: the sync phase (warm-up), then the steady phase,
+    each a single compiled loop. Returns (final latent, final stale state)."""
+    mesh = plan.mesh()
+    s = plan.strategy
+    n = schedule.timesteps.shape[0]
+    warm_steps = s.sync_steps(n)
+    state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)
+
+    def phase_fn(phase):
+        steps = {a: make_step(unet, plan, phase, a, guidance_scale, mesh) for a in ("row", "col")}
+        row, col = steps["row"], steps["col"]
+        if s.patch_axis(0) == s.patch_axis(1):
+            one = steps[s.patch_axis(0)]
+            return lambda x_in, t, i, st: one(params, x_in, t, cond, st)
+
+        def alternate(x_in, t, i, st):  # naive_patch split=alternate
+            return lax.cond(
+                i % 2 == 0,
+                lambda: row(params, x_in, t, cond, st),
+                lambda: col(params, x_in, t, cond, st),
+            )
+
+        return alternate
+
+    carry = sampler.init_carry(x)
+    x, carry, state = run_steps(phase_fn("sync"), sampler, schedule, x, carry, state, 0, warm_steps)
+    if warm_steps < n:  # static: a phase with no steps is not traced at all
+        x, carry, state = run_steps(phase_fn("steady"), sampler, schedule, x, carry, state, warm_steps, n)
+    return x, state

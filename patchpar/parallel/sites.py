@@ -1,0 +1,191 @@
+"""Site ops for row patches inside `shard_map` (DESIGN.md §2): exact, stale and banded versions
+of the three spatial sites. One frozen `PatchOps` per strategy and phase.
+
+Stale state is explicit: each site keeps its buffer in the Flax collection "stale" of the
+module that calls it. In the `sync` phase (warm-up) a site exchanges fresh activations exactly
+and, if its steady mode is stale, writes the buffer the steady phase will read. In the `steady`
+phase a site reads the buffer written at step t-1 and launches the collective on its fresh
+activation; the result is only the buffer for step t+1, so the compiler may overlap it with the
+rest of step t.
+
+Modes per site:
+- halo: `fresh` (exact, every step), `stale` (previous step's rows), `zero` (no exchange)
+- gn:   `sync` (exact all-reduce), `separate` (local), `stale` (own fresh, others' stale),
+        `corrected` (DistriFusion Eq. 2: stale global + fresh local - stale local)
+- kv:   `all` (exact all-gather), `local`, `stale` (own fresh + all others stale),
+        `band` (own fresh + stale bands of the two neighbours, `portion` of their tokens)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from patchpar.models.sites import SiteOps
+from patchpar.parallel.mesh import PATCH
+
+HALO_MODES = ("fresh", "stale", "zero")
+GN_MODES = ("sync", "separate", "stale", "corrected")
+KV_MODES = ("all", "local", "stale", "band")
+PHASES = ("sync", "steady")
+STALE = "stale"  # the Flax collection holding stale buffers
+
+
+def band_tokens(tokens: int, portion: float) -> int:
+    """Tokens of a neighbour's patch kept on each side: ceil(portion x tokens), at least one.
+    (PCPP's code rounds the band above up and the band below down; they differ by <= 1 token.)"""
+    return max(1, min(tokens, math.ceil(portion * tokens - 1e-9)))
+
+
+def _down(x: jax.Array, n: int) -> jax.Array:
+    """Device i receives device i-1's x; device 0 receives zeros."""
+    return lax.ppermute(x, PATCH, [(i, i + 1) for i in range(n - 1)])
+
+
+def _up(x: jax.Array, n: int) -> jax.Array:
+    """Device i receives device i+1's x; the last device receives zeros."""
+    return lax.ppermute(x, PATCH, [(i + 1, i) for i in range(n - 1)])
+
+
+@dataclass(frozen=True)
+class PatchOps(SiteOps):
+    n: int  # devices on the patch axis
+    phase: str = "sync"
+    halo_mode: str = "fresh"
+    gn: str = "sync"
+    kv: str = "all"
+    portion: float = 1.0  # kv="band"
+    send: str = "full"  # kv="band": send whole K/V and crop at the receiver, or only the band
+    exchange: bool = True  # steady phase: refresh buffers (False: DistriFusion's no_sync)
+
+    def __post_init__(self):
+        for name, value, known in (
+            ("phase", self.phase, PHASES), ("halo_mode", self.halo_mode, HALO_MODES),
+            ("gn", self.gn, GN_MODES), ("kv", self.kv, KV_MODES), ("send", self.send, ("full", "band")),
+        ):
+            if value not in known:
+                raise ValueError(f"{name}={value!r}; known: {list(known)}")
+
+    @property
+    def sync(self) -> bool:
+        return self.phase == "sync"
+
+    # ------------------------------------------------------------------ conv halo
+
+    def halo(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
+        """(B, h, W, C) -> (B, top + h + bottom, W, C)."""
+        if self.halo_mode == "zero" or self.n == 1:
+            return jnp.pad(x, ((0, 0), (top, bottom), (0, 0), (0, 0)))
+        if self.sync or self.halo_mode == "fresh":
+            above, below = self._exchange_halo(x, top, bottom)
+            if self.halo_mode == "stale":  # warm-up: the buffer the steady phase reads first
+                mod.variable(STALE, "halo", lambda: jnp.concatenate([above, below], axis=1))
+        else:
+            buf = mod.variable(STALE, "halo", jnp.zeros, (x.shape[0], top + bottom) + x.shape[2:], x.dtype)
+            above, below = buf.value[:, :top], buf.value[:, top:]
+            if self.exchange:
+                buf.value = jnp.concatenate(self._exchange_halo(x, top, bottom), axis=1)
+        return jnp.concatenate([above, x, below], axis=1)
+
+    def _exchange_halo(self, x, top, bottom):
+        b, _, w, c = x.shape
+        above = _down(x[:, x.shape[1] - top :], self.n) if top else jnp.zeros((b, 0, w, c), x.dtype)
+        below = _up(x[:, :bottom], self.n) if bottom else jnp.zeros((b, 0, w, c), x.dtype)
+        return above, below
+
+    # ------------------------------------------------------------------ GroupNorm
+
+    def group_stats(self, mod, mean: jax.Array, mean_sq: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Local (B, G) E[x], E[x^2] -> the global estimate the mode gives."""
+        if self.gn == "separate" or self.n == 1:
+            return mean, mean_sq
+        fresh = jnp.stack([mean, mean_sq])  # (2, B, G): one collective for both moments
+        stale_mode = self.gn in ("stale", "corrected")
+        if self.sync or self.gn == "sync":
+            glob = lax.pmean(fresh, PATCH)
+            if stale_mode:
+                mod.variable(STALE, "gn_global", lambda: glob)
+                mod.variable(STALE, "gn_local", lambda: fresh)
+            return glob[0], glob[1]
+        g = mod.variable(STALE, "gn_global", jnp.zeros, fresh.shape, fresh.dtype)
+        loc = mod.variable(STALE, "gn_local", jnp.zeros, fresh.shape, fresh.dtype)
+        if self.gn == "stale":  # own slot fresh, the others as at step t-1
+            est = g.value + (fresh - loc.value) / self.n
+        else:  # corrected: DistriFusion Eq. 2
+            est = g.value + (fresh - loc.value)
+        if self.exchange:
+            g.value = lax.pmean(fresh, PATCH)
+            loc.value = fresh
+        e_mean, e_sq = est[0], est[1]
+        if self.gn == "corrected":  # where the estimated variance is negative, use the local one
+            local_var = mean_sq - jnp.square(mean)
+            e_sq = jnp.where(e_sq - jnp.square(e_mean) < 0, jnp.square(e_mean) + local_var, e_sq)
+        return e_mean, e_sq
+
+    # ------------------------------------------------------------------ self-attention K/V
+
+    def self_attn_kv(self, mod, k: jax.Array, v: jax.Array):
+        """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a key mask."""
+        if self.kv == "local" or self.n == 1:
+            return k, v, None
+        kv = jnp.stack([k, v])  # (2, B, L, D): one collective for both
+        if self.sync or self.kv == "all":
+            full = lax.all_gather(kv, PATCH, axis=2, tiled=True)  # (2, B, n*L, D)
+            if self.kv == "stale":
+                mod.variable(STALE, "kv", lambda: full)
+            elif self.kv == "band":
+                above, below = self._bands_from_full(full, kv.shape[2])
+                mod.variable(STALE, "kv_above", lambda: above)
+                mod.variable(STALE, "kv_below", lambda: below)
+            return full[0], full[1], None
+        if self.kv == "stale":
+            return self._stale_all(mod, kv)
+        return self._stale_band(mod, kv)
+
+    def _stale_all(self, mod, kv):
+        n, length = self.n, kv.shape[2]
+        shape = kv.shape[:2] + (n * length,) + kv.shape[3:]
+        buf = mod.variable(STALE, "kv", jnp.zeros, shape, kv.dtype)
+        idx = lax.axis_index(PATCH)
+        full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)  # own slot fresh
+        if self.exchange:
+            buf.value = lax.all_gather(kv, PATCH, axis=2, tiled=True)
+        return full[0], full[1], None
+
+    def _stale_band(self, mod, kv):
+        length = kv.shape[2]
+        band = band_tokens(length, self.portion)
+        shape = kv.shape[:2] + (band,) + kv.shape[3:]
+        above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
+        below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
+        keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
+        if self.exchange:
+            if self.send == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
+                above.value = _down(kv, self.n)[:, :, length - band :]
+                below.value = _up(kv, self.n)[:, :, :band]
+            else:  # only the rows used
+                above.value = _down(kv[:, :, length - band :], self.n)
+                below.value = _up(kv[:, :, :band], self.n)
+        return keys[0], keys[1], self._band_mask(band, length)
+
+    def _bands_from_full(self, full, length):
+        """The neighbours' bands out of an exact all-gather (zeros where there is no neighbour)."""
+        band = band_tokens(length, self.portion)
+        idx = lax.axis_index(PATCH)
+        start_above = jnp.maximum(idx * length - band, 0)
+        above = lax.dynamic_slice_in_dim(full, start_above, band, axis=2)
+        below = lax.dynamic_slice_in_dim(full, jnp.minimum((idx + 1) * length, full.shape[2] - band), band, axis=2)
+        above = jnp.where(idx > 0, above, jnp.zeros_like(above))
+        below = jnp.where(idx < self.n - 1, below, jnp.zeros_like(below))
+        return above, below
+
+    def _band_mask(self, band: int, length: int) -> jax.Array:
+        """(band + L + band,) keys that exist: no band above device 0 or below the last device."""
+        idx = lax.axis_index(PATCH)
+        has_above = jnp.broadcast_to(idx > 0, (band,))
+        has_below = jnp.broadcast_to(idx < self.n - 1, (band,))
+        return jnp.concatenate([has_above, jnp.ones((length,), bool), has_below])

@@ -1,0 +1,30 @@
+"""Strategy registry: `make_strategy(name, **options)`; unknown names or options are errors
+that list the known ones."""
+
+from __future__ import annotations
+
+from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.distrifusion import DistriFusion
+from patchpar.parallel.strategies.naive_patch import NaivePatch
+from patchpar.parallel.strategies.pcpp import PCPP
+from patchpar.parallel.strategies.single import Single
+from patchpar.parallel.strategies.sync_patch import SyncPatch
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Single, NaivePatch, SyncPatch, DistriFusion, PCPP)
+}
+
+
+def make_strategy(name: str, **options) -> Strategy:
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; known: {list(STRATEGIES)}") from None
+    known = cls.option_names()
+    bad = sorted(set(options) - set(known))
+    if bad:
+        raise ValueError(f"strategy {name!r} has no option(s) {bad}; its options: {known or 'none'}")
+    return cls(**options)
+
+
+__all__ = ["STRATEGIES", "Strategy", "make_strategy"]

@@ -1,0 +1,40 @@
+"""What every strategy answers: its options, validation, phases and per-phase site ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from patchpar.models.sites import IDENTITY, SiteOps
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Base: one phase, identity site ops (the single-device reference)."""
+
+    name: ClassVar[str] = "base"
+    parallel: ClassVar[bool] = True  # runs under shard_map over the (cfg, patch) mesh
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def sync_steps(self, steps: int) -> int:
+        """How many of the first steps run in the `sync` phase (the rest run `steady`)."""
+        return steps
+
+    def ops(self, phase: str, n: int) -> SiteOps:
+        del phase, n
+        return IDENTITY
+
+    def patch_axis(self, step_parity: int) -> str:
+        """Which latent axis the patches cut: `row` (H) or `col` (W)."""
+        del step_parity
+        return "row"
+
+    def validate(self, steps: int, patch: int, cfg: int) -> None:
+        """Strategy-specific checks beyond the shapes; ValueError naming the numbers."""
+
+    def describe(self) -> str:
+        opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"{self.name}({opts})"

@@ -1,0 +1,38 @@
+"""`pcpp`: partially conditioned patch parallelism (arXiv 2412.02962). As DistriFusion, except
+that after warm-up a patch attends to its own fresh K/V plus stale bands of only its two
+neighbours: the last `portion` of the patch above and the first `portion` of the patch below."""
+
+from dataclasses import dataclass
+
+from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.distrifusion import check_gn, check_warmup
+
+SENDS = ("full", "band")
+
+
+@dataclass(frozen=True)
+class PCPP(Strategy):
+    name = "pcpp"
+    warmup_steps: int = 4  # as DistriFusion's
+    gn: str = "corrected"  # as DistriFusion's
+    # share of each neighbour patch's tokens kept (PCPP's code hard-codes 0.3, never ablated)
+    portion: float = 0.3
+    # full: send the whole neighbour K/V and crop at the receiver (PCPP's code); band: only the rows used
+    send: str = "full"
+
+    def __post_init__(self):
+        check_gn(self.name, self.gn, False)
+        if not isinstance(self.portion, (int, float)) or not 0 < self.portion <= 1:
+            raise ValueError(f"pcpp: portion={self.portion!r} must be in (0, 1] (1 = whole neighbour patches)")
+        if self.send not in SENDS:
+            raise ValueError(f"pcpp: send={self.send!r}; known: {list(SENDS)}")
+
+    def sync_steps(self, steps: int) -> int:
+        return min(steps, self.warmup_steps + 1)
+
+    def validate(self, steps: int, patch: int, cfg: int) -> None:
+        check_warmup(self.name, self.warmup_steps, steps)
+
+    def ops(self, phase: str, n: int) -> PatchOps:
+        return PatchOps(n, phase, halo_mode="stale", gn=self.gn, kv="band", portion=float(self.portion), send=self.send)

@@ -1,0 +1,15 @@
+"""`sync_patch`: exact patch parallelism. Every step exchanges fresh halos, all-reduces GroupNorm
+statistics and all-gathers self-attention K/V; the output equals `single` (DESIGN.md §3)."""
+
+from dataclasses import dataclass
+
+from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class SyncPatch(Strategy):
+    name = "sync_patch"
+
+    def ops(self, phase: str, n: int) -> PatchOps:
+        return PatchOps(n, "sync", halo_mode="fresh", gn="sync", kv="all")

@@ -1,0 +1,232 @@
+"""DESIGN.md §3 items 1 and 4 at the level of single sites, and the corrected GroupNorm against
+a NumPy transcription of DistriFusion's Eq. 2."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from patchpar.models.layers import Attention, Conv, Downsample2D, GroupNorm, Upsample2D
+from patchpar.parallel.mesh import PATCH, make_mesh
+from patchpar.parallel.sites import STALE, PatchOps, band_tokens
+
+B, H, W, C = 2, 16, 6, 8
+
+
+def rand(*shape, seed=0):
+    return jnp.asarray(np.random.RandomState(seed).randn(*shape), jnp.float32)
+
+
+def init(module, x):
+    params = module.init(jax.random.key(0), x)["params"]
+    # non-trivial biases and scales
+    return jax.tree.map(lambda p: p + 0.1 * rand(*p.shape, seed=p.size), params)
+
+
+def sharded(module, params, x, n, state=None, token_axis=1):
+    """Apply `module` (with PatchOps) to row patches of x on n devices; state in/out carries a
+    leading device axis. Returns (output, new state)."""
+    mesh = make_mesh(n, 1)
+    spec = P(*([None] * token_axis + [PATCH]))
+    state = state or {}
+
+    def local(params, x, state):
+        variables = {"params": params}
+        if state:
+            variables[STALE] = jax.tree.map(lambda a: a[0], state)
+        out, mut = module.apply(variables, x, mutable=[STALE])
+        return out, jax.tree.map(lambda a: a[None], mut.get(STALE, {}))
+
+    fn = jax.shard_map(
+        lambda p, x, s: local(p, x, s), mesh=mesh,
+        in_specs=(P(), spec, jax.tree.map(lambda _: P(PATCH), state)),
+        out_specs=(spec, P(PATCH)), check_vma=False,
+    )
+    return jax.jit(fn)(params, x, state)
+
+
+CONVS = {
+    "conv3x3": lambda ops: Conv(5, ops=ops),
+    "down_pad1": lambda ops: Downsample2D(C, padding=1, ops=ops),
+    "down_vae_asym": lambda ops: Downsample2D(C, padding=0, ops=ops),
+    "upsample_conv": lambda ops: Upsample2D(C, ops=ops),
+    "conv1x1": lambda ops: Conv(5, kernel_size=1, padding=0, ops=ops),
+}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_conv_with_fresh_halo_equals_unsharded(name, n):
+    x = rand(B, H, W, C)
+    ref_mod = CONVS[name](PatchOps(1))
+    params = init(ref_mod, x)
+    out, state = sharded(CONVS[name](PatchOps(n, "sync")), params, x, n)
+    assert state == {}
+    np.testing.assert_allclose(out, ref_mod.apply({"params": params}, x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_groupnorm_sync_equals_unsharded(n):
+    x = rand(B, H, W, C) * 3 + 1
+    mod = GroupNorm(4, 1e-5, ops=PatchOps(n, "sync"))
+    params = init(GroupNorm(4, 1e-5), x)
+    out, _ = sharded(mod, params, x, n)
+    np.testing.assert_allclose(out, GroupNorm(4, 1e-5).apply({"params": params}, x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_self_attention_all_gather_equals_unsharded(n):
+    x = rand(B, H * W, C)
+    mod = Attention(2, 4, C, ops=PatchOps(n, "sync", kv="all"))
+    params = init(Attention(2, 4, C), x)
+    out, _ = sharded(mod, params, x, n)
+    np.testing.assert_allclose(out, Attention(2, 4, C).apply({"params": params}, x), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------- GroupNorm formulas
+
+
+def numpy_groupnorm(x, params, g_stale, l_stale, n, mode, groups=4, eps=1e-5):
+    """DESIGN.md §2 on each device's rows: corrected E = stale_global + (fresh_local - stale_local),
+    stale E = stale_global + (fresh_local - stale_local) / n; var = E[x^2] - E[x]^2, the local
+    variance where that is negative (corrected)."""
+    x = np.asarray(x, np.float64)
+    rows = x.shape[1] // n
+    out = []
+    for i in range(n):
+        xi = x[:, i * rows : (i + 1) * rows].reshape(B, rows, W, groups, C // groups)
+        fresh = np.stack([xi.mean(axis=(1, 2, 4)), (xi**2).mean(axis=(1, 2, 4))])
+        delta = fresh - np.asarray(l_stale[i])
+        est = np.asarray(g_stale[i]) + (delta if mode == "corrected" else delta / n)
+        mean, var = est[0], est[1] - est[0] ** 2
+        if mode == "corrected":
+            var = np.where(var < 0, fresh[1] - fresh[0] ** 2, var)
+        var = np.maximum(var, 0)
+        y = (xi - mean[:, None, None, :, None]) / np.sqrt(var + eps)[:, None, None, :, None]
+        out.append(y.reshape(B, rows, W, C) * np.asarray(params["scale"]) + np.asarray(params["bias"]))
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("mode", ["corrected", "stale"])
+def test_stale_groupnorm_matches_numpy_formula(mode):
+    n = 4
+    x = rand(B, H, W, C, seed=1) * 2 + 0.5
+    params = init(GroupNorm(4), x)
+    g = rand(n, 2, B, 4, seed=2) * 0.3 + jnp.asarray([0.4, 1.5])[None, :, None, None]
+    loc = rand(n, 2, B, 4, seed=3) * 0.3 + jnp.asarray([0.4, 1.5])[None, :, None, None]
+    if mode == "corrected":  # device 0: stale local E[x^2] large -> negative estimated variance
+        loc = loc.at[0, 1].add(6.0)
+    mod = GroupNorm(4, 1e-5, ops=PatchOps(n, "steady", gn=mode))
+    out, new = sharded(mod, params, x, n, {"gn_global": g, "gn_local": loc})
+    ref = numpy_groupnorm(x, params, g, loc, n, mode)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    if mode == "corrected":  # the fallback was exercised
+        est0 = np.asarray(g[0]) + (np.asarray(new["gn_local"][0]) - np.asarray(loc[0]))
+        assert (est0[1] - est0[0] ** 2 < 0).any()
+
+
+# ---------------------------------------------------------------------- staleness (§3 item 4)
+
+
+def kv_of(mod_params, x):
+    """Fresh keys/values of tokens x with the attention's own projections: (2, B, T, D)."""
+    k = x @ mod_params["to_k"]["kernel"]
+    v = x @ mod_params["to_v"]["kernel"]
+    return jnp.stack([k, v])
+
+
+def test_stale_halo_reads_previous_step_and_refreshes():
+    n, top = 4, 1
+    x1, x2 = rand(B, H, W, C, seed=4), rand(B, H, W, C, seed=5)
+    mod = Conv(5, ops=PatchOps(n, "steady", halo_mode="stale"))
+    params = init(Conv(5), x1)
+    state0 = {"halo": rand(n, B, 2 * top, W, C, seed=6)}
+    _, state1 = sharded(mod, params, x1, n, state0)
+    rows = H // n
+    for i in range(n):  # the buffer written at step t-1 holds the neighbours' fresh rows of x1
+        above = x1[:, i * rows - 1 : i * rows] if i > 0 else jnp.zeros((B, 1, W, C))
+        below = x1[:, (i + 1) * rows : (i + 1) * rows + 1] if i < n - 1 else jnp.zeros((B, 1, W, C))
+        np.testing.assert_array_equal(state1["halo"][i], jnp.concatenate([above, below], axis=1))
+    out2, _ = sharded(mod, params, x2, n, state1)
+    for i in range(n):  # step t reads exactly that buffer around its own fresh rows
+        padded = jnp.concatenate([state1["halo"][i][:, :1], x2[:, i * rows : (i + 1) * rows], state1["halo"][i][:, 1:]], axis=1)
+        ref = Conv(5, padding=1).apply({"params": params}, padded)[:, 1:-1]
+        np.testing.assert_allclose(out2[:, i * rows : (i + 1) * rows], ref, atol=1e-5, rtol=0)
+
+
+def test_stale_groupnorm_buffers_hold_previous_step_statistics():
+    n = 4
+    x1 = rand(B, H, W, C, seed=7)
+    mod = GroupNorm(4, ops=PatchOps(n, "steady", gn="corrected"))
+    params = init(GroupNorm(4), x1)
+    state0 = {"gn_global": rand(n, 2, B, 4, seed=8), "gn_local": rand(n, 2, B, 4, seed=9)}
+    _, state1 = sharded(mod, params, x1, n, state0)
+    rows = H // n
+    xg = np.asarray(x1).reshape(B, n, rows, W, 4, C // 4)
+    local = np.stack([xg.mean(axis=(2, 3, 5)), (xg**2).mean(axis=(2, 3, 5))])  # (2, B, n, G)
+    np.testing.assert_allclose(state1["gn_local"], local.transpose(2, 0, 1, 3), atol=1e-5)
+    for i in range(n):
+        np.testing.assert_allclose(state1["gn_global"][i], local.mean(axis=2), atol=1e-5)
+
+
+@pytest.mark.parametrize("kv, send", [("stale", "full"), ("band", "full"), ("band", "band")])
+def test_stale_kv_reads_previous_step_and_refreshes(kv, send):
+    n, portion = 4, 0.3
+    tokens = H * W
+    x1, x2 = rand(B, tokens, C, seed=10), rand(B, tokens, C, seed=11)
+    mod = Attention(2, 4, C, ops=PatchOps(n, "steady", kv=kv, portion=portion, send=send))
+    params = init(Attention(2, 4, C), x1)
+    length = tokens // n
+    band = band_tokens(length, portion)
+    if kv == "stale":
+        state0 = {"kv": rand(n, 2, B, tokens, 8, seed=12)}
+    else:
+        state0 = {"kv_above": rand(n, 2, B, band, 8, seed=12), "kv_below": rand(n, 2, B, band, 8, seed=13)}
+    _, state1 = sharded(mod, params, x1, n, state0)
+    fresh1 = kv_of(params, x1)  # (2, B, T, D)
+    for i in range(n):
+        if kv == "stale":
+            np.testing.assert_allclose(state1["kv"][i], fresh1, atol=1e-5)
+        else:
+            above = fresh1[:, :, i * length - band : i * length] if i > 0 else None
+            below = fresh1[:, :, (i + 1) * length : (i + 1) * length + band] if i < n - 1 else None
+            if above is not None:
+                np.testing.assert_allclose(state1["kv_above"][i], above, atol=1e-5)
+            if below is not None:
+                np.testing.assert_allclose(state1["kv_below"][i], below, atol=1e-5)
+    out2, _ = sharded(mod, params, x2, n, state1)
+    fresh2 = kv_of(params, x2)
+    q = x2 @ params["to_q"]["kernel"]
+    for i in range(n):
+        own = fresh2[:, :, i * length : (i + 1) * length]
+        if kv == "stale":
+            keys = state1["kv"][i].at[:, :, i * length : (i + 1) * length].set(own)
+        else:
+            parts = ([state1["kv_above"][i]] if i > 0 else []) + [own] + ([state1["kv_below"][i]] if i < n - 1 else [])
+            keys = jnp.concatenate(parts, axis=2)
+        ref = attention_ref(q[:, i * length : (i + 1) * length], keys[0], keys[1], params)
+        np.testing.assert_allclose(out2[:, i * length : (i + 1) * length], ref, atol=1e-5, rtol=0)
+
+
+def attention_ref(q, k, v, params, heads=2):
+    b, t, inner = q.shape
+    d = inner // heads
+    qh, kh, vh = (a.reshape(a.shape[0], a.shape[1], heads, d) for a in (q, k, v))
+    w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", qh, kh) / np.sqrt(d), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", w, vh).reshape(b, t, inner)
+    return out @ params["to_out_0"]["kernel"] + params["to_out_0"]["bias"]
+
+
+def test_no_sync_keeps_buffers_frozen():
+    n = 4
+    x = rand(B, H, W, C, seed=14)
+    mod = Conv(5, ops=PatchOps(n, "steady", halo_mode="stale", exchange=False))
+    state0 = {"halo": rand(n, B, 2, W, C, seed=15)}
+    _, state1 = sharded(mod, init(Conv(5), x), x, n, state0)
+    np.testing.assert_array_equal(state1["halo"], state0["halo"])
+
+
+def test_band_tokens():
+    assert band_tokens(64, 0.3) == 20 and band_tokens(100, 0.3) == 30 and band_tokens(10, 1.0) == 10
+    assert band_tokens(3, 0.01) == 1

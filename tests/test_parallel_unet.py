@@ -1,0 +1,116 @@
+"""DESIGN.md §3 items 2, 3, 5 and 6 on 8 fake CPU devices, fp32, SD-like and SDXL-like UNets."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from parallel_helpers import GUIDANCE, inputs, micro_unet, single_guided
+
+from patchpar.parallel.engine import Plan, denoise, make_step
+from patchpar.parallel.strategies import make_strategy
+from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
+
+# every (patch, cfg) that fits on 8 devices
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2)]
+
+
+def max_diff(a, b):
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max())
+
+
+@pytest.mark.parametrize("kind", ["sd", "sdxl"])
+@pytest.mark.parametrize("patch, cfg", LAYOUTS)
+def test_sync_patch_forward_equals_single(kind, patch, cfg):
+    unet, params = micro_unet(kind)
+    x, t, cond = inputs(kind)
+    plan = Plan(make_strategy("sync_patch"), patch * cfg, cfg)
+    plan.validate(unet, x.shape[1:3], 10, GUIDANCE)
+    step = jax.jit(make_step(unet, plan, "sync", "row", GUIDANCE, plan.mesh()))
+    out, state = step(params, x, t, cond, None)
+    assert state == {}
+    assert max_diff(out, single_guided(unet, params, x, t, cond)) <= 1e-4
+
+
+def run(kind, strategy, patch, cfg, steps=3, sampler="dpmpp_2m", **options):
+    return _run(kind, strategy, patch, cfg, steps, sampler, tuple(sorted(options.items())))
+
+
+@functools.cache  # reference runs are shared between tests
+def _run(kind, strategy, patch, cfg, steps, sampler, options):
+    options = dict(options)
+    unet, params = micro_unet(kind)
+    x, _, cond = inputs(kind)
+    plan = Plan(make_strategy(strategy, **options), patch * cfg, cfg)
+    plan.validate(unet, x.shape[1:3], steps, GUIDANCE)
+    smp = get_sampler(sampler)
+    sched = smp.schedule(SchedulerConfig(), steps)
+    out, state = denoise(unet, plan, smp, params, cond, sched, x * sched.init_noise_sigma, GUIDANCE)
+    return np.asarray(out), state
+
+
+@pytest.mark.parametrize(
+    "kind, patch, cfg",
+    [("sd", 8, 1), ("sd", 2, 2), ("sdxl", 4, 2), pytest.param("sdxl", 1, 1, marks=pytest.mark.slow)],
+)
+def test_sync_patch_sampling_run_equals_single(kind, patch, cfg):
+    ref, _ = run(kind, "single", 1, 1)
+    out, _ = run(kind, "sync_patch", patch, cfg)
+    assert max_diff(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "strategy, options, patch, cfg",
+    [
+        ("distrifusion", {"gn": "corrected"}, 8, 1),
+        ("distrifusion", {"gn": "stale"}, 2, 2),
+        ("pcpp", {"send": "full"}, 4, 2),
+        ("pcpp", {"send": "band", "portion": 0.1}, 8, 1),
+    ],
+)
+def test_warmup_covering_all_steps_equals_sync_patch(strategy, options, patch, cfg):
+    steps = 3
+    ref, _ = run("sd", "sync_patch", patch, cfg, steps)
+    out, state = run("sd", strategy, patch, cfg, steps, warmup_steps=steps - 1, **options)
+    assert max_diff(out, ref) <= 1e-4
+    assert jax.tree.leaves(state), "the warm-up should have written the stale buffers"
+
+
+@pytest.mark.parametrize(
+    "gn", ["corrected", "separate", pytest.param("stale", marks=pytest.mark.slow), pytest.param("sync", marks=pytest.mark.slow)]
+)
+def test_pcpp_whole_neighbour_band_on_2_devices_equals_distrifusion(gn):
+    kw = dict(steps=4, warmup_steps=1, gn=gn)
+    d, _ = run("sdxl", "distrifusion", 2, 1, **kw)
+    p_full, _ = run("sdxl", "pcpp", 2, 1, portion=1.0, send="full", **kw)
+    p_band, _ = run("sdxl", "pcpp", 2, 1, portion=1.0, send="band", **kw)
+    s, _ = run("sdxl", "sync_patch", 2, 1, steps=4)
+    assert max_diff(p_full, d) <= 1e-4 and max_diff(p_band, d) <= 1e-4
+    if gn != "sync":
+        assert max_diff(d, s) > 1e-3, "the steady phase should differ from sync_patch"
+
+
+def hlo(strategy, phase, patch=4, cfg=1, **options):
+    unet, params = micro_unet("sd")
+    x, t, cond = inputs("sd")
+    plan = Plan(make_strategy(strategy, **options), patch * cfg, cfg)
+    mesh = plan.mesh()
+    warm = make_step(unet, plan, "sync", "row", GUIDANCE, mesh)
+    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(warm, params, x, t, cond, None)[1])
+    step = make_step(unet, plan, phase, "row", GUIDANCE, mesh)
+    return jax.jit(step).lower(params, x, t, cond, state).compile().as_text()
+
+
+def test_hlo_naive_patch_has_no_collectives():
+    text = hlo("naive_patch", "steady")
+    for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter"):
+        assert op not in text
+
+
+@pytest.mark.parametrize("send", ["full", "band"])
+def test_hlo_pcpp_steady_step_permutes_and_never_gathers(send):
+    text = hlo("pcpp", "steady", send=send)
+    assert "collective-permute" in text
+    assert "all-gather" not in text
+    assert "all-gather" in hlo("pcpp", "sync", send=send)  # the warm-up gathers exactly
