@@ -24,8 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = generate(config)
             for path in record["images"]:
                 print(path)
-            print(f"latent {record['latent_shape']} -> {config.out}/latent.npy "
-                  f"({record['generate_s_including_compile']:.1f} s including compile)")
+            print(
+                f"{record['strategy']} on {record['devices']} device(s): latent {record['latent_shape']} "
+                f"-> {config.out}/latent.npy ({record['generate_s_including_compile']:.1f} s including "
+                f"compile; stale buffers {record['stale_bytes_per_device'] / 2**20:.2f} MiB per device)"
+            )
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"patchpar: error: {e}", file=sys.stderr)
         return 2

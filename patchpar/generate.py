@@ -36,6 +36,33 @@ class GenerateConfig:
     """float32 or bfloat16."""
     out: Path = Path("results/generate")
     """Output folder."""
+    strategy: str = "single"
+    """single, naive_patch, sync_patch, distrifusion or pcpp."""
+    devices: int = 1
+    """Devices in all (= cfg x patch)."""
+    cfg: int = 1
+    """1: both guidance halves on every device; 2: split across two device halves."""
+    warmup_steps: int | None = None
+    """distrifusion/pcpp: synchronous steps before going stale are warmup_steps + 1 (default 4)."""
+    gn: str | None = None
+    """distrifusion/pcpp GroupNorm after warm-up: separate, stale, corrected (default), sync."""
+    no_sync: bool | None = None
+    """distrifusion: exchange nothing after warm-up."""
+    portion: float | None = None
+    """pcpp: share of each neighbour patch attended to, in (0, 1] (default 0.3)."""
+    send: str | None = None
+    """pcpp: full (whole neighbour K/V, as PCPP's code; default) or band (only the rows used)."""
+    split: str | None = None
+    """naive_patch: row (default), col or alternate."""
+
+    def plan(self):
+        """The strategy with the options given on the command line, placed on the devices."""
+        from patchpar.parallel.engine import Plan
+        from patchpar.parallel.strategies import make_strategy
+
+        names = ("warmup_steps", "gn", "no_sync", "portion", "send", "split")
+        options = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        return Plan(make_strategy(self.strategy, **options), self.devices, self.cfg)
 
 
 DTYPES = ("float32", "bfloat16")
@@ -50,6 +77,7 @@ def generate(config: GenerateConfig) -> dict:
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    plan = config.plan()  # unknown strategy or option: error before loading anything
     t0 = time.perf_counter()
     pipe = load_pipeline(config.model, dtype=getattr(jnp, config.dtype))
     t_load = time.perf_counter() - t0
@@ -58,7 +86,7 @@ def generate(config: GenerateConfig) -> dict:
     out = pipe(
         list(config.prompt), height=config.height, width=config.width, steps=config.steps,
         guidance_scale=config.guidance_scale, seed=config.seed, sampler=config.sampler,
-        negative_prompts=negative,
+        negative_prompts=negative, plan=plan,
     )
     t_gen = time.perf_counter() - t0
     folder = Path(config.out)
@@ -73,6 +101,9 @@ def generate(config: GenerateConfig) -> dict:
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         "images": paths,
         "latent_shape": list(out.latents.shape),
+        "strategy": plan.strategy.describe(),
+        "devices": plan.devices,
+        "stale_bytes_per_device": pipe.last_stale_bytes,
         "load_s": round(t_load, 3),
         "generate_s_including_compile": round(t_gen, 3),
     }

@@ -11,7 +11,8 @@ from torch_refs import MICRO_UNETS
 
 from patchpar.models.api import UNetFn
 from patchpar.models.unet import UNet2DConditionModel, UNetConfig
-from patchpar.pipelines.text2img import Conditioning, unet_on_stack
+from patchpar.pipelines.text2img import unet_on_stack
+from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.loop import guided
 
 GUIDANCE = 5.0

@@ -12,7 +12,12 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
-from patchpar.models.loading import CheckpointError, read_config, read_state_dict, state_dict_to_params
+from patchpar.models.loading import (
+    CheckpointError,
+    read_config,
+    read_state_dict,
+    state_dict_to_params,
+)
 from patchpar.models.sites import SiteOps
 from patchpar.models.unet import UNet2DConditionModel, UNetConfig
 from patchpar.models.vae import AutoencoderKL, VAEConfig

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from patchpar.models.layers import attention, dense
+from patchpar.models.layers import dense
 
 _ACTS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),

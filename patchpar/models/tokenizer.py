@@ -45,7 +45,8 @@ def write_clip_tokenizer(folder: str | Path, max_length: int = 77, pad_token: st
     """Write vocab.json, merges.txt and tokenizer_config.json (OpenAI CLIP's 49408-token BPE)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    lines = gzip.open(open_clip_bpe_path(), "rt", encoding="utf-8").read().split("\n")
+    with gzip.open(open_clip_bpe_path(), "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")
     merges = lines[1 : 49152 - 256 - 2 + 1]  # 48894 merges after the version header, as CLIP uses
     chars = list(_bytes_to_unicode().values())
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m.split()) for m in merges] + [BOS, EOS]

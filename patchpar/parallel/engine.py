@@ -22,6 +22,7 @@ from patchpar.models import UNetFn
 from patchpar.parallel.mesh import CFG, PATCH, make_mesh
 from patchpar.parallel.sites import STALE
 from patchpar.parallel.strategies import Strategy
+from patchpar.sampling.guidance import call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
 
@@ -83,17 +84,12 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
     reads_state = phase == "steady"
 
     def local(params, x, t, cond, state):
-        g, b = cond.context.shape[:2]  # g = 1 with cfg=2 (this device's half), else the full stack
-        flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
-        xs = jnp.broadcast_to(x[None], (g,) + x.shape).reshape((g * b,) + x.shape[1:])
-        added = {k: flat(v) for k, v in cond.added().items()}
+        # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
         variables = {"params": params}
         if reads_state:
             variables[STALE] = jax.tree.map(lambda a: a[0, 0], state)  # drop the (cfg, patch) axes
-        out, mutated = module.apply(
-            variables, xs, jnp.broadcast_to(t, (g * b,)), flat(cond.context), **added, mutable=[STALE]
-        )
-        out = out.reshape((g, b) + out.shape[1:])
+        apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=[STALE])  # noqa: E731
+        out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
         if cfg == 2:
             out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
         new_state = jax.tree.map(lambda a: a[None, None], mutated.get(STALE, {}))

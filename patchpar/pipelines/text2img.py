@@ -12,37 +12,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, load_unet, load_vae
 from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.presets import PRESETS, preset_folder
 from patchpar.models.tokenizer import Tokenizer, load_tokenizer
+from patchpar.parallel.engine import Plan, stale_bytes_per_device
+from patchpar.parallel.engine import denoise as denoise_parallel
+from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 
 
-@struct.dataclass
-class Conditioning:
-    """Text conditioning stacked over a leading guidance axis G: [unconditional, conditional]
-    with CFG (G = 2), [conditional] without (G = 1)."""
-
-    context: jax.Array  # (G, B, S, D)
-    text_embeds: jax.Array | None = None  # (G, B, P) SDXL
-    time_ids: jax.Array | None = None  # (G, B, 6) SDXL
-
-    def added(self) -> dict:
-        return {} if self.text_embeds is None else {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
-
-
 def unet_on_stack(unet: UNetFn, params, x: jax.Array, t: jax.Array, cond: Conditioning) -> jax.Array:
     """The UNet on every guidance half at once: x (B, h, W, C) -> (G, B, h, W, C)."""
-    g, b = cond.context.shape[:2]
-    flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
-    xs = jnp.broadcast_to(x[None], (g,) + x.shape).reshape((g * b,) + x.shape[1:])
-    added = {k: flat(v) for k, v in cond.added().items()}
-    out = unet(params, xs, jnp.broadcast_to(t, (g * b,)), flat(cond.context), **added)
-    return out.reshape((g, b) + out.shape[1:])
+    return call_on_stack(lambda *a, **k: unet(params, *a, **k), x, t, cond)
 
 
 @dataclass
@@ -62,6 +46,7 @@ class Pipeline:
     scheduler: SchedulerConfig
     force_zeros_for_empty_prompt: bool = True  # SDXL: zero negative embeddings for "" negatives
     name: str = ""
+    last_stale_bytes: int = 0  # stale-buffer memory per device of the last denoise
 
     @property
     def is_xl(self) -> bool:
@@ -132,13 +117,23 @@ class Pipeline:
         return jax.random.normal(jax.random.key(seed), (batch, h, w, self.unet.config.in_channels), jnp.float32)
 
     def denoise(
-        self, cond: Conditioning, latents: jax.Array, sampler: str, steps: int, guidance_scale: float
+        self, cond: Conditioning, latents: jax.Array, sampler: str, steps: int, guidance_scale: float,
+        plan: Plan | None = None,
     ) -> jax.Array:
-        """Single-device denoising of an initial unit-Gaussian latent; returns the final latent."""
+        """Denoise an initial unit-Gaussian latent, on one device or under `plan`; returns the
+        final latent (and records the stale-buffer memory per device in `self.last_stale_bytes`)."""
         smp = get_sampler(sampler)
         schedule = smp.schedule(self.scheduler, steps)
         x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
-        return _denoise_single(self.unet, smp, self.unet_params, cond, schedule, x, float(guidance_scale))
+        if plan is None or not plan.strategy.parallel:
+            if plan is not None:
+                plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
+            self.last_stale_bytes = 0
+            return _denoise_single(self.unet, smp, self.unet_params, cond, schedule, x, float(guidance_scale))
+        plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
+        out, state = denoise_parallel(self.unet, plan, smp, self.unet_params, cond, schedule, x, float(guidance_scale))
+        self.last_stale_bytes = stale_bytes_per_device(state)
+        return out
 
     def decode(self, latents: jax.Array) -> np.ndarray:
         """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process."""
@@ -156,18 +151,21 @@ class Pipeline:
         sampler: str = "ddim",
         negative_prompts: list[str] | None = None,
         latents: jax.Array | None = None,
+        plan: Plan | None = None,
     ) -> Output:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
         size = self.unet.config.sample_size * self.latent_factor
         height, width = height or size, width or size
-        self.check_size(height, width)
-        get_sampler(sampler)
+        hw = self.check_size(height, width)
+        get_sampler(sampler).schedule(self.scheduler, steps)  # name and step count
+        if plan is not None:  # every check before any work
+            plan.validate(self.unet, hw, steps, guidance_scale)
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
-        final = self.denoise(cond, latents, sampler, steps, guidance_scale)
+        final = self.denoise(cond, latents, sampler, steps, guidance_scale, plan)
         return Output(self.decode(final), np.asarray(final))
 
 
