@@ -27,6 +27,13 @@ def test_generate_writes_pngs_and_latent(tmp_path, capsys):
     np.testing.assert_array_equal(np.load(tmp_path / "again" / "latent.npy"), latent)
 
 
+def test_bfloat16_run_writes_a_float32_latent(tmp_path):
+    out = tmp_path / "bf16"
+    assert main(["generate", "--steps", "2", "--height", "64", "--width", "64", "--dtype", "bfloat16", "--out", str(out)]) == 0
+    latent = np.load(out / "latent.npy")
+    assert latent.dtype == np.float32 and np.isfinite(latent).all()
+
+
 def test_generate_bad_size_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--height", "100", "--out", str(tmp_path)]) == 2
     assert "height=100 must be a positive multiple of 32" in capsys.readouterr().err

@@ -114,3 +114,20 @@ def test_hlo_pcpp_steady_step_permutes_and_never_gathers(send):
     assert "collective-permute" in text
     assert "all-gather" not in text
     assert "all-gather" in hlo("pcpp", "sync", send=send)  # the warm-up gathers exactly
+
+
+@pytest.mark.parametrize("strategy, options, loops", [("sync_patch", {}, 1), ("distrifusion", {"warmup_steps": 1}, 2)])
+def test_each_phase_is_one_compiled_loop(strategy, options, loops):
+    """The program holds one loop per phase, whatever the step count (no per-step recompiles
+    or unrolled copies of the UNet)."""
+    unet, params = micro_unet("sd")
+    x, _, cond = inputs("sd")
+    smp = get_sampler("ddim")
+    plan = Plan(make_strategy(strategy, **options), 4, 1)
+    texts = [
+        denoise.lower(unet, plan, smp, params, cond, smp.schedule(SchedulerConfig(), steps), x, GUIDANCE).as_text()
+        for steps in (6, 12)
+    ]
+    for text in texts:
+        assert text.count("stablehlo.while") == loops
+    assert texts[0].count("stablehlo.convolution") == texts[1].count("stablehlo.convolution")

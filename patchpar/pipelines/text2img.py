@@ -32,7 +32,7 @@ def unet_on_stack(unet: UNetFn, params, x: jax.Array, t: jax.Array, cond: Condit
 @dataclass
 class Output:
     images: np.ndarray  # (B, H, W, 3) uint8
-    latents: np.ndarray  # (B, h, w, C) final latent, before VAE scaling
+    latents: np.ndarray  # (B, h, w, C) final latent, before VAE scaling, float32
 
 
 @dataclass
@@ -166,7 +166,8 @@ class Pipeline:
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
         final = self.denoise(cond, latents, sampler, steps, guidance_scale, plan)
-        return Output(self.decode(final), np.asarray(final))
+        # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
+        return Output(self.decode(final), np.asarray(final.astype(jnp.float32)))
 
 
 @partial(jax.jit, static_argnums=(0,))
