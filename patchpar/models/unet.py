@@ -197,6 +197,18 @@ class Transformer2DModel(nn.Module):
         return x + res
 
 
+def _resnet(cfg: UNetConfig, channels: int, dtype, ops, name: str) -> ResnetBlock2D:
+    return ResnetBlock2D(channels, cfg.norm_num_groups, cfg.norm_eps, True, dtype, ops, name=name)
+
+
+def _transformer(cfg: UNetConfig, level: int, dtype, ops, name: str) -> Transformer2DModel:
+    """The transformer of resolution level `level` (heads and depth are per level)."""
+    return Transformer2DModel(
+        cfg.block_out_channels[level], cfg.heads[level], cfg.transformer_layers_per_block[level],
+        cfg.use_linear_projection, cfg.norm_num_groups, dtype, ops, name=name,
+    )
+
+
 class DownBlock(nn.Module):
     """CrossAttnDownBlock2D / DownBlock2D: returns the output and its skip connections."""
 
@@ -211,12 +223,9 @@ class DownBlock(nn.Module):
         c = cfg.block_out_channels[i]
         skips = []
         for j in range(cfg.layers_per_block):
-            x = ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name=f"resnets_{j}")(x, emb)
+            x = _resnet(cfg, c, dt, ops, f"resnets_{j}")(x, emb)
             if cfg.down_block_types[i] == "CrossAttnDownBlock2D":
-                x = Transformer2DModel(
-                    c, cfg.heads[i], cfg.transformer_layers_per_block[i], cfg.use_linear_projection,
-                    cfg.norm_num_groups, dt, ops, name=f"attentions_{j}",
-                )(x, ctx)
+                x = _transformer(cfg, i, dt, ops, f"attentions_{j}")(x, ctx)
             skips.append(x)
         if i < len(cfg.block_out_channels) - 1:
             x = Downsample2D(c, cfg.downsample_padding, dt, ops, name="downsamplers_0")(x)
@@ -235,12 +244,9 @@ class MidBlock(nn.Module):
     def __call__(self, x, emb, ctx) -> jax.Array:
         cfg, dt, ops = self.cfg, self.dtype, self.ops
         c = cfg.block_out_channels[-1]
-        x = ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name="resnets_0")(x, emb)
-        x = Transformer2DModel(
-            c, cfg.heads[-1], cfg.transformer_layers_per_block[-1], cfg.use_linear_projection,
-            cfg.norm_num_groups, dt, ops, name="attentions_0",
-        )(x, ctx)
-        return ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name="resnets_1")(x, emb)
+        x = _resnet(cfg, c, dt, ops, "resnets_0")(x, emb)
+        x = _transformer(cfg, len(cfg.block_out_channels) - 1, dt, ops, "attentions_0")(x, ctx)
+        return _resnet(cfg, c, dt, ops, "resnets_1")(x, emb)
 
 
 class UpBlock(nn.Module):
@@ -259,12 +265,9 @@ class UpBlock(nn.Module):
         c = cfg.block_out_channels[bi]
         for j in range(cfg.layers_per_block + 1):
             x = jnp.concatenate([x, skips.pop()], axis=-1)  # (B, h, W, C + Cskip)
-            x = ResnetBlock2D(c, cfg.norm_num_groups, cfg.norm_eps, True, dt, ops, name=f"resnets_{j}")(x, emb)
+            x = _resnet(cfg, c, dt, ops, f"resnets_{j}")(x, emb)
             if cfg.up_block_types[i] == "CrossAttnUpBlock2D":
-                x = Transformer2DModel(
-                    c, cfg.heads[bi], cfg.transformer_layers_per_block[bi], cfg.use_linear_projection,
-                    cfg.norm_num_groups, dt, ops, name=f"attentions_{j}",
-                )(x, ctx)
+                x = _transformer(cfg, bi, dt, ops, f"attentions_{j}")(x, ctx)
         if i < n - 1:
             x = Upsample2D(c, dt, ops, name="upsamplers_0")(x)
         return x

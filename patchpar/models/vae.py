@@ -89,11 +89,13 @@ class VAEMidBlock(nn.Module):
         return ResnetBlock2D(self.channels, name="resnets_1", **kw)(x)
 
 
-class EncoderBlock(nn.Module):
+class VAEBlock(nn.Module):
+    """DownEncoderBlock2D / UpDecoderBlock2D: resnets, then an optional down- or upsampler."""
+
     channels: int
     layers: int
     groups: int
-    downsample: bool
+    resample: str | None  # "down" (encoder), "up" (decoder) or None (last block)
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
 
@@ -101,24 +103,9 @@ class EncoderBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         for j in range(self.layers):
             x = ResnetBlock2D(self.channels, self.groups, 1e-6, False, self.dtype, self.ops, name=f"resnets_{j}")(x)
-        if self.downsample:
+        if self.resample == "down":
             x = Downsample2D(self.channels, 0, self.dtype, self.ops, name="downsamplers_0")(x)
-        return x
-
-
-class DecoderBlock(nn.Module):
-    channels: int
-    layers: int
-    groups: int
-    upsample: bool
-    dtype: jnp.dtype = jnp.float32
-    ops: SiteOps = IDENTITY
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for j in range(self.layers):
-            x = ResnetBlock2D(self.channels, self.groups, 1e-6, False, self.dtype, self.ops, name=f"resnets_{j}")(x)
-        if self.upsample:
+        elif self.resample == "up":
             x = Upsample2D(self.channels, self.dtype, self.ops, name="upsamplers_0")(x)
         return x
 
@@ -134,7 +121,8 @@ class Encoder(nn.Module):
         boc = cfg.block_out_channels
         x = Conv(boc[0], dtype=dt, ops=ops, name="conv_in")(x.astype(dt))
         for i, c in enumerate(boc):
-            x = EncoderBlock(c, cfg.layers_per_block, cfg.norm_num_groups, i < len(boc) - 1, dt, ops, name=f"down_blocks_{i}")(x)
+            down = "down" if i < len(boc) - 1 else None
+            x = VAEBlock(c, cfg.layers_per_block, cfg.norm_num_groups, down, dt, ops, name=f"down_blocks_{i}")(x)
         x = VAEMidBlock(boc[-1], cfg.norm_num_groups, dt, ops, name="mid_block")(x)
         x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, dt, ops, name="conv_norm_out")(x))
         return Conv(2 * cfg.latent_channels, dtype=dt, ops=ops, name="conv_out")(x)
@@ -152,7 +140,8 @@ class Decoder(nn.Module):
         x = Conv(boc[0], dtype=dt, ops=ops, name="conv_in")(z.astype(dt))
         x = VAEMidBlock(boc[0], cfg.norm_num_groups, dt, ops, name="mid_block")(x)
         for i, c in enumerate(boc):
-            x = DecoderBlock(c, cfg.layers_per_block + 1, cfg.norm_num_groups, i < len(boc) - 1, dt, ops, name=f"up_blocks_{i}")(x)
+            up = "up" if i < len(boc) - 1 else None
+            x = VAEBlock(c, cfg.layers_per_block + 1, cfg.norm_num_groups, up, dt, ops, name=f"up_blocks_{i}")(x)
         x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, dt, ops, name="conv_norm_out")(x))
         return Conv(cfg.out_channels, dtype=dt, ops=ops, name="conv_out")(x)
 
