@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
+from patchpar.config import PlanFlags
+
 
 @dataclass(frozen=True)
-class GenerateConfig:
+class GenerateConfig(PlanFlags):
     """Generate images from prompts and save them as PNG, with the final latent as latent.npy."""
 
     model: str = "tiny"
@@ -36,33 +38,6 @@ class GenerateConfig:
     """float32 or bfloat16."""
     out: Path = Path("results/generate")
     """Output folder."""
-    strategy: str = "single"
-    """single, naive_patch, sync_patch, distrifusion or pcpp."""
-    devices: int = 1
-    """Devices in all (= cfg x patch)."""
-    cfg: int = 1
-    """1: both guidance halves on every device; 2: split across two device halves."""
-    warmup_steps: int | None = None
-    """distrifusion/pcpp: synchronous steps before going stale are warmup_steps + 1 (default 4)."""
-    gn: str | None = None
-    """distrifusion/pcpp GroupNorm after warm-up: separate, stale, corrected (default), sync."""
-    no_sync: bool | None = None
-    """distrifusion: exchange nothing after warm-up."""
-    portion: float | None = None
-    """pcpp: share of each neighbour patch attended to, in (0, 1] (default 0.3)."""
-    send: str | None = None
-    """pcpp: full (whole neighbour K/V, as PCPP's code; default) or band (only the rows used)."""
-    split: str | None = None
-    """naive_patch: row (default), col or alternate."""
-
-    def plan(self):
-        """The strategy with the options given on the command line, placed on the devices."""
-        from patchpar.parallel.engine import Plan
-        from patchpar.parallel.strategies import make_strategy
-
-        names = ("warmup_steps", "gn", "no_sync", "portion", "send", "split")
-        options = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-        return Plan(make_strategy(self.strategy, **options), self.devices, self.cfg)
 
 
 DTYPES = ("float32", "bfloat16")

@@ -105,6 +105,23 @@ def get_preset(name: str) -> dict[str, dict]:
         raise ValueError(f"unknown preset {name!r}; known: {preset_names()}") from None
 
 
+def abstract_unet(model: str | Path, dtype=jnp.bfloat16):
+    """A UNet (no weights) from a preset name or a diffusers folder's unet/config.json: enough to
+    lower its programs with abstract parameters."""
+    from patchpar.models import api
+    from patchpar.models.loading import read_config
+    from patchpar.models.unet import UNet2DConditionModel, UNetConfig
+
+    name = str(model)
+    if name in PRESETS:
+        cfg, where = PRESETS[name]["unet"], f"preset {name}"
+    else:
+        folder = Path(model)
+        folder = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
+        cfg, where = read_config(folder), str(folder / "config.json")
+    return api.UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(cfg, where), dtype))
+
+
 def home() -> Path:
     """Where generated model folders live: $PATCHPAR_HOME, else ~/.cache/patchpar."""
     return Path(os.environ.get("PATCHPAR_HOME", Path.home() / ".cache" / "patchpar"))

@@ -91,7 +91,8 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=[STALE])  # noqa: E731
         out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
         if cfg == 2:
-            out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
+            with jax.named_scope("pp_cfg"):
+                out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
         new_state = jax.tree.map(lambda a: a[None, None], mutated.get(STALE, {}))
         return guided(out, guidance_scale), new_state
 

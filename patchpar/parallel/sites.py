@@ -18,6 +18,8 @@ Modes per site:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -35,10 +37,42 @@ PHASES = ("sync", "steady")
 STALE = "stale"  # the Flax collection holding stale buffers
 
 
+_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("patchpar_site_log", default=None)
+
+
+@contextlib.contextmanager
+def record_sites():
+    """Collect (ops, kind, info) for every site call traced inside the block (for the analytic
+    communication model; tracing only, nothing is computed)."""
+    log: list = []
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def _note(ops, kind: str, **info) -> None:
+    log = _LOG.get()
+    if log is not None:
+        log.append((ops, kind, info))
+
+
 def band_tokens(tokens: int, portion: float) -> int:
     """Tokens of a neighbour's patch kept on each side: ceil(portion x tokens), at least one.
     (PCPP's code rounds the band above up and the band below down; they differ by <= 1 token.)"""
     return max(1, min(tokens, math.ceil(portion * tokens - 1e-9)))
+
+
+def _pmean(x: jax.Array) -> jax.Array:
+    with jax.named_scope("pp_gn"):
+        return lax.pmean(x, PATCH)
+
+
+def _gather(kv: jax.Array) -> jax.Array:
+    """(2, B, L, D) on each device -> (2, B, n*L, D), patches in order."""
+    with jax.named_scope("pp_kv"):
+        return lax.all_gather(kv, PATCH, axis=2, tiled=True)
 
 
 def _down(x: jax.Array, n: int) -> jax.Array:
@@ -78,6 +112,7 @@ class PatchOps(SiteOps):
 
     def halo(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
         """(B, h, W, C) -> (B, top + h + bottom, W, C)."""
+        _note(self, "halo", shape=x.shape, itemsize=x.dtype.itemsize, top=top, bottom=bottom)
         if self.halo_mode == "zero" or self.n == 1:
             return jnp.pad(x, ((0, 0), (top, bottom), (0, 0), (0, 0)))
         if self.sync or self.halo_mode == "fresh":
@@ -93,20 +128,22 @@ class PatchOps(SiteOps):
 
     def _exchange_halo(self, x, top, bottom):
         b, _, w, c = x.shape
-        above = _down(x[:, x.shape[1] - top :], self.n) if top else jnp.zeros((b, 0, w, c), x.dtype)
-        below = _up(x[:, :bottom], self.n) if bottom else jnp.zeros((b, 0, w, c), x.dtype)
+        with jax.named_scope("pp_halo"):
+            above = _down(x[:, x.shape[1] - top :], self.n) if top else jnp.zeros((b, 0, w, c), x.dtype)
+            below = _up(x[:, :bottom], self.n) if bottom else jnp.zeros((b, 0, w, c), x.dtype)
         return above, below
 
     # ------------------------------------------------------------------ GroupNorm
 
     def group_stats(self, mod, mean: jax.Array, mean_sq: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Local (B, G) E[x], E[x^2] -> the global estimate the mode gives."""
+        _note(self, "gn", shape=(2,) + mean.shape, itemsize=4)
         if self.gn == "separate" or self.n == 1:
             return mean, mean_sq
         fresh = jnp.stack([mean, mean_sq])  # (2, B, G): one collective for both moments
         stale_mode = self.gn in ("stale", "corrected")
         if self.sync or self.gn == "sync":
-            glob = lax.pmean(fresh, PATCH)
+            glob = _pmean(fresh)
             if stale_mode:
                 mod.variable(STALE, "gn_global", lambda: glob)
                 mod.variable(STALE, "gn_local", lambda: fresh)
@@ -118,7 +155,7 @@ class PatchOps(SiteOps):
         else:  # corrected: DistriFusion Eq. 2
             est = g.value + (fresh - loc.value)
         if self.exchange:
-            g.value = lax.pmean(fresh, PATCH)
+            g.value = _pmean(fresh)
             loc.value = fresh
         e_mean, e_sq = est[0], est[1]
         if self.gn == "corrected":  # where the estimated variance is negative, use the local one
@@ -130,11 +167,12 @@ class PatchOps(SiteOps):
 
     def self_attn_kv(self, mod, k: jax.Array, v: jax.Array):
         """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a key mask."""
+        _note(self, "kv", shape=(2,) + k.shape, itemsize=k.dtype.itemsize)
         if self.kv == "local" or self.n == 1:
             return k, v, None
         kv = jnp.stack([k, v])  # (2, B, L, D): one collective for both
         if self.sync or self.kv == "all":
-            full = lax.all_gather(kv, PATCH, axis=2, tiled=True)  # (2, B, n*L, D)
+            full = _gather(kv)  # (2, B, n*L, D)
             if self.kv == "stale":
                 mod.variable(STALE, "kv", lambda: full)
             elif self.kv == "band":
@@ -153,7 +191,7 @@ class PatchOps(SiteOps):
         idx = lax.axis_index(PATCH)
         full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)  # own slot fresh
         if self.exchange:
-            buf.value = lax.all_gather(kv, PATCH, axis=2, tiled=True)
+            buf.value = _gather(kv)
         return full[0], full[1], None
 
     def _stale_band(self, mod, kv):
@@ -164,12 +202,13 @@ class PatchOps(SiteOps):
         below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
         keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
         if self.exchange:
-            if self.send == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
-                above.value = _down(kv, self.n)[:, :, length - band :]
-                below.value = _up(kv, self.n)[:, :, :band]
-            else:  # only the rows used
-                above.value = _down(kv[:, :, length - band :], self.n)
-                below.value = _up(kv[:, :, :band], self.n)
+            with jax.named_scope("pp_kv"):
+                if self.send == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
+                    above.value = _down(kv, self.n)[:, :, length - band :]
+                    below.value = _up(kv, self.n)[:, :, :band]
+                else:  # only the rows used
+                    above.value = _down(kv[:, :, length - band :], self.n)
+                    below.value = _up(kv[:, :, :band], self.n)
         return keys[0], keys[1], self._band_mask(band, length)
 
     def _bands_from_full(self, full, length):
@@ -189,3 +228,32 @@ class PatchOps(SiteOps):
         has_above = jnp.broadcast_to(idx > 0, (band,))
         has_below = jnp.broadcast_to(idx < self.n - 1, (band,))
         return jnp.concatenate([has_above, jnp.ones((length,), bool), has_below])
+
+    # ------------------------------------------------------------------ analytic model
+
+    def received_bytes(self, kind: str, info: dict, p: int) -> int:
+        """Bytes device p of the patch axis receives for one site call (the conventions of
+        `patchpar.measure.comm`), from the strategy's rules and the site's local shapes alone."""
+        n = self.n
+        if n == 1:
+            return 0
+        size = math.prod(info["shape"]) * info["itemsize"]  # one device's operand
+        if kind == "halo":
+            if self.halo_mode == "zero" or (not self.sync and self.halo_mode == "stale" and not self.exchange):
+                return 0
+            rows = info["shape"][1]
+            per_row = size // rows
+            return per_row * ((info["top"] if p > 0 else 0) + (info["bottom"] if p < n - 1 else 0))
+        if kind == "gn":
+            if self.gn == "separate" or (not self.sync and self.gn != "sync" and not self.exchange):
+                return 0
+            return 2 * (n - 1) * size // n  # ring all-reduce
+        if kind == "kv":
+            if self.kv == "local" or (not self.sync and self.kv != "all" and not self.exchange):
+                return 0
+            if self.sync or self.kv in ("all", "stale"):
+                return (n - 1) * size  # all-gather
+            length = info["shape"][2]
+            sent = size if self.send == "full" else size // length * band_tokens(length, self.portion)
+            return sent * ((p > 0) + (p < n - 1))
+        raise ValueError(f"unknown site kind {kind!r}")

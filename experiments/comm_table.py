@@ -1,0 +1,91 @@
+"""Communication per device for full-size SD 1.5 and SDXL, lowered with abstract bf16
+parameters (no weights): DistriFusion Table 2's setting and beyond.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python experiments/comm_table.py
+
+Writes results/comm/runs.jsonl (resumable: points already recorded are skipped) and
+results/comm/table.md. One UNet call with the CFG pair in its batch (cfg=1, batch 1 -> UNet
+batch 2), 77 text tokens, bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from patchpar.measure.cost import measure
+from patchpar.models.presets import abstract_unet
+from patchpar.parallel.engine import Plan
+from patchpar.parallel.strategies import make_strategy
+from patchpar.results import append_record, provenance, read_records
+
+OUT = Path("results/comm")
+GRID = {"sdxl": (1024, 2048, 3840), "sd15": (512, 1024, 2048)}
+DEVICES = (2, 4, 8)
+STRATEGIES = (
+    ("naive_patch", {}),
+    ("sync_patch", {}),
+    ("distrifusion", {}),
+    ("pcpp", {"portion": 0.3, "send": "full"}),
+    ("pcpp", {"portion": 0.3, "send": "band"}),
+)
+
+
+def key(r: dict) -> tuple:
+    return (r["model"], r["resolution"], r["devices"], r["strategy"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=list(GRID))
+    args = ap.parse_args(argv)
+    runs = OUT / "runs.jsonl"
+    done = {key(r) for r in read_records(runs)}
+    points = [(m, res, n, s, o) for m in args.models for res in GRID[m] for n in DEVICES for s, o in STRATEGIES]
+    prov = provenance()
+    unets = {}
+    for model, res, n, strat, opts in tqdm(points, desc="comm", unit="point"):
+        strategy = make_strategy(strat, **opts)
+        point = {"model": model, "resolution": res, "devices": n, "strategy": strategy.describe()}
+        if key(point) in done:
+            continue
+        tqdm.write(f"{model} {res}px {n} devices {strategy.describe()}")
+        unet = unets.setdefault(model, abstract_unet(model, jnp.bfloat16))
+        t0 = time.perf_counter()
+        try:
+            r = measure(unet, Plan(strategy, n, 1), (res // 8, res // 8), batch=1, params=unet.abstract_params())
+            status = {"status": "ok"}
+        except Exception as e:  # a failed point is a row with its error, and the sweep goes on
+            r, status = None, {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        rec = {**point, "experiment": "comm", "dtype": "bfloat16", "cfg": 1, "unet_batch": 2, **status, "provenance": prov}
+        if r is not None:
+            st, wu = r["phases"]["steady"], r["phases"]["warmup"]
+            rec.update(
+                steady_bytes_per_device=st["hlo"]["all"]["max"], warmup_bytes_per_device=wu["hlo"]["all"]["max"],
+                steady_bytes_mean=st["hlo"]["all"]["mean"], steady_bytes_total=st["hlo"]["all"]["total"],
+                warmup_bytes_mean=wu["hlo"]["all"]["mean"], warmup_bytes_total=wu["hlo"]["all"]["total"],
+                steady_by_site={k: v["max"] for k, v in st["hlo"].items() if k != "all"},
+                warmup_by_site={k: v["max"] for k, v in wu["hlo"].items() if k != "all"},
+                analytic_matches_hlo=st["analytic_matches_hlo"] and wu["analytic_matches_hlo"],
+                flops_per_device=st.get("flops_per_device"), stale_bytes_per_device=r["stale_bytes_per_device"],
+                seconds=round(time.perf_counter() - t0, 1),
+            )
+        append_record(runs, rec)
+    write_table(read_records(runs), OUT / "table.md")
+    return 0
+
+
+def write_table(records: list[dict], path: Path) -> None:
+    from patchpar.measure.report import comm_markdown
+
+    path.write_text(comm_markdown(records))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

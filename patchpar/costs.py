@@ -1,0 +1,80 @@
+"""`patchpar comm`: what one UNet call costs under a strategy, from the compiled program."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from patchpar.config import PlanFlags
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CommConfig(PlanFlags):
+    """Bytes received per device per UNet call (warm-up and steady phase, by site kind), FLOPs
+    and stale-buffer memory per device, lowered with abstract parameters (no weights needed)."""
+
+    model: str = "sdxl"
+    """A preset (sd15, sd21, sdxl, tiny, tiny-xl) or a local diffusers folder (only its unet/config.json is read)."""
+    resolution: int = 1024
+    """Square image size in pixels (latent = resolution / 8)."""
+    batch: int = 1
+    """Images per call; with cfg=1 the UNet batch is 2 x batch (the CFG pair)."""
+    dtype: str = "bfloat16"
+    """float32 or bfloat16."""
+    json: bool = False
+    """Print one JSON record instead of the table."""
+
+
+def run_comm(config: CommConfig) -> dict:
+    import jax.numpy as jnp
+
+    from patchpar.measure.cost import measure
+    from patchpar.models.presets import abstract_unet
+
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    if config.resolution <= 0 or config.resolution % 8:
+        raise ValueError(f"resolution={config.resolution}: must be a positive multiple of 8 (the VAE factor)")
+    plan = config.plan()
+    unet = abstract_unet(config.model, getattr(jnp, config.dtype))
+    latent = config.resolution // 8
+    r = measure(unet, plan, (latent, latent), batch=config.batch)
+    st, wu = r["phases"]["steady"], r["phases"]["warmup"]
+    return {
+        "model": config.model, "resolution": config.resolution, "devices": plan.devices, "cfg": plan.cfg,
+        "strategy": plan.strategy.describe(), "dtype": config.dtype, "batch": config.batch,
+        "steady_bytes_per_device": st["hlo"]["all"]["max"],
+        "warmup_bytes_per_device": wu["hlo"]["all"]["max"],
+        "steady_bytes_mean": st["hlo"]["all"]["mean"], "steady_bytes_total": st["hlo"]["all"]["total"],
+        "warmup_bytes_mean": wu["hlo"]["all"]["mean"], "warmup_bytes_total": wu["hlo"]["all"]["total"],
+        "steady_by_site": {k: v for k, v in st["hlo"].items() if k != "all"},
+        "warmup_by_site": {k: v for k, v in wu["hlo"].items() if k != "all"},
+        "flops_per_device": st.get("flops_per_device"),
+        "stale_bytes_per_device": r["stale_bytes_per_device"],
+        "analytic_matches_hlo": st["analytic_matches_hlo"] and wu["analytic_matches_hlo"],
+    }
+
+
+def format_comm(rec: dict) -> str:
+    mb = lambda b: f"{b / 2**20:10.3f}"  # noqa: E731
+    lines = [
+        f"{rec['strategy']} | {rec['model']} {rec['resolution']}px {rec['dtype']} | {rec['devices']} devices (cfg={rec['cfg']})",
+        "",
+        f"{'MiB received per UNet call':28s} {'warm-up':>10s} {'steady':>10s}   (busiest device; mean; total)",
+    ]
+    sites = sorted(set(rec["steady_by_site"]) | set(rec["warmup_by_site"]))
+    zero = {"max": 0, "mean": 0.0, "total": 0}
+    for site in sites:
+        w, s = rec["warmup_by_site"].get(site, zero), rec["steady_by_site"].get(site, zero)
+        lines.append(f"  {site:26s} {mb(w['max'])} {mb(s['max'])}")
+    lines += [
+        f"  {'all (busiest device)':26s} {mb(rec['warmup_bytes_per_device'])} {mb(rec['steady_bytes_per_device'])}",
+        f"  {'all (mean over devices)':26s} {mb(rec['warmup_bytes_mean'])} {mb(rec['steady_bytes_mean'])}",
+        f"  {'all (total over devices)':26s} {mb(rec['warmup_bytes_total'])} {mb(rec['steady_bytes_total'])}",
+        "",
+        f"FLOPs per device (steady step): {rec['flops_per_device'] / 1e9:.2f} G",
+        f"stale buffers per device: {rec['stale_bytes_per_device'] / 2**20:.2f} MiB",
+        f"HLO count equals the analytic model: {'yes' if rec['analytic_matches_hlo'] else 'NO'}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""Result records: one JSON object per line in results/<experiment>/runs.jsonl, written
+atomically (a killed sweep loses no finished row), with provenance (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import uuid
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+
+def provenance() -> dict:
+    """Git commit, package versions and the device kind of this process."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {}
+    for pkg in ("jax", "jaxlib", "flax", "numpy"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    import jax
+
+    dev = jax.devices()[0]
+    return {"git_commit": commit, "versions": versions, "python": platform.python_version(),
+            "device_kind": dev.device_kind, "platform": dev.platform, "device_count": jax.device_count()}
+
+
+def read_records(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_record(path: Path, record: dict) -> dict:
+    """Append one record (adding run id and time) by rewriting the file through a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"run_id": uuid.uuid4().hex[:12], "time": datetime.now(UTC).isoformat(timespec="seconds"), **record}
+    old = path.read_text() if path.is_file() else ""
+    if old and not old.endswith("\n"):
+        old += "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".runs-")
+    with os.fdopen(fd, "w") as f:
+        f.write(old + json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return record

@@ -1,0 +1,117 @@
+"""Communication accounting: the HLO parser on synthetic text, HLO bytes = analytic bytes for
+every strategy, and `patchpar comm`."""
+
+import json
+
+import numpy as np
+import pytest
+from parallel_helpers import micro_unet
+
+from patchpar.cli import main
+from patchpar.measure.comm import count_hlo, parse_collectives
+from patchpar.measure.cost import measure
+from patchpar.parallel.engine import Plan
+from patchpar.parallel.strategies import make_strategy
+
+# Compiled-HLO style: async pairs, bf16 operands, list and iota replica groups, a ROOT line.
+SYNTHETIC = """
+HloModule m
+ENTRY %main {
+  %cp-start = (bf16[2,8,16]{2,1,0}, bf16[2,8,16]{2,1,0}, u32[], u32[]) collective-permute-start(bf16[2,8,16]{2,1,0} %x), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3}}, metadata={op_name="jit(step)/shard_map/pp_halo/ppermute"}
+  %cp-done = bf16[2,8,16]{2,1,0} collective-permute-done(%cp-start), metadata={op_name="jit(step)/shard_map/pp_halo/ppermute"}
+  %ag-start = (bf16[1,4,8]{2,1,0}, bf16[4,4,8]{2,1,0}) all-gather-start(%y), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/pp_kv/all_gather"}
+  %ag-done = bf16[4,4,8]{2,1,0} all-gather-done(%ag-start)
+  %ar-start = f32[2,3]{1,0} all-reduce-start(%z), channel_id=3, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/pp_gn/psum"}
+  %ar-done = f32[2,3]{1,0} all-reduce-done(%ar-start)
+  %ag2 = f32[8,6]{1,0} all-gather(%w), channel_id=4, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, metadata={op_name="jit(step)/pp_cfg/all_gather"}
+  %rs = f32[2]{0} reduce-scatter(%u), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+  ROOT %a2a = bf16[8,2]{1,0} all-to-all(%v), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+"""
+
+
+def test_parser_on_synthetic_hlo_with_async_pairs_and_bf16():
+    cs = parse_collectives(SYNTHETIC)
+    assert [c.op for c in cs] == ["collective-permute", "all-gather", "all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
+    assert [c.site for c in cs] == ["halo", "kv", "gn", "cfg", "other", "other"]
+    assert cs[2].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert cs[3].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    count = count_hlo(SYNTHETIC, 8)
+    np.testing.assert_array_equal(count.by_site["halo"], [0, 512, 512, 512, 0, 0, 0, 0])  # 2*8*16 bf16
+    np.testing.assert_array_equal(count.by_site["kv"], [192] * 4 + [0] * 4)  # 3 x 64 bytes
+    np.testing.assert_array_equal(count.by_site["gn"], [36] * 8)  # ring: 2 * 3/4 * 24 bytes
+    np.testing.assert_array_equal(count.by_site["cfg"], [96] * 8)  # (2-1) x 8*6*4/2 bytes
+    np.testing.assert_array_equal(count.by_site["other"], [56 + 28] * 8)  # 7/8 x 64 + 7/8 x 32
+    s = count.summary()["all"]
+    assert s["max"] == 512 + 192 + 36 + 96 + 84 and s["total"] == int(count.per_device.sum())
+    assert s["mean"] == pytest.approx(s["total"] / 8)
+
+
+CASES = [
+    ("sd", "naive_patch", {}, 4, 1),
+    ("sd", "sync_patch", {}, 8, 1),
+    ("sdxl", "sync_patch", {}, 4, 2),
+    ("sd", "distrifusion", {"gn": "corrected"}, 4, 2),
+    ("sdxl", "distrifusion", {"gn": "separate"}, 8, 1),
+    ("sd", "distrifusion", {"no_sync": True, "gn": "stale"}, 4, 1),
+    ("sd", "pcpp", {"send": "full"}, 8, 1),
+    ("sdxl", "pcpp", {"send": "band", "portion": 0.5}, 4, 2),
+]
+
+
+@pytest.mark.parametrize("kind, strategy, options, devices, cfg", CASES)
+def test_hlo_bytes_equal_analytic_bytes(kind, strategy, options, devices, cfg):
+    unet, params = micro_unet(kind)
+    r = measure(unet, Plan(make_strategy(strategy, **options), devices, cfg), (16, 16), params=params, flops=False)
+    for phase in ("warmup", "steady"):
+        entry = r["phases"][phase]
+        assert entry["analytic_matches_hlo"], (phase, entry["hlo"], entry["analytic"])
+        assert entry["hlo"] == entry["analytic"]
+    steady = r["phases"]["steady"]["hlo"]
+    if strategy == "naive_patch" or options.get("no_sync"):
+        assert steady["all"]["max"] == (0 if strategy == "naive_patch" else steady.get("cfg", {"max": 0})["max"])
+    if strategy in ("distrifusion", "pcpp"):
+        assert r["stale_bytes_per_device"] > 0
+
+
+def test_pcpp_sends_less_than_distrifusion_and_band_less_than_full():
+    unet, params = micro_unet("sd")
+    steady = {}
+    for name, opts in [("distrifusion", {}), ("pcpp", {"send": "full"}), ("pcpp", {"send": "band"})]:
+        r = measure(unet, Plan(make_strategy(name, **opts), 8, 1), (32, 16), params=params, flops=False)
+        steady[name + opts.get("send", "")] = r["phases"]["steady"]["hlo"]["kv"]["max"]
+    assert steady["pcppband"] < steady["pcppfull"] < steady["distrifusion"]
+
+
+def test_comm_cli_json_record(capsys):
+    assert main(["comm", "--model", "tiny", "--resolution", "128", "--devices", "4", "--strategy", "pcpp",
+                 "--send", "band", "--dtype", "float32", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    for key in ("steady_bytes_per_device", "warmup_bytes_per_device", "flops_per_device", "stale_bytes_per_device"):
+        assert rec[key] > 0
+    assert rec["analytic_matches_hlo"] and rec["steady_bytes_per_device"] < rec["warmup_bytes_per_device"]
+    assert rec["steady_bytes_mean"] <= rec["steady_bytes_per_device"]
+    assert rec["steady_bytes_total"] == pytest.approx(rec["steady_bytes_mean"] * 4)
+
+
+def test_comm_cli_bad_resolution(capsys):
+    assert main(["comm", "--model", "tiny", "--resolution", "96", "--devices", "4", "--strategy", "sync_patch"]) == 2
+    assert "latent rows=12 not divisible by patch=4 x 2^2 UNet downsamplings = 16" in capsys.readouterr().err
+    assert main(["comm", "--model", "tiny", "--resolution", "100", "--strategy", "sync_patch"]) == 2
+    assert "resolution=100: must be a positive multiple of 8" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sdxl_steady_bytes_pcpp_vs_distrifusion_at_1024():
+    """Issue 4's bound at one resolution (all resolutions: experiments/comm_table.py)."""
+    from patchpar.models.presets import abstract_unet
+
+    unet = abstract_unet("sdxl")
+    params = unet.abstract_params()
+    steady = {}
+    for name, opts in [("distrifusion", {}), ("full", {"send": "full"}), ("band", {"send": "band"})]:
+        strat = make_strategy("pcpp" if opts else name, **opts)
+        r = measure(unet, Plan(strat, 8, 1), (128, 128), params=params, flops=False)
+        steady[name] = r["phases"]["steady"]["hlo"]["all"]["max"]
+    assert steady["full"] <= 0.31 * steady["distrifusion"]
+    assert steady["band"] <= 0.12 * steady["distrifusion"]
