@@ -15,3 +15,25 @@ os.environ["PATCHPAR_HOME"] = tempfile.mkdtemp(prefix="patchpar-test-")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def micro_folder(tmp_path_factory):
+    """A small diffusers-format pipeline folder (micro UNet, 2-level VAE, tiny CLIP), random
+    weights: the CLI tests' model, quick to compile."""
+    from torch_refs import MICRO_UNETS
+
+    from patchpar.models.presets import PRESETS, write_random_folder
+
+    micro = {
+        "unet": {**MICRO_UNETS["sd"], "cross_attention_dim": 32},
+        "vae": {**PRESETS["tiny"]["vae"], "block_out_channels": [8, 8], "norm_num_groups": 4,
+                "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2},
+        "text_encoder": PRESETS["tiny"]["text_encoder"],
+        "scheduler": PRESETS["tiny"]["scheduler"],
+    }
+    folder = tmp_path_factory.mktemp("micro")
+    write_random_folder(folder, micro, seed=0)
+    return folder

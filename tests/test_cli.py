@@ -11,15 +11,15 @@ from PIL import Image
 from patchpar.cli import main
 
 
-def test_generate_writes_pngs_and_latent(tmp_path, capsys):
+def test_generate_writes_pngs_and_latent(tmp_path, micro_folder):
     out = tmp_path / "gen"
-    args = ["generate", "--model", "tiny", "--prompt", "a red bag", "a blue shoe", "--steps", "3",
-            "--height", "64", "--width", "96", "--seed", "1", "--out", str(out)]
+    args = ["generate", "--model", str(micro_folder), "--prompt", "a red bag", "a blue shoe", "--steps", "3",
+            "--height", "32", "--width", "48", "--seed", "1", "--out", str(out)]
     assert main(args) == 0
     images = [np.asarray(Image.open(out / f"image_{i}.png")) for i in range(2)]
-    assert all(img.shape == (64, 96, 3) and img.dtype == np.uint8 for img in images)
+    assert all(img.shape == (32, 48, 3) and img.dtype == np.uint8 for img in images)
     latent = np.load(out / "latent.npy")
-    assert latent.shape == (2, 8, 12, 4) and np.isfinite(latent).all()
+    assert latent.shape == (2, 16, 24, 4) and np.isfinite(latent).all()
     record = json.loads((out / "generate.json").read_text())
     assert record["config"]["prompt"] == ["a red bag", "a blue shoe"]
     # the same seed gives the same latent
@@ -27,15 +27,17 @@ def test_generate_writes_pngs_and_latent(tmp_path, capsys):
     np.testing.assert_array_equal(np.load(tmp_path / "again" / "latent.npy"), latent)
 
 
-def test_bfloat16_run_writes_a_float32_latent(tmp_path):
+def test_bfloat16_run_writes_a_float32_latent(tmp_path, micro_folder):
     out = tmp_path / "bf16"
-    assert main(["generate", "--steps", "2", "--height", "64", "--width", "64", "--dtype", "bfloat16", "--out", str(out)]) == 0
+    args = ["generate", "--model", str(micro_folder), "--steps", "2", "--height", "32", "--width", "32",
+            "--dtype", "bfloat16", "--out", str(out)]
+    assert main(args) == 0
     latent = np.load(out / "latent.npy")
     assert latent.dtype == np.float32 and np.isfinite(latent).all()
 
 
 def test_generate_bad_size_is_a_clear_error(tmp_path, capsys):
-    assert main(["generate", "--height", "100", "--out", str(tmp_path)]) == 2
+    assert main(["generate", "--height", "100", "--out", str(tmp_path)]) == 2  # the tiny preset
     assert "height=100 must be a positive multiple of 32" in capsys.readouterr().err
 
 

@@ -4,21 +4,12 @@ import json
 
 import numpy as np
 import pytest
-from torch_refs import MICRO_UNETS
 
 from patchpar.cli import main
 from patchpar.generate import GenerateConfig, generate
-from patchpar.models.presets import PRESETS, write_random_folder
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
 
-MICRO = {
-    "unet": {**MICRO_UNETS["sd"], "cross_attention_dim": 32},
-    "vae": {**PRESETS["tiny"]["vae"], "block_out_channels": [8, 8], "norm_num_groups": 4,
-            "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2},
-    "text_encoder": PRESETS["tiny"]["text_encoder"],
-    "scheduler": PRESETS["tiny"]["scheduler"],
-}
 STRATEGIES = [
     ("single", [], 1, 1),
     ("naive_patch", ["--split", "alternate"], 4, 1),
@@ -26,13 +17,6 @@ STRATEGIES = [
     ("distrifusion", ["--warmup-steps", "1", "--gn", "stale"], 4, 2),
     ("pcpp", ["--portion", "0.3", "--send", "band", "--warmup-steps", "1"], 8, 1),
 ]
-
-
-@pytest.fixture(scope="module")
-def micro_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("micro")
-    write_random_folder(folder, MICRO, seed=0)
-    return folder
 
 
 @pytest.mark.parametrize("strategy, flags, devices, cfg", STRATEGIES)
