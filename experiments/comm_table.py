@@ -43,7 +43,11 @@ def key(r: dict) -> tuple:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(GRID))
+    ap.add_argument("--table-only", action="store_true", help="only rewrite the tables from runs.jsonl")
     args = ap.parse_args(argv)
+    if args.table_only:
+        write_table(read_records(OUT / "runs.jsonl"), OUT / "table.md")
+        return 0
     runs = OUT / "runs.jsonl"
     done = {key(r) for r in read_records(runs)}
     points = [(m, res, n, s, o) for m in args.models for res in GRID[m] for n in DEVICES for s, o in STRATEGIES]
@@ -81,10 +85,11 @@ def main(argv=None) -> int:
 
 
 def write_table(records: list[dict], path: Path) -> None:
-    from patchpar.measure.report import comm_markdown
+    from patchpar.measure.report import comm_markdown, distrifusion_table2_markdown
 
     path.write_text(comm_markdown(records))
-    print(f"wrote {path}")
+    (path.parent / "distrifusion_table2.md").write_text(distrifusion_table2_markdown(records))
+    print(f"wrote {path} and {path.parent / 'distrifusion_table2.md'}")
 
 
 if __name__ == "__main__":

@@ -35,3 +35,33 @@ def comm_markdown(records: list[dict]) -> str:
     if failed:
         lines += ["## Failed points", ""] + [f"- {r['model']} {r['resolution']} {r['devices']} {r['strategy']}: {r.get('error')}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+PAPER_TABLE2 = {1024: 0.42, 2048: 1.48, 3840: 5.38}  # DistriFusion Table 2, "Comm." (unit "G", undefined)
+
+
+def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
+    """SDXL on `devices` devices beside DistriFusion's Table 2 communication column."""
+    ok = [r for r in records if r.get("status") == "ok" and r["model"] == "sdxl" and r["devices"] == devices]
+
+    def pick(res, prefix):
+        return next((r for r in ok if r["resolution"] == res and r["strategy"].startswith(prefix)), None)
+
+    lines = [
+        f"| px | paper Comm. | our full stale set (G elements) | distrifusion steady GB/device | "
+        f"pcpp full | pcpp band | pcpp full / distrifusion | pcpp band / distrifusion |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for res, paper in PAPER_TABLE2.items():
+        d = pick(res, "distrifusion")
+        full = pick(res, "pcpp(warmup_steps=4, gn='corrected', portion=0.3, send='full')")
+        band = pick(res, "pcpp(warmup_steps=4, gn='corrected', portion=0.3, send='band')")
+        if not (d and full and band):
+            lines.append(f"| {res} | {paper}G | (not measured yet) | | | | | |")
+            continue
+        db, fb, bb = d["steady_bytes_per_device"], full["steady_bytes_per_device"], band["steady_bytes_per_device"]
+        lines.append(
+            f"| {res} | {paper}G | {d['stale_bytes_per_device'] / 2 / 1e9:.2f}G | {db / GB:.3f} | {fb / GB:.3f} | "
+            f"{bb / GB:.3f} | {fb / db:.1%} | {bb / db:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
