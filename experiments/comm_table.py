@@ -43,14 +43,22 @@ def key(r: dict) -> tuple:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(GRID))
-    ap.add_argument("--table-only", action="store_true", help="only rewrite the tables from runs.jsonl")
+    ap.add_argument(
+        "--table-only", action="store_true", help="only rewrite the tables from runs.jsonl"
+    )
     args = ap.parse_args(argv)
     if args.table_only:
         write_table(read_records(OUT / "runs.jsonl"), OUT / "table.md")
         return 0
     runs = OUT / "runs.jsonl"
     done = {key(r) for r in read_records(runs)}
-    points = [(m, res, n, s, o) for m in args.models for res in GRID[m] for n in DEVICES for s, o in STRATEGIES]
+    points = [
+        (m, res, n, s, o)
+        for m in args.models
+        for res in GRID[m]
+        for n in DEVICES
+        for s, o in STRATEGIES
+    ]
     prov = provenance()
     unets = {}
     for model, res, n, strat, opts in tqdm(points, desc="comm", unit="point"):
@@ -62,21 +70,39 @@ def main(argv=None) -> int:
         unet = unets.setdefault(model, abstract_unet(model, jnp.bfloat16))
         t0 = time.perf_counter()
         try:
-            r = measure(unet, Plan(strategy, n, 1), (res // 8, res // 8), batch=1, params=unet.abstract_params())
+            r = measure(
+                unet,
+                Plan(strategy, n, 1),
+                (res // 8, res // 8),
+                batch=1,
+                params=unet.abstract_params(),
+            )
             status = {"status": "ok"}
         except Exception as e:  # a failed point is a row with its error, and the sweep goes on
             r, status = None, {"status": "error", "error": f"{type(e).__name__}: {e}"}
-        rec = {**point, "experiment": "comm", "dtype": "bfloat16", "cfg": 1, "unet_batch": 2, **status, "provenance": prov}
+        rec = {
+            **point,
+            "experiment": "comm",
+            "dtype": "bfloat16",
+            "cfg": 1,
+            "unet_batch": 2,
+            **status,
+            "provenance": prov,
+        }
         if r is not None:
             st, wu = r["phases"]["steady"], r["phases"]["warmup"]
             rec.update(
-                steady_bytes_per_device=st["hlo"]["all"]["max"], warmup_bytes_per_device=wu["hlo"]["all"]["max"],
-                steady_bytes_mean=st["hlo"]["all"]["mean"], steady_bytes_total=st["hlo"]["all"]["total"],
-                warmup_bytes_mean=wu["hlo"]["all"]["mean"], warmup_bytes_total=wu["hlo"]["all"]["total"],
+                steady_bytes_per_device=st["hlo"]["all"]["max"],
+                warmup_bytes_per_device=wu["hlo"]["all"]["max"],
+                steady_bytes_mean=st["hlo"]["all"]["mean"],
+                steady_bytes_total=st["hlo"]["all"]["total"],
+                warmup_bytes_mean=wu["hlo"]["all"]["mean"],
+                warmup_bytes_total=wu["hlo"]["all"]["total"],
                 steady_by_site={k: v["max"] for k, v in st["hlo"].items() if k != "all"},
                 warmup_by_site={k: v["max"] for k, v in wu["hlo"].items() if k != "all"},
                 analytic_matches_hlo=st["analytic_matches_hlo"] and wu["analytic_matches_hlo"],
-                flops_per_device=st.get("flops_per_device"), stale_bytes_per_device=r["stale_bytes_per_device"],
+                flops_per_device=st.get("flops_per_device"),
+                stale_bytes_per_device=r["stale_bytes_per_device"],
                 seconds=round(time.perf_counter() - t0, 1),
             )
         append_record(runs, rec)

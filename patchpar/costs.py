@@ -35,19 +35,28 @@ def run_comm(config: CommConfig) -> dict:
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
     if config.resolution <= 0 or config.resolution % 8:
-        raise ValueError(f"resolution={config.resolution}: must be a positive multiple of 8 (the VAE factor)")
+        raise ValueError(
+            f"resolution={config.resolution}: must be a positive multiple of 8 (the VAE factor)"
+        )
     plan = config.plan()
     unet = abstract_unet(config.model, getattr(jnp, config.dtype))
     latent = config.resolution // 8
     r = measure(unet, plan, (latent, latent), batch=config.batch)
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
     return {
-        "model": config.model, "resolution": config.resolution, "devices": plan.devices, "cfg": plan.cfg,
-        "strategy": plan.strategy.describe(), "dtype": config.dtype, "batch": config.batch,
+        "model": config.model,
+        "resolution": config.resolution,
+        "devices": plan.devices,
+        "cfg": plan.cfg,
+        "strategy": plan.strategy.describe(),
+        "dtype": config.dtype,
+        "batch": config.batch,
         "steady_bytes_per_device": st["hlo"]["all"]["max"],
         "warmup_bytes_per_device": wu["hlo"]["all"]["max"],
-        "steady_bytes_mean": st["hlo"]["all"]["mean"], "steady_bytes_total": st["hlo"]["all"]["total"],
-        "warmup_bytes_mean": wu["hlo"]["all"]["mean"], "warmup_bytes_total": wu["hlo"]["all"]["total"],
+        "steady_bytes_mean": st["hlo"]["all"]["mean"],
+        "steady_bytes_total": st["hlo"]["all"]["total"],
+        "warmup_bytes_mean": wu["hlo"]["all"]["mean"],
+        "warmup_bytes_total": wu["hlo"]["all"]["total"],
         "steady_by_site": {k: v for k, v in st["hlo"].items() if k != "all"},
         "warmup_by_site": {k: v for k, v in wu["hlo"].items() if k != "all"},
         "flops_per_device": st.get("flops_per_device"),

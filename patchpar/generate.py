@@ -59,9 +59,15 @@ def generate(config: GenerateConfig) -> dict:
     t0 = time.perf_counter()
     negative = [config.negative_prompt] * len(config.prompt) if config.negative_prompt else None
     out = pipe(
-        list(config.prompt), height=config.height, width=config.width, steps=config.steps,
-        guidance_scale=config.guidance_scale, seed=config.seed, sampler=config.sampler,
-        negative_prompts=negative, plan=plan,
+        list(config.prompt),
+        height=config.height,
+        width=config.width,
+        steps=config.steps,
+        guidance_scale=config.guidance_scale,
+        seed=config.seed,
+        sampler=config.sampler,
+        negative_prompts=negative,
+        plan=plan,
     )
     t_gen = time.perf_counter() - t0
     folder = Path(config.out)

@@ -17,8 +17,16 @@ from pathlib import Path
 def provenance() -> dict:
     """Git commit, package versions and the device kind of this process."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).parent).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     versions = {}
@@ -30,8 +38,14 @@ def provenance() -> dict:
     import jax
 
     dev = jax.devices()[0]
-    return {"git_commit": commit, "versions": versions, "python": platform.python_version(),
-            "device_kind": dev.device_kind, "platform": dev.platform, "device_count": jax.device_count()}
+    return {
+        "git_commit": commit,
+        "versions": versions,
+        "python": platform.python_version(),
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "device_count": jax.device_count(),
+    }
 
 
 def read_records(path: Path) -> list[dict]:
@@ -45,7 +59,11 @@ def append_record(path: Path, record: dict) -> dict:
     """Append one record (adding run id and time) by rewriting the file through a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"run_id": uuid.uuid4().hex[:12], "time": datetime.now(UTC).isoformat(timespec="seconds"), **record}
+    record = {
+        "run_id": uuid.uuid4().hex[:12],
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        **record,
+    }
     old = path.read_text() if path.is_file() else ""
     if old and not old.endswith("\n"):
         old += "\n"

@@ -29,8 +29,13 @@ def micro_folder(tmp_path_factory):
 
     micro = {
         "unet": {**MICRO_UNETS["sd"], "cross_attention_dim": 32},
-        "vae": {**PRESETS["tiny"]["vae"], "block_out_channels": [8, 8], "norm_num_groups": 4,
-                "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2},
+        "vae": {
+            **PRESETS["tiny"]["vae"],
+            "block_out_channels": [8, 8],
+            "norm_num_groups": 4,
+            "down_block_types": ["DownEncoderBlock2D"] * 2,
+            "up_block_types": ["UpDecoderBlock2D"] * 2,
+        },
         "text_encoder": PRESETS["tiny"]["text_encoder"],
         "scheduler": PRESETS["tiny"]["scheduler"],
     }

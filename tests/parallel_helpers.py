@@ -23,7 +23,12 @@ def micro_unet(kind: str) -> tuple[UNetFn, dict]:
     fn = UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(MICRO_UNETS[kind])))
     params = fn.init(seed=1)
     # non-zero biases and norm shifts, so every site's arithmetic matters
-    params = jax.tree.map(lambda p: p + 0.05 * jnp.asarray(np.random.RandomState(p.size % 97).randn(*p.shape), p.dtype), params)
+    params = jax.tree.map(
+        lambda p: (
+            p + 0.05 * jnp.asarray(np.random.RandomState(p.size % 97).randn(*p.shape), p.dtype)
+        ),
+        params,
+    )
     # Output scale like a trained model's noise prediction (|eps| of a few units at most), so the
     # final latents stay O(1) as in real runs and an absolute 1e-4 bound means what it says.
     params["conv_out"] = jax.tree.map(lambda p: 0.1 * p, params["conv_out"])
@@ -36,8 +41,11 @@ def inputs(kind: str, batch: int = 2, hw: tuple[int, int] = (16, 16), seed: int 
     x = jnp.asarray(rng.randn(batch, *hw, 4), jnp.float32)
     ctx = jnp.asarray(rng.randn(2, batch, 7, 16), jnp.float32)
     if kind == "sdxl":
-        cond = Conditioning(ctx, jnp.asarray(rng.randn(2, batch, 8), jnp.float32),
-                            jnp.broadcast_to(jnp.asarray([128.0, 128, 0, 0, 128, 128]), (2, batch, 6)))
+        cond = Conditioning(
+            ctx,
+            jnp.asarray(rng.randn(2, batch, 8), jnp.float32),
+            jnp.broadcast_to(jnp.asarray([128.0, 128, 0, 0, 128, 128]), (2, batch, 6)),
+        )
     else:
         cond = Conditioning(ctx)
     return x, jnp.asarray(500.0), cond

@@ -13,8 +13,24 @@ from patchpar.cli import main
 
 def test_generate_writes_pngs_and_latent(tmp_path, micro_folder):
     out = tmp_path / "gen"
-    args = ["generate", "--model", str(micro_folder), "--prompt", "a red bag", "a blue shoe", "--steps", "3",
-            "--height", "32", "--width", "48", "--seed", "1", "--out", str(out)]
+    args = [
+        "generate",
+        "--model",
+        str(micro_folder),
+        "--prompt",
+        "a red bag",
+        "a blue shoe",
+        "--steps",
+        "3",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--seed",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     images = [np.asarray(Image.open(out / f"image_{i}.png")) for i in range(2)]
     assert all(img.shape == (32, 48, 3) and img.dtype == np.uint8 for img in images)
@@ -29,8 +45,21 @@ def test_generate_writes_pngs_and_latent(tmp_path, micro_folder):
 
 def test_bfloat16_run_writes_a_float32_latent(tmp_path, micro_folder):
     out = tmp_path / "bf16"
-    args = ["generate", "--model", str(micro_folder), "--steps", "2", "--height", "32", "--width", "32",
-            "--dtype", "bfloat16", "--out", str(out)]
+    args = [
+        "generate",
+        "--model",
+        str(micro_folder),
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     latent = np.load(out / "latent.npy")
     assert latent.dtype == np.float32 and np.isfinite(latent).all()
@@ -57,6 +86,8 @@ def test_core_imports_without_torch():
         "print('ok', out.images.shape)\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "ok (1, 64, 64, 3)" in res.stdout

@@ -32,12 +32,21 @@ ENTRY %main {
 
 def test_parser_on_synthetic_hlo_with_async_pairs_and_bf16():
     cs = parse_collectives(SYNTHETIC)
-    assert [c.op for c in cs] == ["collective-permute", "all-gather", "all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
+    assert [c.op for c in cs] == [
+        "collective-permute",
+        "all-gather",
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+    ]
     assert [c.site for c in cs] == ["halo", "kv", "gn", "cfg", "other", "other"]
     assert cs[2].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert cs[3].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     count = count_hlo(SYNTHETIC, 8)
-    np.testing.assert_array_equal(count.by_site["halo"], [0, 512, 512, 512, 0, 0, 0, 0])  # 2*8*16 bf16
+    np.testing.assert_array_equal(
+        count.by_site["halo"], [0, 512, 512, 512, 0, 0, 0, 0]
+    )  # 2*8*16 bf16
     np.testing.assert_array_equal(count.by_site["kv"], [192] * 4 + [0] * 4)  # 3 x 64 bytes
     np.testing.assert_array_equal(count.by_site["gn"], [36] * 8)  # ring: 2 * 3/4 * 24 bytes
     np.testing.assert_array_equal(count.by_site["cfg"], [96] * 8)  # (2-1) x 8*6*4/2 bytes
@@ -62,14 +71,22 @@ CASES = [
 @pytest.mark.parametrize("kind, strategy, options, devices, cfg", CASES)
 def test_hlo_bytes_equal_analytic_bytes(kind, strategy, options, devices, cfg):
     unet, params = micro_unet(kind)
-    r = measure(unet, Plan(make_strategy(strategy, **options), devices, cfg), (16, 16), params=params, flops=False)
+    r = measure(
+        unet,
+        Plan(make_strategy(strategy, **options), devices, cfg),
+        (16, 16),
+        params=params,
+        flops=False,
+    )
     for phase in ("warmup", "steady"):
         entry = r["phases"][phase]
         assert entry["analytic_matches_hlo"], (phase, entry["hlo"], entry["analytic"])
         assert entry["hlo"] == entry["analytic"]
     steady = r["phases"]["steady"]["hlo"]
     if strategy == "naive_patch" or options.get("no_sync"):
-        assert steady["all"]["max"] == (0 if strategy == "naive_patch" else steady.get("cfg", {"max": 0})["max"])
+        assert steady["all"]["max"] == (
+            0 if strategy == "naive_patch" else steady.get("cfg", {"max": 0})["max"]
+        )
     if strategy in ("distrifusion", "pcpp"):
         assert r["stale_bytes_per_device"] > 0
 
@@ -77,26 +94,77 @@ def test_hlo_bytes_equal_analytic_bytes(kind, strategy, options, devices, cfg):
 def test_pcpp_sends_less_than_distrifusion_and_band_less_than_full():
     unet, params = micro_unet("sd")
     steady = {}
-    for name, opts in [("distrifusion", {}), ("pcpp", {"send": "full"}), ("pcpp", {"send": "band"})]:
-        r = measure(unet, Plan(make_strategy(name, **opts), 8, 1), (32, 16), params=params, flops=False)
+    for name, opts in [
+        ("distrifusion", {}),
+        ("pcpp", {"send": "full"}),
+        ("pcpp", {"send": "band"}),
+    ]:
+        r = measure(
+            unet, Plan(make_strategy(name, **opts), 8, 1), (32, 16), params=params, flops=False
+        )
         steady[name + opts.get("send", "")] = r["phases"]["steady"]["hlo"]["kv"]["max"]
     assert steady["pcppband"] < steady["pcppfull"] < steady["distrifusion"]
 
 
 def test_comm_cli_json_record(capsys):
-    assert main(["comm", "--model", "tiny", "--resolution", "128", "--devices", "4", "--strategy", "pcpp",
-                 "--send", "band", "--dtype", "float32", "--json"]) == 0
+    assert (
+        main(
+            [
+                "comm",
+                "--model",
+                "tiny",
+                "--resolution",
+                "128",
+                "--devices",
+                "4",
+                "--strategy",
+                "pcpp",
+                "--send",
+                "band",
+                "--dtype",
+                "float32",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rec = json.loads(capsys.readouterr().out)
-    for key in ("steady_bytes_per_device", "warmup_bytes_per_device", "flops_per_device", "stale_bytes_per_device"):
+    for key in (
+        "steady_bytes_per_device",
+        "warmup_bytes_per_device",
+        "flops_per_device",
+        "stale_bytes_per_device",
+    ):
         assert rec[key] > 0
-    assert rec["analytic_matches_hlo"] and rec["steady_bytes_per_device"] < rec["warmup_bytes_per_device"]
+    assert (
+        rec["analytic_matches_hlo"]
+        and rec["steady_bytes_per_device"] < rec["warmup_bytes_per_device"]
+    )
     assert rec["steady_bytes_mean"] <= rec["steady_bytes_per_device"]
     assert rec["steady_bytes_total"] == pytest.approx(rec["steady_bytes_mean"] * 4)
 
 
 def test_comm_cli_bad_resolution(capsys):
-    assert main(["comm", "--model", "tiny", "--resolution", "96", "--devices", "4", "--strategy", "sync_patch"]) == 2
-    assert "latent rows=12 not divisible by patch=4 x 2^2 UNet downsamplings = 16" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "comm",
+                "--model",
+                "tiny",
+                "--resolution",
+                "96",
+                "--devices",
+                "4",
+                "--strategy",
+                "sync_patch",
+            ]
+        )
+        == 2
+    )
+    assert (
+        "latent rows=12 not divisible by patch=4 x 2^2 UNet downsamplings = 16"
+        in capsys.readouterr().err
+    )
     assert main(["comm", "--model", "tiny", "--resolution", "100", "--strategy", "sync_patch"]) == 2
     assert "resolution=100: must be a positive multiple of 8" in capsys.readouterr().err
 
@@ -109,7 +177,11 @@ def test_sdxl_steady_bytes_pcpp_vs_distrifusion_at_1024():
     unet = abstract_unet("sdxl")
     params = unet.abstract_params()
     steady = {}
-    for name, opts in [("distrifusion", {}), ("full", {"send": "full"}), ("band", {"send": "band"})]:
+    for name, opts in [
+        ("distrifusion", {}),
+        ("full", {"send": "full"}),
+        ("band", {"send": "band"}),
+    ]:
         strat = make_strategy("pcpp" if opts else name, **opts)
         r = measure(unet, Plan(strat, 8, 1), (128, 128), params=params, flops=False)
         steady[name] = r["phases"]["steady"]["hlo"]["all"]["max"]

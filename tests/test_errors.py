@@ -40,7 +40,9 @@ def test_missing_weights_file(tiny, tmp_path):
     vae = copy_component(tiny, "vae", tmp_path)
     for f in vae.glob("*.safetensors"):
         f.unlink()
-    with pytest.raises(CheckpointError, match=r"no \*.safetensors weights .*found: \['config.json'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"no \*.safetensors weights .*found: \['config.json'\]"
+    ):
         load_vae(vae)
 
 
@@ -56,7 +58,9 @@ def rewrite_weights(folder, edit):
 def test_missing_key(tiny, tmp_path):
     unet = copy_component(tiny, "unet", tmp_path)
     rewrite_weights(unet, lambda s: s.pop("mid_block.attentions.0.proj_in.weight"))
-    with pytest.raises(CheckpointError, match=r"1 key\(s\) missing .*mid_block.attentions.0.proj_in.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"1 key\(s\) missing .*mid_block.attentions.0.proj_in.weight"
+    ):
         load_unet(unet)
 
 
@@ -68,7 +72,10 @@ def test_misshaped_key(tiny, tmp_path):
         s[key] = np.ones(31, np.float32)
 
     rewrite_weights(te, edit)
-    with pytest.raises(CheckpointError, match=r"final_layer_norm.weight' has shape \(31,\), the model config needs \(32,\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"final_layer_norm.weight' has shape \(31,\), the model config needs \(32,\)",
+    ):
         load_text_encoder(te)
 
 
@@ -76,7 +83,11 @@ def test_misshaped_key(tiny, tmp_path):
     "key, value, message",
     [
         ("class_embed_type", "timestep", "class_embed_type='timestep' is not supported"),
-        ("down_block_types", ["CrossAttnDownBlock2D", "SimpleDownBlock2D", "DownBlock2D"], "down_block_types="),
+        (
+            "down_block_types",
+            ["CrossAttnDownBlock2D", "SimpleDownBlock2D", "DownBlock2D"],
+            "down_block_types=",
+        ),
         ("addition_embed_type", "text_image", "addition_embed_type='text_image' not supported"),
         ("attention_head_dim", [4, 4], "attention_head_dim has 2 entries, expected 3"),
     ],
@@ -90,7 +101,9 @@ def test_unsupported_config_in_folder(tiny, tmp_path):
     unet = copy_component(tiny, "unet", tmp_path)
     cfg = json.loads((unet / "config.json").read_text())
     (unet / "config.json").write_text(json.dumps({**cfg, "time_embedding_type": "fourier"}))
-    with pytest.raises(ValueError, match=r"unet/config.json: time_embedding_type='fourier' is not supported"):
+    with pytest.raises(
+        ValueError, match=r"unet/config.json: time_embedding_type='fourier' is not supported"
+    ):
         load_unet(unet)
 
 
@@ -98,7 +111,9 @@ def test_unsupported_text_encoder(tiny, tmp_path):
     te = copy_component(tiny, "text_encoder", tmp_path)
     cfg = json.loads((te / "config.json").read_text())
     (te / "config.json").write_text(json.dumps({**cfg, "hidden_act": "relu"}))
-    with pytest.raises(ValueError, match=r"hidden_act='relu' not supported \(supported: \['gelu', 'quick_gelu'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"hidden_act='relu' not supported \(supported: \['gelu', 'quick_gelu'\]\)"
+    ):
         load_text_encoder(te)
 
 
@@ -108,7 +123,10 @@ def test_missing_tokenizer_files(tmp_path):
 
 
 def test_unknown_preset_and_weightless_preset():
-    with pytest.raises(ValueError, match=r"unknown preset 'sd3'; known: \['sd15', 'sd21', 'sdxl', 'tiny', 'tiny-xl'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown preset 'sd3'; known: \['sd15', 'sd21', 'sdxl', 'tiny', 'tiny-xl'\]",
+    ):
         get_preset("sd3")
     with pytest.raises(ValueError, match="preset 'sdxl' has full shapes but no weights here"):
         load_pipeline("sdxl")
@@ -118,7 +136,10 @@ def test_unknown_preset_and_weightless_preset():
 
 def test_bad_image_size_names_what_fits(tiny):
     pipe = load_pipeline("tiny")
-    with pytest.raises(ValueError, match=r"height=100 must be a positive multiple of 32 .* nearest that fit: \[96, 128\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"height=100 must be a positive multiple of 32 .* nearest that fit: \[96, 128\]",
+    ):
         pipe("a cat", height=100, width=64, steps=2)
     with pytest.raises(ValueError, match=r"unknown sampler 'heun'"):
         pipe("a cat", height=64, width=64, steps=2, sampler="heun")

@@ -32,12 +32,16 @@ def test_unet_matches_diffusers(kind, tmp_path):
     if kind == "sdxl":
         added = {
             "text_embeds": rng.randn(2, SDXL_POOLED).astype(np.float32),
-            "time_ids": np.array([[128, 128, 0, 0, 128, 128], [96, 128, 8, 0, 128, 128]], np.float32),
+            "time_ids": np.array(
+                [[128, 128, 0, 0, 128, 128], [96, 128, 8, 0, 128, 128]], np.float32
+            ),
         }
     ours = unet(params, x, t, ctx, **added)
     with torch.no_grad():
         theirs = ref(
-            nchw(x), torch.tensor(t), torch.tensor(ctx),
+            nchw(x),
+            torch.tensor(t),
+            torch.tensor(ctx),
             added_cond_kwargs={k: torch.tensor(v) for k, v in added.items()} or None,
         ).sample
     close(ours, nhwc(theirs))

@@ -22,9 +22,30 @@ STRATEGIES = [
 @pytest.mark.parametrize("strategy, flags, devices, cfg", STRATEGIES)
 def test_generate_runs_for_every_strategy(micro_folder, tmp_path, strategy, flags, devices, cfg):
     out = tmp_path / strategy
-    args = ["generate", "--model", str(micro_folder), "--strategy", strategy, "--devices", str(devices),
-            "--cfg", str(cfg), "--steps", "3", "--seed", "0", "--prompt", "a cat", "--height", "32",
-            "--width", "32", "--out", str(out), *flags]
+    args = [
+        "generate",
+        "--model",
+        str(micro_folder),
+        "--strategy",
+        strategy,
+        "--devices",
+        str(devices),
+        "--cfg",
+        str(cfg),
+        "--steps",
+        "3",
+        "--seed",
+        "0",
+        "--prompt",
+        "a cat",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--out",
+        str(out),
+        *flags,
+    ]
     assert main(args) == 0
     record = json.loads((out / "generate.json").read_text())
     assert record["strategy"].startswith(strategy) and record["devices"] == devices
@@ -46,35 +67,82 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
 @pytest.mark.parametrize(
     "config, message",
     [
-        (dict(strategy="pcpp", devices=8, height=48, width=32), r"latent rows=24 not divisible by patch=8 x 2\^1 UNet downsamplings = 16"),
-        (dict(strategy="naive_patch", split="col", devices=4, height=32, width=40), r"latent columns=20 not divisible by patch=4"),
+        (
+            dict(strategy="pcpp", devices=8, height=48, width=32),
+            r"latent rows=24 not divisible by patch=8 x 2\^1 UNet downsamplings = 16",
+        ),
+        (
+            dict(strategy="naive_patch", split="col", devices=4, height=32, width=40),
+            r"latent columns=20 not divisible by patch=4",
+        ),
         (dict(strategy="sync_patch", devices=4, cfg=3), r"cfg=3: must be 1 .* or 2"),
         (dict(strategy="sync_patch", devices=3, cfg=2), r"devices=3 is not divisible by cfg=2"),
         (dict(strategy="sync_patch", devices=16), r"devices=16 asked for, but only 8 present"),
         (dict(strategy="pcpp", devices=2, portion=0.0), r"portion=0.0 must be in \(0, 1\]"),
         (dict(strategy="pcpp", devices=2, portion=1.5), r"portion=1.5 must be in \(0, 1\]"),
-        (dict(strategy="distrifusion", devices=2, warmup_steps=3, steps=3), r"warmup_steps=3 must be < steps=3 .* use warmup_steps <= 2"),
+        (
+            dict(strategy="distrifusion", devices=2, warmup_steps=3, steps=3),
+            r"warmup_steps=3 must be < steps=3 .* use warmup_steps <= 2",
+        ),
         (dict(strategy="pcpp", devices=2, send="half"), r"send='half'; known: \['full', 'band'\]"),
-        (dict(strategy="distrifusion", devices=2, gn="batch"), r"gn='batch'; known: \['separate', 'stale', 'corrected', 'sync'\]"),
-        (dict(strategy="distrifusion", devices=2, gn="sync", no_sync=True), r"gn='sync' exchanges every step, no_sync=True"),
-        (dict(strategy="naive_patch", devices=2, split="diagonal"), r"split='diagonal'; known: \['row', 'col', 'alternate'\]"),
-        (dict(strategy="sync_patch", devices=2, portion=0.3), r"strategy 'sync_patch' has no option\(s\) \['portion'\]; its options: none"),
-        (dict(strategy="distrifusion", devices=2, portion=0.3), r"no option\(s\) \['portion'\]; its options: \['warmup_steps', 'gn', 'no_sync'\]"),
-        (dict(strategy="ring"), r"unknown strategy 'ring'; known: \['single', 'naive_patch', 'sync_patch', 'distrifusion', 'pcpp'\]"),
+        (
+            dict(strategy="distrifusion", devices=2, gn="batch"),
+            r"gn='batch'; known: \['separate', 'stale', 'corrected', 'sync'\]",
+        ),
+        (
+            dict(strategy="distrifusion", devices=2, gn="sync", no_sync=True),
+            r"gn='sync' exchanges every step, no_sync=True",
+        ),
+        (
+            dict(strategy="naive_patch", devices=2, split="diagonal"),
+            r"split='diagonal'; known: \['row', 'col', 'alternate'\]",
+        ),
+        (
+            dict(strategy="sync_patch", devices=2, portion=0.3),
+            r"strategy 'sync_patch' has no option\(s\) \['portion'\]; its options: none",
+        ),
+        (
+            dict(strategy="distrifusion", devices=2, portion=0.3),
+            r"no option\(s\) \['portion'\]; its options: \['warmup_steps', 'gn', 'no_sync'\]",
+        ),
+        (
+            dict(strategy="ring"),
+            r"unknown strategy 'ring'; known: \['single', 'naive_patch', 'sync_patch', 'distrifusion', 'pcpp'\]",
+        ),
         (dict(strategy="single", devices=2), r"strategy 'single' runs on 1 device"),
-        (dict(strategy="sync_patch", devices=4, cfg=2, guidance_scale=1.0), r"cfg=2 .* guidance_scale=1.0 turns guidance off"),
+        (
+            dict(strategy="sync_patch", devices=4, cfg=2, guidance_scale=1.0),
+            r"cfg=2 .* guidance_scale=1.0 turns guidance off",
+        ),
     ],
 )
 def test_validation_errors_name_the_numbers(micro_folder, tmp_path, config, message):
-    base = dict(model=str(micro_folder), prompt=("a cat",), steps=config.pop("steps", 5), height=32, width=32)
+    base = dict(
+        model=str(micro_folder),
+        prompt=("a cat",),
+        steps=config.pop("steps", 5),
+        height=32,
+        width=32,
+    )
     with pytest.raises(ValueError, match=message):
         generate(GenerateConfig(**{**base, **config, "out": tmp_path}))
     assert not (tmp_path / "latent.npy").exists()
 
 
 def test_cli_reports_validation_error_without_traceback(micro_folder, tmp_path, capsys):
-    args = ["generate", "--model", str(micro_folder), "--strategy", "pcpp", "--devices", "2",
-            "--portion", "2", "--out", str(tmp_path)]
+    args = [
+        "generate",
+        "--model",
+        str(micro_folder),
+        "--strategy",
+        "pcpp",
+        "--devices",
+        "2",
+        "--portion",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 2
     assert "portion=2.0 must be in (0, 1]" in capsys.readouterr().err
 

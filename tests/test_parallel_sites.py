@@ -39,9 +39,11 @@ def sharded(module, params, x, n, state=None, token_axis=1):
         return out, jax.tree.map(lambda a: a[None], mut.get(STALE, {}))
 
     fn = jax.shard_map(
-        lambda p, x, s: local(p, x, s), mesh=mesh,
+        lambda p, x, s: local(p, x, s),
+        mesh=mesh,
         in_specs=(P(), spec, jax.tree.map(lambda _: P(PATCH), state)),
-        out_specs=(spec, P(PATCH)), check_vma=False,
+        out_specs=(spec, P(PATCH)),
+        check_vma=False,
     )
     return jax.jit(fn)(params, x, state)
 
@@ -72,7 +74,9 @@ def test_groupnorm_sync_equals_unsharded(n):
     mod = GroupNorm(4, 1e-5, ops=PatchOps(n, "sync"))
     params = init(GroupNorm(4, 1e-5), x)
     out, _ = sharded(mod, params, x, n)
-    np.testing.assert_allclose(out, GroupNorm(4, 1e-5).apply({"params": params}, x), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        out, GroupNorm(4, 1e-5).apply({"params": params}, x), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -81,7 +85,9 @@ def test_self_attention_all_gather_equals_unsharded(n):
     mod = Attention(2, 4, C, ops=PatchOps(n, "sync", kv="all"))
     params = init(Attention(2, 4, C), x)
     out, _ = sharded(mod, params, x, n)
-    np.testing.assert_allclose(out, Attention(2, 4, C).apply({"params": params}, x), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        out, Attention(2, 4, C).apply({"params": params}, x), atol=1e-5, rtol=0
+    )
 
 
 # ---------------------------------------------------------------------- GroupNorm formulas
@@ -104,7 +110,9 @@ def numpy_groupnorm(x, params, g_stale, l_stale, n, mode, groups=4, eps=1e-5):
             var = np.where(var < 0, fresh[1] - fresh[0] ** 2, var)
         var = np.maximum(var, 0)
         y = (xi - mean[:, None, None, :, None]) / np.sqrt(var + eps)[:, None, None, :, None]
-        out.append(y.reshape(B, rows, W, C) * np.asarray(params["scale"]) + np.asarray(params["bias"]))
+        out.append(
+            y.reshape(B, rows, W, C) * np.asarray(params["scale"]) + np.asarray(params["bias"])
+        )
     return np.concatenate(out, axis=1)
 
 
@@ -150,7 +158,10 @@ def test_stale_halo_reads_previous_step_and_refreshes():
         np.testing.assert_array_equal(state1["halo"][i], jnp.concatenate([above, below], axis=1))
     out2, _ = sharded(mod, params, x2, n, state1)
     for i in range(n):  # step t reads exactly that buffer around its own fresh rows
-        padded = jnp.concatenate([state1["halo"][i][:, :1], x2[:, i * rows : (i + 1) * rows], state1["halo"][i][:, 1:]], axis=1)
+        padded = jnp.concatenate(
+            [state1["halo"][i][:, :1], x2[:, i * rows : (i + 1) * rows], state1["halo"][i][:, 1:]],
+            axis=1,
+        )
         ref = Conv(5, padding=1).apply({"params": params}, padded)[:, 1:-1]
         np.testing.assert_allclose(out2[:, i * rows : (i + 1) * rows], ref, atol=1e-5, rtol=0)
 
@@ -182,7 +193,10 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send):
     if kv == "stale":
         state0 = {"kv": rand(n, 2, B, tokens, 8, seed=12)}
     else:
-        state0 = {"kv_above": rand(n, 2, B, band, 8, seed=12), "kv_below": rand(n, 2, B, band, 8, seed=13)}
+        state0 = {
+            "kv_above": rand(n, 2, B, band, 8, seed=12),
+            "kv_below": rand(n, 2, B, band, 8, seed=13),
+        }
     _, state1 = sharded(mod, params, x1, n, state0)
     fresh1 = kv_of(params, x1)  # (2, B, T, D)
     for i in range(n):
@@ -203,7 +217,11 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send):
         if kv == "stale":
             keys = state1["kv"][i].at[:, :, i * length : (i + 1) * length].set(own)
         else:
-            parts = ([state1["kv_above"][i]] if i > 0 else []) + [own] + ([state1["kv_below"][i]] if i < n - 1 else [])
+            parts = (
+                ([state1["kv_above"][i]] if i > 0 else [])
+                + [own]
+                + ([state1["kv_below"][i]] if i < n - 1 else [])
+            )
             keys = jnp.concatenate(parts, axis=2)
         ref = attention_ref(q[:, i * length : (i + 1) * length], keys[0], keys[1], params)
         np.testing.assert_allclose(out2[:, i * length : (i + 1) * length], ref, atol=1e-5, rtol=0)

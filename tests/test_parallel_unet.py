@@ -52,7 +52,12 @@ def _run(kind, strategy, patch, cfg, steps, sampler, options):
 
 @pytest.mark.parametrize(
     "kind, patch, cfg",
-    [("sd", 8, 1), ("sd", 2, 2), ("sdxl", 4, 2), pytest.param("sdxl", 1, 1, marks=pytest.mark.slow)],
+    [
+        ("sd", 8, 1),
+        ("sd", 2, 2),
+        ("sdxl", 4, 2),
+        pytest.param("sdxl", 1, 1, marks=pytest.mark.slow),
+    ],
 )
 def test_sync_patch_sampling_run_equals_single(kind, patch, cfg):
     ref, _ = run(kind, "single", 1, 1)
@@ -78,7 +83,13 @@ def test_warmup_covering_all_steps_equals_sync_patch(strategy, options, patch, c
 
 
 @pytest.mark.parametrize(
-    "gn", ["corrected", "separate", pytest.param("stale", marks=pytest.mark.slow), pytest.param("sync", marks=pytest.mark.slow)]
+    "gn",
+    [
+        "corrected",
+        "separate",
+        pytest.param("stale", marks=pytest.mark.slow),
+        pytest.param("sync", marks=pytest.mark.slow),
+    ],
 )
 def test_pcpp_whole_neighbour_band_on_2_devices_equals_distrifusion(gn):
     kw = dict(steps=4, warmup_steps=1, gn=gn)
@@ -97,7 +108,9 @@ def hlo(strategy, phase, patch=4, cfg=1, **options):
     plan = Plan(make_strategy(strategy, **options), patch * cfg, cfg)
     mesh = plan.mesh()
     warm = make_step(unet, plan, "sync", "row", GUIDANCE, mesh)
-    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(warm, params, x, t, cond, None)[1])
+    state = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(warm, params, x, t, cond, None)[1]
+    )
     step = make_step(unet, plan, phase, "row", GUIDANCE, mesh)
     return jax.jit(step).lower(params, x, t, cond, state).compile().as_text()
 
@@ -116,7 +129,9 @@ def test_hlo_pcpp_steady_step_permutes_and_never_gathers(send):
     assert "all-gather" in hlo("pcpp", "sync", send=send)  # the warm-up gathers exactly
 
 
-@pytest.mark.parametrize("strategy, options, loops", [("sync_patch", {}, 1), ("distrifusion", {"warmup_steps": 1}, 2)])
+@pytest.mark.parametrize(
+    "strategy, options, loops", [("sync_patch", {}, 1), ("distrifusion", {"warmup_steps": 1}, 2)]
+)
 def test_each_phase_is_one_compiled_loop(strategy, options, loops):
     """The program holds one loop per phase, whatever the step count (no per-step recompiles
     or unrolled copies of the UNet)."""
@@ -125,7 +140,9 @@ def test_each_phase_is_one_compiled_loop(strategy, options, loops):
     smp = get_sampler("ddim")
     plan = Plan(make_strategy(strategy, **options), 4, 1)
     texts = [
-        denoise.lower(unet, plan, smp, params, cond, smp.schedule(SchedulerConfig(), steps), x, GUIDANCE).as_text()
+        denoise.lower(
+            unet, plan, smp, params, cond, smp.schedule(SchedulerConfig(), steps), x, GUIDANCE
+        ).as_text()
         for steps in (6, 12)
     ]
     for text in texts:

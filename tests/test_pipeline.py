@@ -23,8 +23,12 @@ SCHEDULERS = {
 
 def sd_scheduler():
     return diffusers.DDIMScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-        set_alpha_to_one=False, steps_offset=1,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
     )
 
 
@@ -35,9 +39,14 @@ def sd_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sd")
     tok = CLIPTokenizer.from_pretrained(str(write_clip_tokenizer(folder / "tok_src")))
     pipe = diffusers.StableDiffusionPipeline(
-        vae=make_vae(1), text_encoder=make_text_encoder(seed=2), tokenizer=tok,
-        unet=make_unet("sd1", cross_attention_dim=24, seed=3), scheduler=sd_scheduler(),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        vae=make_vae(1),
+        text_encoder=make_text_encoder(seed=2),
+        tokenizer=tok,
+        unet=make_unet("sd1", cross_attention_dim=24, seed=3),
+        scheduler=sd_scheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
     pipe.save_pretrained(folder / "pipe")
     return folder / "pipe", pipe
@@ -50,9 +59,12 @@ def sdxl_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sdxl")
     tok = CLIPTokenizer.from_pretrained(str(write_clip_tokenizer(folder / "tok_src")))
     pipe = diffusers.StableDiffusionXLPipeline(
-        vae=make_vae(1, scaling_factor=0.13025), text_encoder=make_text_encoder(hidden=12, seed=2),
+        vae=make_vae(1, scaling_factor=0.13025),
+        text_encoder=make_text_encoder(hidden=12, seed=2),
         text_encoder_2=make_text_encoder(projection_dim=16, hidden=12, act="gelu", seed=4),
-        tokenizer=tok, tokenizer_2=tok, unet=make_unet("sdxl", cross_attention_dim=24, seed=3),
+        tokenizer=tok,
+        tokenizer_2=tok,
+        unet=make_unet("sdxl", cross_attention_dim=24, seed=3),
         scheduler=sd_scheduler(),
     )
     pipe.save_pretrained(folder / "pipe")
@@ -87,8 +99,12 @@ def test_sd_final_latent_matches_diffusers(sd_folder, sampler):
     ours = pipe.denoise(Conditioning(jnp.stack([neg, pos])), jnp.asarray(latents), sampler, 10, 7.5)
     with torch.no_grad():
         theirs = ref(
-            prompt_embeds=torch.tensor(pos), negative_prompt_embeds=torch.tensor(neg), latents=nchw(latents),
-            num_inference_steps=10, guidance_scale=7.5, output_type="latent",
+            prompt_embeds=torch.tensor(pos),
+            negative_prompt_embeds=torch.tensor(neg),
+            latents=nchw(latents),
+            num_inference_steps=10,
+            guidance_scale=7.5,
+            output_type="latent",
         ).images
     err = np.abs(np.asarray(ours) - nhwc(theirs)).max()
     assert err <= 1e-3, f"max abs diff {err:.3g} (latent scale {np.abs(nhwc(theirs)).max():.3g})"
@@ -100,17 +116,28 @@ def test_sdxl_embeddings_and_final_latent_match_diffusers(sdxl_folder):
     assert pipe.is_xl
     cond = pipe.encode_prompt(PROMPTS, None, 5.0, 32, 32)
     with torch.no_grad():
-        pos, neg, pooled, neg_pooled = ref.encode_prompt(PROMPTS, device="cpu", do_classifier_free_guidance=True)
+        pos, neg, pooled, neg_pooled = ref.encode_prompt(
+            PROMPTS, device="cpu", do_classifier_free_guidance=True
+        )
     assert rel_err(cond.context[1], pos.numpy()) <= 1e-4
     assert rel_err(cond.text_embeds[1], pooled.numpy()) <= 1e-4
-    assert np.all(np.asarray(cond.context[0]) == 0) and np.all(neg.numpy() == 0)  # force_zeros_for_empty_prompt
+    assert np.all(np.asarray(cond.context[0]) == 0) and np.all(
+        neg.numpy() == 0
+    )  # force_zeros_for_empty_prompt
     latents = np.random.RandomState(1).randn(2, 16, 16, 4).astype(np.float32)
     ours = pipe.denoise(cond, jnp.asarray(latents), "ddim", 10, 5.0)
     with torch.no_grad():
         theirs = ref(
-            prompt_embeds=pos, negative_prompt_embeds=neg, pooled_prompt_embeds=pooled,
-            negative_pooled_prompt_embeds=neg_pooled, latents=nchw(latents), height=32, width=32,
-            num_inference_steps=10, guidance_scale=5.0, output_type="latent",
+            prompt_embeds=pos,
+            negative_prompt_embeds=neg,
+            pooled_prompt_embeds=pooled,
+            negative_pooled_prompt_embeds=neg_pooled,
+            latents=nchw(latents),
+            height=32,
+            width=32,
+            num_inference_steps=10,
+            guidance_scale=5.0,
+            output_type="latent",
         ).images
     assert np.abs(np.asarray(ours) - nhwc(theirs)).max() <= 1e-3
 

@@ -11,7 +11,10 @@ import jax.numpy as jnp  # noqa: E402
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler  # noqa: E402
 
 SD = dict(
-    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
     steps_offset=1,
 )
 REFS = {
@@ -59,13 +62,17 @@ def test_matches_diffusers_for_10_steps(name, spacing, prediction):
 
 
 def test_ddim_clip_sample_matches_diffusers():
-    ref = diffusers.DDIMScheduler(**SD, clip_sample=True, clip_sample_range=1.0, set_alpha_to_one=True)
+    ref = diffusers.DDIMScheduler(
+        **SD, clip_sample=True, clip_sample_range=1.0, set_alpha_to_one=True
+    )
     for ours, theirs in run_both("ddim", ref, 10, seed=1):
         assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, float(np.abs(theirs).max()))
 
 
 def test_unknown_sampler_lists_known():
-    with pytest.raises(ValueError, match=r"unknown sampler 'plms'; known: \['ddim', 'dpmpp_2m', 'euler'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown sampler 'plms'; known: \['ddim', 'dpmpp_2m', 'euler'\]"
+    ):
         get_sampler("plms")
 
 
@@ -76,7 +83,12 @@ def test_bad_step_count(steps):
 
 
 @pytest.mark.parametrize(
-    "key, value", [("prediction_type", "sample"), ("beta_schedule", "squaredcos_cap_v2"), ("use_karras_sigmas", True)]
+    "key, value",
+    [
+        ("prediction_type", "sample"),
+        ("beta_schedule", "squaredcos_cap_v2"),
+        ("use_karras_sigmas", True),
+    ],
 )
 def test_unsupported_scheduler_config(key, value):
     with pytest.raises(ValueError, match=key):

@@ -19,9 +19,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
 }
 OPS = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 SITES = ("halo", "gn", "kv", "cfg")  # pp_<site> scopes; anything else is "other"
@@ -81,7 +95,10 @@ class Collective:
 def _parse_groups(attr: str) -> tuple[tuple[int, ...], ...]:
     attr = attr.strip()
     if attr.startswith("{"):
-        return tuple(tuple(int(v) for v in g.split(",") if v.strip()) for g in re.findall(r"\{([\d,\s]*)\}", attr))
+        return tuple(
+            tuple(int(v) for v in g.split(",") if v.strip())
+            for g in re.findall(r"\{([\d,\s]*)\}", attr)
+        )
     m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attr)  # iota form
     if not m:
         raise ValueError(f"cannot parse replica groups {attr!r}")
@@ -94,7 +111,9 @@ def _parse_groups(attr: str) -> tuple[tuple[int, ...], ...]:
 
 
 def _attr(line: str, name: str) -> str | None:
-    m = re.search(name + r"=(\{(?:[^{}]|\{[^{}]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line)
+    m = re.search(
+        name + r"=(\{(?:[^{}]|\{[^{}]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line
+    )
     return m.group(1) if m else None
 
 
@@ -112,7 +131,9 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         )
         pairs = ()
         if m.group("op") == "collective-permute":
-            pairs = tuple(tuple(g) for g in _parse_groups(_attr(line, "source_target_pairs") or "{}"))
+            pairs = tuple(
+                tuple(g) for g in _parse_groups(_attr(line, "source_target_pairs") or "{}")
+            )
         groups = ()
         if (g := _attr(line, "replica_groups")) is not None:
             groups = _parse_groups(g)
@@ -121,7 +142,9 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         if op_name:
             found = [s for s in SITES if f"pp_{s}" in op_name.group(1)]
             site = found[-1] if found else "other"
-        out.append(Collective(m.group("op"), arrays, pairs, groups, site, m.group("async") == "-start"))
+        out.append(
+            Collective(m.group("op"), arrays, pairs, groups, site, m.group("async") == "-start")
+        )
     return out
 
 
@@ -144,8 +167,10 @@ class CommCount:
 
     def summary(self) -> dict:
         """max (the bottleneck device), mean and total over devices, overall and by site."""
+
         def stats(v):
             return {"max": int(v.max()), "mean": float(v.mean()), "total": int(v.sum())}
+
         sites = {k: stats(v) for k, v in sorted(self.by_site.items()) if v.any()}
         return {"all": stats(self.per_device), **sites}
 

@@ -20,7 +20,9 @@ from patchpar.sampling.guidance import Conditioning
 PHASES = {"warmup": "sync", "steady": "steady"}
 
 
-def abstract_inputs(unet: UNetFn, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2):
+def abstract_inputs(
+    unet: UNetFn, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2
+):
     """x (B, H, W, C), t and a guidance-stacked Conditioning, all abstract, in the UNet's dtype."""
     cfg, dt = unet.config, unet.module.dtype
     sds = jax.ShapeDtypeStruct
@@ -28,7 +30,9 @@ def abstract_inputs(unet: UNetFn, latent_hw: tuple[int, int], batch: int = 1, se
     ctx = sds((cfg_stack, batch, seq, cfg.cross_attention_dim), dt)
     if cfg.addition_embed_type == "text_time":
         pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        cond = Conditioning(ctx, sds((cfg_stack, batch, pooled), dt), sds((cfg_stack, batch, 6), jnp.float32))
+        cond = Conditioning(
+            ctx, sds((cfg_stack, batch, pooled), dt), sds((cfg_stack, batch, 6), jnp.float32)
+        )
     else:
         cond = Conditioning(ctx)
     return x, sds((), jnp.float32), cond
@@ -38,15 +42,24 @@ def analytic_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
     """Bytes per device from the recorded site calls and the strategy's rules."""
     count = CommCount(plan.devices)
     for ops, kind, info in log:
-        per_patch = np.array([ops.received_bytes(kind, info, p) for p in range(plan.patch)], np.int64)
+        per_patch = np.array(
+            [ops.received_bytes(kind, info, p) for p in range(plan.patch)], np.int64
+        )
         count.add(kind, np.tile(per_patch, plan.cfg))  # device id = cfg_index * patch + patch_index
     if plan.cfg == 2:  # the guided output: each device gathers the other half's (B, h, W, C)
         count.add("cfg", np.full(plan.devices, int(np.prod(out_shape)) * out_itemsize, np.int64))
     return count
 
 
-def measure(unet: UNetFn, plan: Plan, latent_hw: tuple[int, int], batch: int = 1, params=None,
-            guidance_scale: float = 5.0, flops: bool = True) -> dict:
+def measure(
+    unet: UNetFn,
+    plan: Plan,
+    latent_hw: tuple[int, int],
+    batch: int = 1,
+    params=None,
+    guidance_scale: float = 5.0,
+    flops: bool = True,
+) -> dict:
     """One UNet call per phase under `plan`: HLO-counted and analytic bytes per device, FLOPs per
     device (pre-optimisation HLO cost analysis), stale-buffer bytes per device."""
     plan.validate(unet, latent_hw, 1_000_000, guidance_scale)
@@ -56,7 +69,11 @@ def measure(unet: UNetFn, plan: Plan, latent_hw: tuple[int, int], batch: int = 1
     axis = plan.strategy.patch_axis(0)
     warm = make_step(unet, plan, "sync", axis, guidance_scale, mesh)
     out_shape, state = jax.eval_shape(warm, params, x, t, cond, None)
-    local_out = (batch,) + (latent_hw[0] // plan.patch if axis == "row" else latent_hw[0],) + out_shape.shape[2:]
+    local_out = (
+        (batch,)
+        + (latent_hw[0] // plan.patch if axis == "row" else latent_hw[0],)
+        + out_shape.shape[2:]
+    )
     if axis == "col":
         local_out = (batch, latent_hw[0], latent_hw[1] // plan.patch) + out_shape.shape[3:]
     record = {"stale_bytes_per_device": stale_bytes_per_device(state), "phases": {}}
@@ -68,7 +85,11 @@ def measure(unet: UNetFn, plan: Plan, latent_hw: tuple[int, int], batch: int = 1
             )
         hlo = count_hlo(hlo_text_with_metadata(lowered), plan.devices)
         model = analytic_count(plan, log, local_out, out_shape.dtype.itemsize)
-        entry = {"hlo": hlo.summary(), "analytic": model.summary(), "lower_s": round(time.perf_counter() - t0, 2)}
+        entry = {
+            "hlo": hlo.summary(),
+            "analytic": model.summary(),
+            "lower_s": round(time.perf_counter() - t0, 2),
+        }
         entry["analytic_matches_hlo"] = _same(hlo, model)
         if flops:
             cost = lowered.cost_analysis()

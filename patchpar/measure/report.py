@@ -17,13 +17,33 @@ def comm_markdown(records: list[dict]) -> str:
         "",
     ]
     for model in sorted({r["model"] for r in ok}):
-        lines += [f"## {model}", "", "| px | devices | strategy | steady GB | warm-up GB | steady / distrifusion | "
-                  "TFLOP per device | stale GB per device | HLO = analytic |", "|---|---|---|---|---|---|---|---|---|"]
-        rows = sorted((r for r in ok if r["model"] == model), key=lambda r: (r["resolution"], r["devices"], r["strategy"]))
+        lines += [
+            f"## {model}",
+            "",
+            "| px | devices | strategy | steady GB | warm-up GB | steady / distrifusion | "
+            "TFLOP per device | stale GB per device | HLO = analytic |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        rows = sorted(
+            (r for r in ok if r["model"] == model),
+            key=lambda r: (r["resolution"], r["devices"], r["strategy"]),
+        )
         for r in rows:
-            base = next((b for b in rows if b["resolution"] == r["resolution"] and b["devices"] == r["devices"]
-                         and b["strategy"].startswith("distrifusion")), None)
-            ratio = f"{r['steady_bytes_per_device'] / base['steady_bytes_per_device']:.1%}" if base and base["steady_bytes_per_device"] else "–"
+            base = next(
+                (
+                    b
+                    for b in rows
+                    if b["resolution"] == r["resolution"]
+                    and b["devices"] == r["devices"]
+                    and b["strategy"].startswith("distrifusion")
+                ),
+                None,
+            )
+            ratio = (
+                f"{r['steady_bytes_per_device'] / base['steady_bytes_per_device']:.1%}"
+                if base and base["steady_bytes_per_device"]
+                else "–"
+            )
             flops = r.get("flops_per_device")
             lines.append(
                 f"| {r['resolution']} | {r['devices']} | `{r['strategy']}` | {r['steady_bytes_per_device'] / GB:.3f} | "
@@ -33,23 +53,36 @@ def comm_markdown(records: list[dict]) -> str:
         lines.append("")
     failed = [r for r in records if r.get("status") != "ok"]
     if failed:
-        lines += ["## Failed points", ""] + [f"- {r['model']} {r['resolution']} {r['devices']} {r['strategy']}: {r.get('error')}" for r in failed]
+        lines += ["## Failed points", ""] + [
+            f"- {r['model']} {r['resolution']} {r['devices']} {r['strategy']}: {r.get('error')}"
+            for r in failed
+        ]
     return "\n".join(lines) + "\n"
 
 
-PAPER_TABLE2 = {1024: 0.42, 2048: 1.48, 3840: 5.38}  # DistriFusion Table 2, "Comm." (unit "G", undefined)
+PAPER_TABLE2 = {
+    1024: 0.42,
+    2048: 1.48,
+    3840: 5.38,
+}  # DistriFusion Table 2, "Comm." (unit "G", undefined)
 
 
 def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
     """SDXL on `devices` devices beside DistriFusion's Table 2 communication column."""
-    ok = [r for r in records if r.get("status") == "ok" and r["model"] == "sdxl" and r["devices"] == devices]
+    ok = [
+        r
+        for r in records
+        if r.get("status") == "ok" and r["model"] == "sdxl" and r["devices"] == devices
+    ]
 
     def pick(res, prefix):
-        return next((r for r in ok if r["resolution"] == res and r["strategy"].startswith(prefix)), None)
+        return next(
+            (r for r in ok if r["resolution"] == res and r["strategy"].startswith(prefix)), None
+        )
 
     lines = [
-        f"| px | paper Comm. | our full stale set (G elements) | distrifusion steady GB/device | "
-        f"pcpp full | pcpp band | pcpp full / distrifusion | pcpp band / distrifusion |",
+        "| px | paper Comm. | our full stale set (G elements) | distrifusion steady GB/device | "
+        "pcpp full | pcpp band | pcpp full / distrifusion | pcpp band / distrifusion |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for res, paper in PAPER_TABLE2.items():
@@ -59,7 +92,11 @@ def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
         if not (d and full and band):
             lines.append(f"| {res} | {paper}G | (not measured yet) | | | | | |")
             continue
-        db, fb, bb = d["steady_bytes_per_device"], full["steady_bytes_per_device"], band["steady_bytes_per_device"]
+        db, fb, bb = (
+            d["steady_bytes_per_device"],
+            full["steady_bytes_per_device"],
+            band["steady_bytes_per_device"],
+        )
         lines.append(
             f"| {res} | {paper}G | {d['stale_bytes_per_device'] / 2 / 1e9:.2f}G | {db / GB:.3f} | {fb / GB:.3f} | "
             f"{bb / GB:.3f} | {fb / db:.1%} | {bb / db:.1%} |"

@@ -34,25 +34,36 @@ class UNetFn:
         return self.module.config
 
     def __call__(self, params, sample, timesteps, encoder_hidden_states, **added_cond):
-        return self.module.apply({"params": params}, sample, timesteps, encoder_hidden_states, **added_cond)
+        return self.module.apply(
+            {"params": params}, sample, timesteps, encoder_hidden_states, **added_cond
+        )
 
     def with_ops(self, ops: SiteOps) -> UNetFn:
         return replace(self, module=self.module.clone(ops=ops))
 
-    def example_inputs(self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 77):
+    def example_inputs(
+        self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 77
+    ):
         """Abstract inputs of the right shapes (latent size = sample_size unless given)."""
         cfg, dt = self.config, self.module.dtype
         h, w = height or cfg.sample_size, width or cfg.sample_size
         sds = jax.ShapeDtypeStruct
-        args = (sds((batch, h, w, cfg.in_channels), dt), sds((batch,), jnp.float32), sds((batch, seq, cfg.cross_attention_dim), dt))
+        args = (
+            sds((batch, h, w, cfg.in_channels), dt),
+            sds((batch,), jnp.float32),
+            sds((batch, seq, cfg.cross_attention_dim), dt),
+        )
         added = {}
         if cfg.addition_embed_type == "text_time":
             pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-            added = {"text_embeds": sds((batch, pooled), dt), "time_ids": sds((batch, 6), jnp.float32)}
+            added = {
+                "text_embeds": sds((batch, pooled), dt),
+                "time_ids": sds((batch, 6), jnp.float32),
+            }
         return args, added
 
     def abstract_params(self):
-        args, added = self.example_inputs(1, 2 ** self.config.num_downsamples)
+        args, added = self.example_inputs(1, 2**self.config.num_downsamples)
         return _abstract_init(self.module, *args, **added)
 
     def init(self, seed: int = 0):
@@ -80,7 +91,15 @@ class VAEFn:
         return replace(self, module=self.module.clone(ops=ops))
 
     def abstract_params(self):
-        x = jax.ShapeDtypeStruct((1, self.config.downsample_factor, self.config.downsample_factor, self.config.in_channels), self.module.dtype)
+        x = jax.ShapeDtypeStruct(
+            (
+                1,
+                self.config.downsample_factor,
+                self.config.downsample_factor,
+                self.config.in_channels,
+            ),
+            self.module.dtype,
+        )
         return _abstract_init(self.module, x)
 
     def init(self, seed: int = 0):
@@ -147,21 +166,35 @@ def _load(fn, path: Path, where: str, state_map=None):
 def load_unet(path: str | Path, dtype=jnp.float32) -> tuple[UNetFn, dict]:
     """UNet from a diffusers folder (`.../unet` or a pipeline folder holding `unet/`)."""
     path = _component(path, "unet")
-    fn = UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype))
+    fn = UNetFn(
+        UNet2DConditionModel(
+            UNetConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype
+        )
+    )
     return fn, _load(fn, path, str(path))
 
 
 def load_vae(path: str | Path, dtype=jnp.float32) -> tuple[VAEFn, dict]:
     path = _component(path, "vae")
-    fn = VAEFn(AutoencoderKL(VAEConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype))
+    fn = VAEFn(
+        AutoencoderKL(VAEConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype)
+    )
     return fn, _load(fn, path, str(path))
 
 
-def load_text_encoder(path: str | Path, dtype=jnp.float32, subfolder: str = "text_encoder") -> tuple[TextEncoderFn, dict]:
+def load_text_encoder(
+    path: str | Path, dtype=jnp.float32, subfolder: str = "text_encoder"
+) -> tuple[TextEncoderFn, dict]:
     path = _component(path, subfolder)
-    fn = TextEncoderFn(CLIPTextModel(CLIPTextConfig.from_transformers(read_config(path), f"{path}/config.json"), dtype))
+    fn = TextEncoderFn(
+        CLIPTextModel(
+            CLIPTextConfig.from_transformers(read_config(path), f"{path}/config.json"), dtype
+        )
+    )
 
-    def rename(key: str) -> str:  # transformers 5 saves CLIPTextModel without the text_model. prefix
+    def rename(
+        key: str,
+    ) -> str:  # transformers 5 saves CLIPTextModel without the text_model. prefix
         return key if key.startswith(("text_model.", "text_projection.")) else "text_model." + key
 
     return fn, _load(fn, path, str(path), rename)

@@ -31,13 +31,19 @@ class CLIPTextConfig:
     projection_dim: int | None = None  # set for CLIPTextModelWithProjection
 
     @classmethod
-    def from_transformers(cls, cfg: dict, where: str = "text_encoder/config.json") -> CLIPTextConfig:
+    def from_transformers(
+        cls, cfg: dict, where: str = "text_encoder/config.json"
+    ) -> CLIPTextConfig:
         arch = (cfg.get("architectures") or ["CLIPTextModel"])[0]
         if arch not in ARCHITECTURES:
-            raise ValueError(f"{where}: architecture {arch!r} not supported (supported: {list(ARCHITECTURES)})")
+            raise ValueError(
+                f"{where}: architecture {arch!r} not supported (supported: {list(ARCHITECTURES)})"
+            )
         act = cfg.get("hidden_act", "quick_gelu")
         if act not in _ACTS:
-            raise ValueError(f"{where}: hidden_act={act!r} not supported (supported: {sorted(_ACTS)})")
+            raise ValueError(
+                f"{where}: hidden_act={act!r} not supported (supported: {sorted(_ACTS)})"
+            )
         return cls(
             vocab_size=cfg.get("vocab_size", 49408),
             hidden_size=cfg.get("hidden_size", 512),
@@ -48,7 +54,9 @@ class CLIPTextConfig:
             hidden_act=act,
             layer_norm_eps=cfg.get("layer_norm_eps", 1e-5),
             eos_token_id=cfg.get("eos_token_id", 2),
-            projection_dim=cfg.get("projection_dim") if arch == "CLIPTextModelWithProjection" else None,
+            projection_dim=cfg.get("projection_dim")
+            if arch == "CLIPTextModelWithProjection"
+            else None,
         )
 
 
@@ -59,7 +67,10 @@ class EncoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:  # (B, S, D)
         cfg, dt = self.config, self.dtype
-        ln = lambda name: nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dt, param_dtype=dt, name=name)  # noqa: E731
+
+        def ln(name: str) -> nn.LayerNorm:
+            return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dt, param_dtype=dt, name=name)
+
         h = ln("layer_norm1")(x)
         h = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, dt, name="self_attn")(h, mask)
         x = x + h
@@ -81,7 +92,9 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         d = self.dim // self.heads
         split = lambda t: t.reshape(b, s, self.heads, d)  # noqa: E731
-        logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32
+        )
         logits = jnp.where(mask, logits * d**-0.5, jnp.finfo(jnp.float32).min)
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1).astype(v.dtype), split(v))
         return dense(self.dim, "out_proj", self.dtype)(out.reshape(b, s, self.dim))
@@ -95,7 +108,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.dim, "fc2", self.dtype)(_ACTS[self.act](dense(self.inner, "fc1", self.dtype)(x)))
+        return dense(self.dim, "fc2", self.dtype)(
+            _ACTS[self.act](dense(self.inner, "fc1", self.dtype)(x))
+        )
 
 
 class TextTransformer(nn.Module):
@@ -109,7 +124,9 @@ class TextTransformer(nn.Module):
         x = _Embeddings(cfg, dt, name="embeddings")(input_ids)  # (B, S, D)
         hidden = _Encoder(cfg, dt, name="encoder")(x)  # L + 1 x (B, S, D)
         x = hidden[-1]
-        last = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dt, param_dtype=dt, name="final_layer_norm")(x)
+        last = nn.LayerNorm(
+            epsilon=cfg.layer_norm_eps, dtype=dt, param_dtype=dt, name="final_layer_norm"
+        )(x)
         if cfg.eos_token_id == 2:  # legacy configs: the EOS token has the largest id
             eos = jnp.argmax(input_ids, axis=-1)
         else:
@@ -128,7 +145,9 @@ class _Encoder(nn.Module):
         mask = jnp.tril(jnp.ones((s, s), bool))[None, None]  # causal, (1, 1, S, S)
         hidden = [x]
         for i in range(self.config.num_hidden_layers):
-            hidden.append(EncoderLayer(self.config, self.dtype, name=f"layers_{i}")(hidden[-1], mask))
+            hidden.append(
+                EncoderLayer(self.config, self.dtype, name=f"layers_{i}")(hidden[-1], mask)
+            )
         return tuple(hidden)
 
 
@@ -143,8 +162,16 @@ class _Embeddings(nn.Module):
             raise ValueError(
                 f"{input_ids.shape[1]} tokens, but the text encoder takes at most {cfg.max_position_embeddings}"
             )
-        tok = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt, name="token_embedding")
-        pos = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=dt, param_dtype=dt, name="position_embedding")
+        tok = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt, name="token_embedding"
+        )
+        pos = nn.Embed(
+            cfg.max_position_embeddings,
+            cfg.hidden_size,
+            dtype=dt,
+            param_dtype=dt,
+            name="position_embedding",
+        )
         return tok(input_ids) + pos(jnp.arange(input_ids.shape[1]))[None]
 
 

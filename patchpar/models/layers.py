@@ -32,7 +32,9 @@ class Conv(nn.Module):
     ops: SiteOps = IDENTITY
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, Cin) -> (B, h/stride, W/stride, Cout)
+    def __call__(
+        self, x: jax.Array
+    ) -> jax.Array:  # (B, h, W, Cin) -> (B, h/stride, W/stride, Cout)
         k = self.kernel_size
         kernel = self.param(
             "kernel", nn.initializers.lecun_normal(), (k, k, x.shape[-1], self.features), self.dtype
@@ -75,7 +77,9 @@ class GroupNorm(nn.Module):
         mean_sq = jnp.square(xg).mean(axis=(1, 2, 4))  # (B, G)
         mean, mean_sq = self.ops.group_stats(self, mean, mean_sq)
         var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
-        xg = (xg - mean[:, None, None, :, None]) * jax.lax.rsqrt(var + self.epsilon)[:, None, None, :, None]
+        xg = (xg - mean[:, None, None, :, None]) * jax.lax.rsqrt(var + self.epsilon)[
+            :, None, None, :, None
+        ]
         scale = self.param("scale", nn.initializers.ones, (c,), self.dtype)
         bias = self.param("bias", nn.initializers.zeros, (c,), self.dtype)
         return (xg.reshape(b, h, w, c) * scale + bias).astype(self.dtype)
@@ -85,7 +89,9 @@ def dense(features: int, name: str, dtype, use_bias: bool = True) -> nn.Dense:
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, mask: jax.Array | None = None) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, heads: int, mask: jax.Array | None = None
+) -> jax.Array:
     """Softmax attention. q: (B, Tq, H*D), k/v: (B, Tk, H*D), mask: (Tk,) bool keys that exist
     -> (B, Tq, H*D); logits and softmax in float32."""
     b, tq, inner = q.shape
@@ -159,8 +165,13 @@ class Downsample2D(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, C) -> (B, h/2, W/2, C)
         return Conv(
-            self.channels, stride=2, padding=self.padding, asym_pad=self.padding == 0,
-            dtype=self.dtype, ops=self.ops, name="conv",
+            self.channels,
+            stride=2,
+            padding=self.padding,
+            asym_pad=self.padding == 0,
+            dtype=self.dtype,
+            ops=self.ops,
+            name="conv",
         )(x)
 
 

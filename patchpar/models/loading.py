@@ -27,7 +27,9 @@ def read_config(folder: Path, name: str = "config.json") -> dict:
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
     path = folder / name
     if not path.is_file():
-        raise CheckpointError(f"{str(path)!r} is missing (a diffusers-format component folder has {name})")
+        raise CheckpointError(
+            f"{str(path)!r} is missing (a diffusers-format component folder has {name})"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -81,7 +83,9 @@ def _to_torch(arr: np.ndarray, leaf: str) -> np.ndarray:
     return arr
 
 
-def state_dict_to_params(state: dict[str, np.ndarray], abstract_params, where: str, dtype=None) -> dict:
+def state_dict_to_params(
+    state: dict[str, np.ndarray], abstract_params, where: str, dtype=None
+) -> dict:
     """Convert a PyTorch state dict to the Flax tree whose shapes `abstract_params` gives."""
     expected = flatten_dict(abstract_params)
     # torch-style name of each expected flax path
@@ -129,8 +133,16 @@ def _torch_name(path: tuple[str, ...]) -> str:
 
 # Module names that diffusers / transformers keep in lists (ModuleList / Sequential).
 _LIST_NAMES = {
-    "down_blocks", "up_blocks", "resnets", "attentions", "downsamplers", "upsamplers",
-    "transformer_blocks", "to_out", "net", "layers",
+    "down_blocks",
+    "up_blocks",
+    "resnets",
+    "attentions",
+    "downsamplers",
+    "upsamplers",
+    "transformer_blocks",
+    "to_out",
+    "net",
+    "layers",
 }
 
 
@@ -142,5 +154,7 @@ def write_component(folder: Path, config: dict, params) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    fname = "model.safetensors" if "architectures" in config else "diffusion_pytorch_model.safetensors"
+    fname = (
+        "model.safetensors" if "architectures" in config else "diffusion_pytorch_model.safetensors"
+    )
     save_file(params_to_state_dict(params), str(folder / fname), metadata={"format": "pt"})

@@ -12,82 +12,171 @@ from pathlib import Path
 import jax.numpy as jnp
 
 _SD_SCHED = {
-    "_class_name": "DDIMScheduler", "num_train_timesteps": 1000, "beta_start": 0.00085,
-    "beta_end": 0.012, "beta_schedule": "scaled_linear", "clip_sample": False,
-    "set_alpha_to_one": False, "steps_offset": 1, "prediction_type": "epsilon",
+    "_class_name": "DDIMScheduler",
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 1,
+    "prediction_type": "epsilon",
 }
 _UNET_SD = {
-    "_class_name": "UNet2DConditionModel", "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
-    "block_out_channels": [320, 640, 1280, 1280], "norm_num_groups": 32, "norm_eps": 1e-5,
+    "_class_name": "UNet2DConditionModel",
+    "in_channels": 4,
+    "out_channels": 4,
+    "layers_per_block": 2,
+    "block_out_channels": [320, 640, 1280, 1280],
+    "norm_num_groups": 32,
+    "norm_eps": 1e-5,
     "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
     "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-    "flip_sin_to_cos": True, "freq_shift": 0, "downsample_padding": 1, "act_fn": "silu",
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "downsample_padding": 1,
+    "act_fn": "silu",
 }
 _VAE_SD = {
-    "_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3, "latent_channels": 4,
-    "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "norm_num_groups": 32,
-    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "act_fn": "silu", "scaling_factor": 0.18215,
+    "_class_name": "AutoencoderKL",
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "act_fn": "silu",
+    "scaling_factor": 0.18215,
 }
 _CLIP_L = {
-    "architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "vocab_size": 49408,
-    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-    "max_position_embeddings": 77, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
-    "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 49407,
+    "architectures": ["CLIPTextModel"],
+    "model_type": "clip_text_model",
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+    "bos_token_id": 49406,
+    "eos_token_id": 49407,
+    "pad_token_id": 49407,
 }
 
 PRESETS: dict[str, dict[str, dict]] = {
     "sd15": {
-        "unet": {**_UNET_SD, "sample_size": 64, "attention_head_dim": 8, "cross_attention_dim": 768},
+        "unet": {
+            **_UNET_SD,
+            "sample_size": 64,
+            "attention_head_dim": 8,
+            "cross_attention_dim": 768,
+        },
         "vae": {**_VAE_SD, "sample_size": 512},
         "text_encoder": _CLIP_L,
         "scheduler": _SD_SCHED,
     },
     "sd21": {
-        "unet": {**_UNET_SD, "sample_size": 96, "attention_head_dim": [5, 10, 20, 20],
-                 "cross_attention_dim": 1024, "use_linear_projection": True},
+        "unet": {
+            **_UNET_SD,
+            "sample_size": 96,
+            "attention_head_dim": [5, 10, 20, 20],
+            "cross_attention_dim": 1024,
+            "use_linear_projection": True,
+        },
         "vae": {**_VAE_SD, "sample_size": 768},
-        "text_encoder": {**_CLIP_L, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
-                         "num_attention_heads": 16, "hidden_act": "gelu"},
+        "text_encoder": {
+            **_CLIP_L,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 23,
+            "num_attention_heads": 16,
+            "hidden_act": "gelu",
+        },
         "scheduler": {**_SD_SCHED, "prediction_type": "v_prediction"},
     },
     "sdxl": {
-        "unet": {**_UNET_SD, "sample_size": 128, "block_out_channels": [320, 640, 1280],
-                 "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-                 "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-                 "attention_head_dim": [5, 10, 20], "transformer_layers_per_block": [1, 2, 10],
-                 "cross_attention_dim": 2048, "use_linear_projection": True,
-                 "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-                 "projection_class_embeddings_input_dim": 2816},
+        "unet": {
+            **_UNET_SD,
+            "sample_size": 128,
+            "block_out_channels": [320, 640, 1280],
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+            "attention_head_dim": [5, 10, 20],
+            "transformer_layers_per_block": [1, 2, 10],
+            "cross_attention_dim": 2048,
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 256,
+            "projection_class_embeddings_input_dim": 2816,
+        },
         "vae": {**_VAE_SD, "sample_size": 1024, "scaling_factor": 0.13025},
         "text_encoder": _CLIP_L,
-        "text_encoder_2": {**_CLIP_L, "architectures": ["CLIPTextModelWithProjection"], "hidden_size": 1280,
-                           "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
-                           "hidden_act": "gelu", "projection_dim": 1280},
+        "text_encoder_2": {
+            **_CLIP_L,
+            "architectures": ["CLIPTextModelWithProjection"],
+            "hidden_size": 1280,
+            "intermediate_size": 5120,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 20,
+            "hidden_act": "gelu",
+            "projection_dim": 1280,
+        },
         "scheduler": {**_SD_SCHED, "timestep_spacing": "leading"},
     },
 }
 
-_TINY_CLIP = {**_CLIP_L, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
-_TINY_VAE = {**_VAE_SD, "block_out_channels": [16, 32, 32, 32], "layers_per_block": 1, "norm_num_groups": 8,
-             "sample_size": 256}
+_TINY_CLIP = {
+    **_CLIP_L,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+_TINY_VAE = {
+    **_VAE_SD,
+    "block_out_channels": [16, 32, 32, 32],
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "sample_size": 256,
+}
 PRESETS["tiny"] = {
-    "unet": {**_UNET_SD, "sample_size": 32, "block_out_channels": [32, 64, 64], "layers_per_block": 1,
-             "norm_num_groups": 8, "attention_head_dim": 4, "cross_attention_dim": 32,
-             "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-             "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"]},
+    "unet": {
+        **_UNET_SD,
+        "sample_size": 32,
+        "block_out_channels": [32, 64, 64],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "attention_head_dim": 4,
+        "cross_attention_dim": 32,
+        "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    },
     "vae": _TINY_VAE,
     "text_encoder": _TINY_CLIP,
     "scheduler": _SD_SCHED,
 }
 PRESETS["tiny-xl"] = {
-    "unet": {**PRESETS["sdxl"]["unet"], "sample_size": 32, "block_out_channels": [32, 64, 64],
-             "norm_num_groups": 8, "attention_head_dim": [2, 4, 4], "transformer_layers_per_block": [1, 2, 2],
-             "cross_attention_dim": 64, "addition_time_embed_dim": 8,
-             "projection_class_embeddings_input_dim": 32 + 6 * 8},
+    "unet": {
+        **PRESETS["sdxl"]["unet"],
+        "sample_size": 32,
+        "block_out_channels": [32, 64, 64],
+        "norm_num_groups": 8,
+        "attention_head_dim": [2, 4, 4],
+        "transformer_layers_per_block": [1, 2, 2],
+        "cross_attention_dim": 64,
+        "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": 32 + 6 * 8,
+    },
     "vae": {**_TINY_VAE, "scaling_factor": 0.13025},
     "text_encoder": _TINY_CLIP,
-    "text_encoder_2": {**_TINY_CLIP, "architectures": ["CLIPTextModelWithProjection"], "projection_dim": 32},
+    "text_encoder_2": {
+        **_TINY_CLIP,
+        "architectures": ["CLIPTextModelWithProjection"],
+        "projection_dim": 32,
+    },
     "scheduler": PRESETS["sdxl"]["scheduler"],
 }
 WEIGHTED = ("tiny", "tiny-xl")  # presets that get random weights written on first use
@@ -164,8 +253,12 @@ def write_random_folder(folder: Path, preset: dict[str, dict], seed: int) -> Non
     write_component(folder / "unet", preset["unet"], unet.init(seed))
     vae = api.VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"]), jnp.float32))
     write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
-    index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
-             "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "DDIMScheduler"]}
+    index = {
+        "_class_name": "StableDiffusionPipeline",
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "scheduler": ["diffusers", "DDIMScheduler"],
+    }
     for k, sub in enumerate(("text_encoder", "text_encoder_2")):
         if sub not in preset:
             continue
@@ -177,5 +270,7 @@ def write_random_folder(folder: Path, preset: dict[str, dict], seed: int) -> Non
     if "text_encoder_2" in preset:
         index["_class_name"] = "StableDiffusionXLPipeline"
     (folder / "scheduler").mkdir(parents=True, exist_ok=True)
-    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(preset["scheduler"], indent=2))
+    (folder / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps(preset["scheduler"], indent=2)
+    )
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))

@@ -19,7 +19,11 @@ BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP byte -> printable unicode table (the BPE works on these characters), in CLIP's
     order: printable bytes first, then the others mapped above U+0100. The order sets the ids."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     out = {b: chr(b) for b in keep}
     for extra, b in enumerate(b for b in range(256) if b not in out):
         out[b] = chr(256 + extra)
@@ -50,11 +54,20 @@ def write_clip_tokenizer(folder: str | Path, max_length: int = 77, pad_token: st
     merges = lines[1 : 49152 - 256 - 2 + 1]  # 48894 merges after the version header, as CLIP uses
     chars = list(_bytes_to_unicode().values())
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m.split()) for m in merges] + [BOS, EOS]
-    (folder / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}, ensure_ascii=False))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    (folder / "vocab.json").write_text(
+        json.dumps({tok: i for i, tok in enumerate(vocab)}, ensure_ascii=False)
+    )
+    (folder / "merges.txt").write_text(
+        "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
+    )
     config = {
-        "tokenizer_class": "CLIPTokenizer", "model_max_length": max_length, "bos_token": BOS,
-        "eos_token": EOS, "unk_token": EOS, "pad_token": pad_token, "do_lower_case": True,
+        "tokenizer_class": "CLIPTokenizer",
+        "model_max_length": max_length,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": EOS,
+        "pad_token": pad_token,
+        "do_lower_case": True,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return folder
@@ -70,7 +83,9 @@ class Tokenizer:
         folder = Path(folder)
         has_bpe = (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()
         if not has_bpe and not (folder / "tokenizer.json").is_file():
-            present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder missing"
+            present = (
+                sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder missing"
+            )
             raise CheckpointError(
                 f"no CLIP tokenizer in {str(folder)!r}: need vocab.json and merges.txt, or tokenizer.json "
                 f"(found: {present})"
@@ -81,7 +96,9 @@ class Tokenizer:
             self.max_length = 77
 
     def __call__(self, prompts: list[str]) -> np.ndarray:  # (B, max_length) int32
-        enc = self.hf(list(prompts), padding="max_length", max_length=self.max_length, truncation=True)
+        enc = self.hf(
+            list(prompts), padding="max_length", max_length=self.max_length, truncation=True
+        )
         return np.asarray(enc["input_ids"], np.int32)
 
 

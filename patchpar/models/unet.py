@@ -92,19 +92,26 @@ class UNetConfig:
         n = len(cfg["block_out_channels"])
         down = tuple(cfg["down_block_types"])
         up = tuple(cfg["up_block_types"])
-        for name, types, known in (("down_block_types", down, DOWN_TYPES), ("up_block_types", up, UP_TYPES)):
+        for name, types, known in (
+            ("down_block_types", down, DOWN_TYPES),
+            ("up_block_types", up, UP_TYPES),
+        ):
             bad = [t for t in types if t not in known]
             if bad or len(types) != n:
                 raise ValueError(
                     f"{where}: {name}={list(types)} not supported: need {n} entries from {list(known)}"
                 )
         if not isinstance(cfg.get("layers_per_block", 2), int):
-            raise ValueError(f"{where}: layers_per_block={cfg['layers_per_block']!r}: only an int is supported")
+            raise ValueError(
+                f"{where}: layers_per_block={cfg['layers_per_block']!r}: only an int is supported"
+            )
         if isinstance(cfg.get("cross_attention_dim"), list):
             raise ValueError(f"{where}: a per-block cross_attention_dim is not supported")
         add = cfg.get("addition_embed_type")
         if add not in (None, "text_time"):
-            raise ValueError(f"{where}: addition_embed_type={add!r} not supported (None or 'text_time')")
+            raise ValueError(
+                f"{where}: addition_embed_type={add!r} not supported (None or 'text_time')"
+            )
         # diffusers names heads `attention_head_dim` for historical reasons (see its UNet docstring).
         heads = cfg.get("num_attention_heads") or cfg.get("attention_head_dim", 8)
         return cls(
@@ -116,7 +123,11 @@ class UNetConfig:
             layers_per_block=cfg.get("layers_per_block", 2),
             heads=tuple(as_list(heads, n, f"{where}: attention_head_dim")),
             transformer_layers_per_block=tuple(
-                as_list(cfg.get("transformer_layers_per_block", 1), n, f"{where}: transformer_layers_per_block")
+                as_list(
+                    cfg.get("transformer_layers_per_block", 1),
+                    n,
+                    f"{where}: transformer_layers_per_block",
+                )
             ),
             cross_attention_dim=cfg.get("cross_attention_dim", 1280),
             use_linear_projection=bool(cfg.get("use_linear_projection", False)),
@@ -163,10 +174,22 @@ class BasicTransformerBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, T, C)
-        ln = lambda name: nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, param_dtype=self.dtype, name=name)  # noqa: E731
+        def ln(name: str) -> nn.LayerNorm:
+            return nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, param_dtype=self.dtype, name=name)
+
         dh = self.dim // self.heads
-        x = Attention(self.heads, dh, self.dim, dtype=self.dtype, ops=self.ops, name="attn1")(ln("norm1")(x)) + x
-        x = Attention(self.heads, dh, self.dim, dtype=self.dtype, name="attn2")(ln("norm2")(x), context) + x
+        x = (
+            Attention(self.heads, dh, self.dim, dtype=self.dtype, ops=self.ops, name="attn1")(
+                ln("norm1")(x)
+            )
+            + x
+        )
+        x = (
+            Attention(self.heads, dh, self.dim, dtype=self.dtype, name="attn2")(
+                ln("norm2")(x), context
+            )
+            + x
+        )
         return FeedForward(self.dim, self.dtype, name="ff")(ln("norm3")(x)) + x
 
 
@@ -189,7 +212,9 @@ class Transformer2DModel(nn.Module):
         else:
             x = Conv(c, 1, padding=0, dtype=self.dtype, name="proj_in")(x).reshape(b, h * w, c)
         for i in range(self.num_layers):
-            x = BasicTransformerBlock(c, self.heads, self.dtype, self.ops, name=f"transformer_blocks_{i}")(x, context)
+            x = BasicTransformerBlock(
+                c, self.heads, self.dtype, self.ops, name=f"transformer_blocks_{i}"
+            )(x, context)
         if self.use_linear_projection:
             x = dense(c, "proj_out", self.dtype)(x).reshape(b, h, w, c)
         else:
@@ -204,8 +229,14 @@ def _resnet(cfg: UNetConfig, channels: int, dtype, ops, name: str) -> ResnetBloc
 def _transformer(cfg: UNetConfig, level: int, dtype, ops, name: str) -> Transformer2DModel:
     """The transformer of resolution level `level` (heads and depth are per level)."""
     return Transformer2DModel(
-        cfg.block_out_channels[level], cfg.heads[level], cfg.transformer_layers_per_block[level],
-        cfg.use_linear_projection, cfg.norm_num_groups, dtype, ops, name=name,
+        cfg.block_out_channels[level],
+        cfg.heads[level],
+        cfg.transformer_layers_per_block[level],
+        cfg.use_linear_projection,
+        cfg.norm_num_groups,
+        dtype,
+        ops,
+        name=name,
     )
 
 
@@ -301,7 +332,10 @@ class UNet2DConditionModel(nn.Module):
                     "this UNet has addition_embed_type='text_time' (SDXL): pass text_embeds and time_ids"
                 )
             tid = timestep_embedding(
-                time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos, cfg.freq_shift
+                time_ids.reshape(-1),
+                cfg.addition_time_embed_dim,
+                cfg.flip_sin_to_cos,
+                cfg.freq_shift,
             ).reshape(b, -1)  # (B, 6 * addition_time_embed_dim)
             add = jnp.concatenate([text_embeds.astype(jnp.float32), tid], axis=-1)
             emb = emb + TimestepEmbedding(4 * boc[0], dt, name="add_embedding")(add)

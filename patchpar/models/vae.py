@@ -19,8 +19,15 @@ from patchpar.models.layers import (
 )
 from patchpar.models.sites import IDENTITY, SiteOps
 
-_REQUIRED = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True, "mid_block_add_attention": True,
-             "shift_factor": None, "latents_mean": None, "latents_std": None}
+_REQUIRED = {
+    "act_fn": "silu",
+    "use_quant_conv": True,
+    "use_post_quant_conv": True,
+    "mid_block_add_attention": True,
+    "shift_factor": None,
+    "latents_mean": None,
+    "latents_std": None,
+}
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,14 @@ class VAEConfig:
     def from_diffusers(cls, cfg: dict, where: str = "vae/config.json") -> VAEConfig:
         for key, want in _REQUIRED.items():
             if cfg.get(key, want) != want:
-                raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported (supported: {want!r})")
+                raise ValueError(
+                    f"{where}: {key}={cfg[key]!r} is not supported (supported: {want!r})"
+                )
         n = len(cfg["block_out_channels"])
-        for key, want in (("down_block_types", "DownEncoderBlock2D"), ("up_block_types", "UpDecoderBlock2D")):
+        for key, want in (
+            ("down_block_types", "DownEncoderBlock2D"),
+            ("up_block_types", "UpDecoderBlock2D"),
+        ):
             types = cfg.get(key, [want] * n)
             if list(types) != [want] * n:
                 raise ValueError(f"{where}: {key}={list(types)} not supported: need {n} x {want!r}")
@@ -68,9 +80,13 @@ class SpatialSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, C)
         b, h, w, c = x.shape
-        y = GroupNorm(self.groups, 1e-6, self.dtype, self.ops, name="group_norm")(x).reshape(b, h * w, c)
+        y = GroupNorm(self.groups, 1e-6, self.dtype, self.ops, name="group_norm")(x).reshape(
+            b, h * w, c
+        )
         q = dense(c, "to_q", self.dtype)(y)
-        k, v, mask = self.ops.self_attn_kv(self, dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y))
+        k, v, mask = self.ops.self_attn_kv(
+            self, dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y)
+        )
         y = dense(c, "to_out_0", self.dtype)(attention(q, k, v, 1, mask))
         return x + y.reshape(b, h, w, c)
 
@@ -102,7 +118,9 @@ class VAEBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         for j in range(self.layers):
-            x = ResnetBlock2D(self.channels, self.groups, 1e-6, False, self.dtype, self.ops, name=f"resnets_{j}")(x)
+            x = ResnetBlock2D(
+                self.channels, self.groups, 1e-6, False, self.dtype, self.ops, name=f"resnets_{j}"
+            )(x)
         if self.resample == "down":
             x = Downsample2D(self.channels, 0, self.dtype, self.ops, name="downsamplers_0")(x)
         elif self.resample == "up":
@@ -122,7 +140,9 @@ class Encoder(nn.Module):
         x = Conv(boc[0], dtype=dt, ops=ops, name="conv_in")(x.astype(dt))
         for i, c in enumerate(boc):
             down = "down" if i < len(boc) - 1 else None
-            x = VAEBlock(c, cfg.layers_per_block, cfg.norm_num_groups, down, dt, ops, name=f"down_blocks_{i}")(x)
+            x = VAEBlock(
+                c, cfg.layers_per_block, cfg.norm_num_groups, down, dt, ops, name=f"down_blocks_{i}"
+            )(x)
         x = VAEMidBlock(boc[-1], cfg.norm_num_groups, dt, ops, name="mid_block")(x)
         x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, dt, ops, name="conv_norm_out")(x))
         return Conv(2 * cfg.latent_channels, dtype=dt, ops=ops, name="conv_out")(x)
@@ -141,7 +161,9 @@ class Decoder(nn.Module):
         x = VAEMidBlock(boc[0], cfg.norm_num_groups, dt, ops, name="mid_block")(x)
         for i, c in enumerate(boc):
             up = "up" if i < len(boc) - 1 else None
-            x = VAEBlock(c, cfg.layers_per_block + 1, cfg.norm_num_groups, up, dt, ops, name=f"up_blocks_{i}")(x)
+            x = VAEBlock(
+                c, cfg.layers_per_block + 1, cfg.norm_num_groups, up, dt, ops, name=f"up_blocks_{i}"
+            )(x)
         x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, dt, ops, name="conv_norm_out")(x))
         return Conv(cfg.out_channels, dtype=dt, ops=ops, name="conv_out")(x)
 
@@ -161,7 +183,9 @@ class AutoencoderKL(nn.Module):
         self.quant_conv = Conv(2 * lc, 1, padding=0, dtype=self.dtype)
         self.post_quant_conv = Conv(lc, 1, padding=0, dtype=self.dtype)
 
-    def encode(self, images: jax.Array) -> tuple[jax.Array, jax.Array]:  # (B,H,W,3) -> 2 x (B,h,w,lc)
+    def encode(
+        self, images: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:  # (B,H,W,3) -> 2 x (B,h,w,lc)
         moments = self.quant_conv(self.encoder(images))
         mean, logvar = jnp.split(moments, 2, axis=-1)
         return mean, jnp.clip(logvar, -30.0, 20.0)

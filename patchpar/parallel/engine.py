@@ -42,7 +42,9 @@ class Plan:
     def mesh(self) -> Mesh:
         return make_mesh(self.devices, self.cfg)
 
-    def validate(self, unet: UNetFn, latent_hw: tuple[int, int], steps: int, guidance_scale: float) -> None:
+    def validate(
+        self, unet: UNetFn, latent_hw: tuple[int, int], steps: int, guidance_scale: float
+    ) -> None:
         """All checks up front; ValueError naming the numbers and what would fit."""
         s = self.strategy
         make_mesh(self.devices, self.cfg)  # device count, cfg
@@ -52,7 +54,7 @@ class Plan:
                 f"cfg=2 puts the unconditional and conditional halves on different devices, but "
                 f"guidance_scale={guidance_scale} turns guidance off; use cfg=1 or guidance_scale > 1"
             )
-        down = 2 ** unet.config.num_downsamples
+        down = 2**unet.config.num_downsamples
         axes = {s.patch_axis(0), s.patch_axis(1)}
         for axis in sorted(axes):
             size = latent_hw[0] if axis == "row" else latent_hw[1]
@@ -103,7 +105,13 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), xs, P(), _cond_spec(cond, cfg), jax.tree.map(lambda _: P(CFG, PATCH), state_in)),
+            in_specs=(
+                P(),
+                xs,
+                P(),
+                _cond_spec(cond, cfg),
+                jax.tree.map(lambda _: P(CFG, PATCH), state_in),
+            ),
             out_specs=(xs, P(CFG, PATCH)),
             # The guided output is replicated over cfg by the all-gather; the static check
             # cannot see through Flax's apply, so it is off.
@@ -131,7 +139,16 @@ def stale_bytes_per_device(state) -> int:
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 7))
-def denoise(unet: UNetFn, plan: Plan, sampler: Sampler, params, cond, schedule: Schedule, x, guidance_scale: float):
+def denoise(
+    unet: UNetFn,
+    plan: Plan,
+    sampler: Sampler,
+    params,
+    cond,
+    schedule: Schedule,
+    x,
+    guidance_scale: float,
+):
     """All steps of one image batch under `plan`: the sync phase (warm-up), then the steady phase,
     each a single compiled loop. Returns (final latent, final stale state)."""
     mesh = plan.mesh()
@@ -159,5 +176,7 @@ def denoise(unet: UNetFn, plan: Plan, sampler: Sampler, params, cond, schedule: 
     carry = sampler.init_carry(x)
     x, carry, state = run_steps(phase_fn("sync"), sampler, schedule, x, carry, state, 0, warm_steps)
     if warm_steps < n:  # static: a phase with no steps is not traced at all
-        x, carry, state = run_steps(phase_fn("steady"), sampler, schedule, x, carry, state, warm_steps, n)
+        x, carry, state = run_steps(
+            phase_fn("steady"), sampler, schedule, x, carry, state, warm_steps, n
+        )
     return x, state

@@ -14,7 +14,9 @@ def make_mesh(devices: int, cfg: int = 1) -> Mesh:
     """A (cfg, patch) mesh over the first `devices` devices; patch = devices / cfg."""
     have = jax.device_count()
     if cfg not in (1, 2):
-        raise ValueError(f"cfg={cfg!r}: must be 1 (both CFG halves on every device) or 2 (split across devices)")
+        raise ValueError(
+            f"cfg={cfg!r}: must be 1 (both CFG halves on every device) or 2 (split across devices)"
+        )
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices={devices!r}: must be a positive integer")
     if devices > have:
@@ -23,7 +25,9 @@ def make_mesh(devices: int, cfg: int = 1) -> Mesh:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts)"
         )
     if devices % cfg:
-        raise ValueError(f"devices={devices} is not divisible by cfg={cfg}; use an even device count with cfg=2")
+        raise ValueError(
+            f"devices={devices} is not divisible by cfg={cfg}; use an even device count with cfg=2"
+        )
     grid = np.asarray(jax.devices()[:devices]).reshape(cfg, devices // cfg)
     # Auto axes: shard_map places unsharded inputs by its in_specs.
     return Mesh(grid, (CFG, PATCH), axis_types=(AxisType.Auto, AxisType.Auto))

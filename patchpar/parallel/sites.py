@@ -37,7 +37,9 @@ PHASES = ("sync", "steady")
 STALE = "stale"  # the Flax collection holding stale buffers
 
 
-_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("patchpar_site_log", default=None)
+_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "patchpar_site_log", default=None
+)
 
 
 @contextlib.contextmanager
@@ -98,8 +100,11 @@ class PatchOps(SiteOps):
 
     def __post_init__(self):
         for name, value, known in (
-            ("phase", self.phase, PHASES), ("halo_mode", self.halo_mode, HALO_MODES),
-            ("gn", self.gn, GN_MODES), ("kv", self.kv, KV_MODES), ("send", self.send, ("full", "band")),
+            ("phase", self.phase, PHASES),
+            ("halo_mode", self.halo_mode, HALO_MODES),
+            ("gn", self.gn, GN_MODES),
+            ("kv", self.kv, KV_MODES),
+            ("send", self.send, ("full", "band")),
         ):
             if value not in known:
                 raise ValueError(f"{name}={value!r}; known: {list(known)}")
@@ -120,7 +125,9 @@ class PatchOps(SiteOps):
             if self.halo_mode == "stale":  # warm-up: the buffer the steady phase reads first
                 mod.variable(STALE, "halo", lambda: jnp.concatenate([above, below], axis=1))
         else:
-            buf = mod.variable(STALE, "halo", jnp.zeros, (x.shape[0], top + bottom) + x.shape[2:], x.dtype)
+            buf = mod.variable(
+                STALE, "halo", jnp.zeros, (x.shape[0], top + bottom) + x.shape[2:], x.dtype
+            )
             above, below = buf.value[:, :top], buf.value[:, top:]
             if self.exchange:
                 buf.value = jnp.concatenate(self._exchange_halo(x, top, bottom), axis=1)
@@ -129,7 +136,9 @@ class PatchOps(SiteOps):
     def _exchange_halo(self, x, top, bottom):
         b, _, w, c = x.shape
         with jax.named_scope("pp_halo"):
-            above = _down(x[:, x.shape[1] - top :], self.n) if top else jnp.zeros((b, 0, w, c), x.dtype)
+            above = (
+                _down(x[:, x.shape[1] - top :], self.n) if top else jnp.zeros((b, 0, w, c), x.dtype)
+            )
             below = _up(x[:, :bottom], self.n) if bottom else jnp.zeros((b, 0, w, c), x.dtype)
         return above, below
 
@@ -189,7 +198,9 @@ class PatchOps(SiteOps):
         shape = kv.shape[:2] + (n * length,) + kv.shape[3:]
         buf = mod.variable(STALE, "kv", jnp.zeros, shape, kv.dtype)
         idx = lax.axis_index(PATCH)
-        full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)  # own slot fresh
+        full = lax.dynamic_update_slice_in_dim(
+            buf.value, kv, idx * length, axis=2
+        )  # own slot fresh
         if self.exchange:
             buf.value = _gather(kv)
         return full[0], full[1], None
@@ -217,7 +228,9 @@ class PatchOps(SiteOps):
         idx = lax.axis_index(PATCH)
         start_above = jnp.maximum(idx * length - band, 0)
         above = lax.dynamic_slice_in_dim(full, start_above, band, axis=2)
-        below = lax.dynamic_slice_in_dim(full, jnp.minimum((idx + 1) * length, full.shape[2] - band), band, axis=2)
+        below = lax.dynamic_slice_in_dim(
+            full, jnp.minimum((idx + 1) * length, full.shape[2] - band), band, axis=2
+        )
         above = jnp.where(idx > 0, above, jnp.zeros_like(above))
         below = jnp.where(idx < self.n - 1, below, jnp.zeros_like(below))
         return above, below
@@ -239,7 +252,9 @@ class PatchOps(SiteOps):
             return 0
         size = math.prod(info["shape"]) * info["itemsize"]  # one device's operand
         if kind == "halo":
-            if self.halo_mode == "zero" or (not self.sync and self.halo_mode == "stale" and not self.exchange):
+            if self.halo_mode == "zero" or (
+                not self.sync and self.halo_mode == "stale" and not self.exchange
+            ):
                 return 0
             rows = info["shape"][1]
             per_row = size // rows
@@ -254,6 +269,8 @@ class PatchOps(SiteOps):
             if self.sync or self.kv in ("all", "stale"):
                 return (n - 1) * size  # all-gather
             length = info["shape"][2]
-            sent = size if self.send == "full" else size // length * band_tokens(length, self.portion)
+            sent = (
+                size if self.send == "full" else size // length * band_tokens(length, self.portion)
+            )
             return sent * ((p > 0) + (p < n - 1))
         raise ValueError(f"unknown site kind {kind!r}")

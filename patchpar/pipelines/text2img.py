@@ -24,7 +24,9 @@ from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 
 
-def unet_on_stack(unet: UNetFn, params, x: jax.Array, t: jax.Array, cond: Conditioning) -> jax.Array:
+def unet_on_stack(
+    unet: UNetFn, params, x: jax.Array, t: jax.Array, cond: Conditioning
+) -> jax.Array:
     """The UNet on every guidance half at once: x (B, h, W, C) -> (G, B, h, W, C)."""
     return call_on_stack(lambda *a, **k: unet(params, *a, **k), x, t, cond)
 
@@ -58,13 +60,21 @@ class Pipeline:
 
     def check_size(self, height: int, width: int, rows_multiple: int = 1) -> tuple[int, int]:
         """Latent (h, w) for an image size; ValueError when it does not fit the networks."""
-        f, down = self.latent_factor, 2 ** self.unet.config.num_downsamples
-        for name, v, mult in (("height", height, f * down * rows_multiple), ("width", width, f * down)):
+        f, down = self.latent_factor, 2**self.unet.config.num_downsamples
+        for name, v, mult in (
+            ("height", height, f * down * rows_multiple),
+            ("width", width, f * down),
+        ):
             if not isinstance(v, int) or v <= 0 or v % mult:
-                fit = sorted({max(mult, v // mult * mult), (v // mult + 1) * mult}) if isinstance(v, int) and v > 0 else [mult]
+                fit = (
+                    sorted({max(mult, v // mult * mult), (v // mult + 1) * mult})
+                    if isinstance(v, int) and v > 0
+                    else [mult]
+                )
                 raise ValueError(
                     f"{name}={v!r} must be a positive multiple of {mult} (VAE factor {f} x UNet "
-                    f"downsampling {down}" + (f" x {rows_multiple} row patches" if rows_multiple > 1 else "")
+                    f"downsampling {down}"
+                    + (f" x {rows_multiple} row patches" if rows_multiple > 1 else "")
                     + f"); nearest that fit: {fit}"
                 )
         return height // f, width // f
@@ -72,17 +82,26 @@ class Pipeline:
     # ------------------------------------------------------------------ text
 
     def encode_prompt(
-        self, prompts: list[str], negative_prompts: list[str] | None, guidance_scale: float, height: int, width: int
+        self,
+        prompts: list[str],
+        negative_prompts: list[str] | None,
+        guidance_scale: float,
+        height: int,
+        width: int,
     ) -> Conditioning:
         cfg = guidance_scale > 1.0
         negative = negative_prompts or [""] * len(prompts)
         if len(negative) != len(prompts):
-            raise ValueError(f"{len(negative)} negative prompts for {len(prompts)} prompts; give one per prompt or none")
+            raise ValueError(
+                f"{len(negative)} negative prompts for {len(prompts)} prompts; give one per prompt or none"
+            )
         ctx, pooled = self._embed(prompts)
         if not cfg:
             stack = lambda a: None if a is None else a[None]  # noqa: E731
             return self._conditioning(stack(ctx), stack(pooled), len(prompts), height, width, 1)
-        zero_negative = self.is_xl and self.force_zeros_for_empty_prompt and not any(negative_prompts or [])
+        zero_negative = (
+            self.is_xl and self.force_zeros_for_empty_prompt and not any(negative_prompts or [])
+        )
         if zero_negative:
             nctx, npooled = jnp.zeros_like(ctx), jnp.zeros_like(pooled)
         else:
@@ -93,7 +112,9 @@ class Pipeline:
     def _conditioning(self, ctx, pooled, b, height, width, g) -> Conditioning:
         if not self.is_xl:
             return Conditioning(ctx)
-        tid = jnp.asarray([height, width, 0, 0, height, width], jnp.float32)  # original, crop, target
+        tid = jnp.asarray(
+            [height, width, 0, 0, height, width], jnp.float32
+        )  # original, crop, target
         return Conditioning(ctx, pooled, jnp.broadcast_to(tid, (g, b, 6)))
 
     def _embed(self, prompts: list[str]) -> tuple[jax.Array, jax.Array | None]:
@@ -114,10 +135,17 @@ class Pipeline:
     def initial_latents(self, batch: int, height: int, width: int, seed: int) -> jax.Array:
         """Unit Gaussian latent (B, h, w, C) fixed by the seed; the sampler scales it."""
         h, w = self.check_size(height, width)
-        return jax.random.normal(jax.random.key(seed), (batch, h, w, self.unet.config.in_channels), jnp.float32)
+        return jax.random.normal(
+            jax.random.key(seed), (batch, h, w, self.unet.config.in_channels), jnp.float32
+        )
 
     def denoise(
-        self, cond: Conditioning, latents: jax.Array, sampler: str, steps: int, guidance_scale: float,
+        self,
+        cond: Conditioning,
+        latents: jax.Array,
+        sampler: str,
+        steps: int,
+        guidance_scale: float,
         plan: Plan | None = None,
     ) -> jax.Array:
         """Denoise an initial unit-Gaussian latent, on one device or under `plan`; returns the
@@ -129,9 +157,13 @@ class Pipeline:
             if plan is not None:
                 plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
             self.last_stale_bytes = 0
-            return _denoise_single(self.unet, smp, self.unet_params, cond, schedule, x, float(guidance_scale))
+            return _denoise_single(
+                self.unet, smp, self.unet_params, cond, schedule, x, float(guidance_scale)
+            )
         plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
-        out, state = denoise_parallel(self.unet, plan, smp, self.unet_params, cond, schedule, x, float(guidance_scale))
+        out, state = denoise_parallel(
+            self.unet, plan, smp, self.unet_params, cond, schedule, x, float(guidance_scale)
+        )
         self.last_stale_bytes = stale_bytes_per_device(state)
         return out
 
@@ -210,7 +242,9 @@ def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
             tokenizers.append(load_tokenizer(folder / sub.replace("text_encoder", "tokenizer")))
     if not encoders:
         raise CheckpointError(f"{str(folder)!r} has no text_encoder/ folder")
-    sched = SchedulerConfig.from_diffusers(read_config(folder / "scheduler", "scheduler_config.json"))
+    sched = SchedulerConfig.from_diffusers(
+        read_config(folder / "scheduler", "scheduler_config.json")
+    )
     force_zeros = True
     index = folder / "model_index.json"
     if index.is_file():

@@ -19,7 +19,11 @@ class Conditioning:
     time_ids: jax.Array | None = None  # (G, B, 6) SDXL
 
     def added(self) -> dict:
-        return {} if self.text_embeds is None else {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
+        return (
+            {}
+            if self.text_embeds is None
+            else {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
+        )
 
 
 def call_on_stack(apply: Callable, x: jax.Array, t: jax.Array, cond: Conditioning):

@@ -40,7 +40,9 @@ class SchedulerConfig:
     clip_sample_range: float = 1.0
 
     @classmethod
-    def from_diffusers(cls, cfg: dict, where: str = "scheduler/scheduler_config.json") -> SchedulerConfig:
+    def from_diffusers(
+        cls, cfg: dict, where: str = "scheduler/scheduler_config.json"
+    ) -> SchedulerConfig:
         checks = {
             "beta_schedule": ("linear", "scaled_linear"),
             "prediction_type": ("epsilon", "v_prediction"),
@@ -48,8 +50,16 @@ class SchedulerConfig:
         }
         for key, ok in checks.items():
             if key in cfg and cfg[key] not in ok:
-                raise ValueError(f"{where}: {key}={cfg[key]!r} not supported (supported: {list(ok)})")
-        for key in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "thresholding", "rescale_betas_zero_snr"):
+                raise ValueError(
+                    f"{where}: {key}={cfg[key]!r} not supported (supported: {list(ok)})"
+                )
+        for key in (
+            "use_karras_sigmas",
+            "use_exponential_sigmas",
+            "use_beta_sigmas",
+            "thresholding",
+            "rescale_betas_zero_snr",
+        ):
             if cfg.get(key):
                 raise ValueError(f"{where}: {key}=True is not supported")
         if cfg.get("trained_betas") is not None:
@@ -60,7 +70,9 @@ class SchedulerConfig:
         fields = cls.__dataclass_fields__
         return cls(**{k: v for k, v in cfg.items() if k in fields and k not in unset})
 
-    def alphas_cumprod(self) -> np.ndarray:  # (T,) float64; schedules are cast to float32 at the end
+    def alphas_cumprod(
+        self,
+    ) -> np.ndarray:  # (T,) float64; schedules are cast to float32 at the end
         t = self.num_train_timesteps
         if self.beta_schedule == "linear":
             betas = np.linspace(self.beta_start, self.beta_end, t, dtype=np.float64)
@@ -85,7 +97,9 @@ class Schedule:
     v_prediction: bool = struct.field(pytree_node=False)
 
 
-def _spaced_timesteps(cfg: SchedulerConfig, n: int, spacing: str, *, plus_one: bool = False) -> np.ndarray:
+def _spaced_timesteps(
+    cfg: SchedulerConfig, n: int, spacing: str, *, plus_one: bool = False
+) -> np.ndarray:
     """Timesteps, descending. DPM-Solver spaces n+1 points and drops the last (plus_one)."""
     t = cfg.num_train_timesteps
     m = n + 1 if plus_one else n
@@ -111,7 +125,15 @@ def _sigmas_at(ac: np.ndarray, ts: np.ndarray) -> np.ndarray:
 
 def _schedule(ts, sigmas, alphas, alphas_prev, init, cfg, clip: float = 0.0) -> Schedule:
     f = lambda a: jnp.asarray(np.asarray(a, np.float64), jnp.float32)  # noqa: E731
-    return Schedule(f(ts), f(sigmas), f(alphas), f(alphas_prev), f(init), f(clip), cfg.prediction_type == "v_prediction")
+    return Schedule(
+        f(ts),
+        f(sigmas),
+        f(alphas),
+        f(alphas_prev),
+        f(init),
+        f(clip),
+        cfg.prediction_type == "v_prediction",
+    )
 
 
 # ---------------------------------------------------------------- DDIM (eta = 0)
@@ -135,7 +157,9 @@ def ddim_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
 
 def _pred_x0_eps(s: Schedule, x, out, alpha):
     if s.v_prediction:
-        return jnp.sqrt(alpha) * x - jnp.sqrt(1 - alpha) * out, jnp.sqrt(alpha) * out + jnp.sqrt(1 - alpha) * x
+        return jnp.sqrt(alpha) * x - jnp.sqrt(1 - alpha) * out, jnp.sqrt(alpha) * out + jnp.sqrt(
+            1 - alpha
+        ) * x
     return (x - jnp.sqrt(1 - alpha) * out) / jnp.sqrt(alpha), out
 
 
@@ -239,7 +263,9 @@ def _identity_scale(s, i, x):
 SAMPLERS: dict[str, Sampler] = {
     "ddim": Sampler("ddim", ddim_schedule, ddim_step, _identity_scale),
     "euler": Sampler("euler", euler_schedule, euler_step, sigma_scale_input),
-    "dpmpp_2m": Sampler("dpmpp_2m", dpmpp_2m_schedule, dpmpp_2m_step, _identity_scale, multistep=True),
+    "dpmpp_2m": Sampler(
+        "dpmpp_2m", dpmpp_2m_schedule, dpmpp_2m_step, _identity_scale, multistep=True
+    ),
 }
 
 

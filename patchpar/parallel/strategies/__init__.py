@@ -23,7 +23,9 @@ def make_strategy(name: str, **options) -> Strategy:
     known = cls.option_names()
     bad = sorted(set(options) - set(known))
     if bad:
-        raise ValueError(f"strategy {name!r} has no option(s) {bad}; its options: {known or 'none'}")
+        raise ValueError(
+            f"strategy {name!r} has no option(s) {bad}; its options: {known or 'none'}"
+        )
     return cls(**options)
 
 

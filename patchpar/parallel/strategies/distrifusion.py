@@ -24,7 +24,9 @@ def check_gn(name: str, gn: str, no_sync: bool) -> None:
     if gn not in GN_MODES:
         raise ValueError(f"{name}: gn={gn!r}; known: {list(GN_MODES)}")
     if no_sync and gn == "sync":
-        raise ValueError(f"{name}: gn='sync' exchanges every step, no_sync=True exchanges nothing; pick one")
+        raise ValueError(
+            f"{name}: gn='sync' exchanges every step, no_sync=True exchanges nothing; pick one"
+        )
 
 
 @dataclass(frozen=True)
@@ -47,4 +49,6 @@ class DistriFusion(Strategy):
         check_warmup(self.name, self.warmup_steps, steps)
 
     def ops(self, phase: str, n: int) -> PatchOps:
-        return PatchOps(n, phase, halo_mode="stale", gn=self.gn, kv="stale", exchange=not self.no_sync)
+        return PatchOps(
+            n, phase, halo_mode="stale", gn=self.gn, kv="stale", exchange=not self.no_sync
+        )

@@ -24,7 +24,9 @@ class PCPP(Strategy):
     def __post_init__(self):
         check_gn(self.name, self.gn, False)
         if not isinstance(self.portion, (int, float)) or not 0 < self.portion <= 1:
-            raise ValueError(f"pcpp: portion={self.portion!r} must be in (0, 1] (1 = whole neighbour patches)")
+            raise ValueError(
+                f"pcpp: portion={self.portion!r} must be in (0, 1] (1 = whole neighbour patches)"
+            )
         if self.send not in SENDS:
             raise ValueError(f"pcpp: send={self.send!r}; known: {list(SENDS)}")
 
@@ -35,4 +37,12 @@ class PCPP(Strategy):
         check_warmup(self.name, self.warmup_steps, steps)
 
     def ops(self, phase: str, n: int) -> PatchOps:
-        return PatchOps(n, phase, halo_mode="stale", gn=self.gn, kv="band", portion=float(self.portion), send=self.send)
+        return PatchOps(
+            n,
+            phase,
+            halo_mode="stale",
+            gn=self.gn,
+            kv="band",
+            portion=float(self.portion),
+            send=self.send,
+        )

@@ -12,4 +12,6 @@ class Single(Strategy):
 
     def validate(self, steps: int, patch: int, cfg: int) -> None:
         if patch * cfg != 1:
-            raise ValueError(f"strategy 'single' runs on 1 device, got devices={patch * cfg}; pick a parallel strategy")
+            raise ValueError(
+                f"strategy 'single' runs on 1 device, got devices={patch * cfg}; pick a parallel strategy"
+            )
