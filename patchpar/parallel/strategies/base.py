@@ -38,3 +38,33 @@ class Strategy:
     def describe(self) -> str:
         opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
         return f"{self.name}({opts})"
+
+
+GN_MODES = ("separate", "stale", "corrected", "sync")
+
+
+@dataclass(frozen=True)
+class StaleStrategy(Strategy):
+    """A warm-up of exact steps, then stale activations (DistriFusion and PCPP share this)."""
+
+    # synchronous steps before going stale: the first warmup_steps + 1 (DistriFusion §4.3, default 4)
+    warmup_steps: int = 4
+    # GroupNorm after warm-up (DistriFusion Table 5): separate | stale | corrected (Eq. 2) | sync
+    gn: str = "corrected"
+
+    def __post_init__(self):
+        if self.gn not in GN_MODES:
+            raise ValueError(f"{self.name}: gn={self.gn!r}; known: {list(GN_MODES)}")
+
+    def sync_steps(self, steps: int) -> int:
+        return min(steps, self.warmup_steps + 1)
+
+    def validate(self, steps: int, patch: int, cfg: int) -> None:
+        w = self.warmup_steps
+        if not isinstance(w, int) or w < 0:
+            raise ValueError(f"{self.name}: warmup_steps={w!r} must be an integer >= 0")
+        if w >= steps:
+            raise ValueError(
+                f"{self.name}: warmup_steps={w} must be < steps={steps} (the first warmup_steps + 1 "
+                f"steps run synchronously); use warmup_steps <= {steps - 1}"
+            )

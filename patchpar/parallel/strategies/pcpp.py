@@ -5,36 +5,27 @@ neighbours: the last `portion` of the patch above and the first `portion` of the
 from dataclasses import dataclass
 
 from patchpar.parallel.sites import PatchOps
-from patchpar.parallel.strategies.base import Strategy
-from patchpar.parallel.strategies.distrifusion import check_gn, check_warmup
+from patchpar.parallel.strategies.base import StaleStrategy
 
 SENDS = ("full", "band")
 
 
 @dataclass(frozen=True)
-class PCPP(Strategy):
+class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
     name = "pcpp"
-    warmup_steps: int = 4  # as DistriFusion's
-    gn: str = "corrected"  # as DistriFusion's
     # share of each neighbour patch's tokens kept (PCPP's code hard-codes 0.3, never ablated)
     portion: float = 0.3
     # full: send the whole neighbour K/V and crop at the receiver (PCPP's code); band: only the rows used
     send: str = "full"
 
     def __post_init__(self):
-        check_gn(self.name, self.gn, False)
+        super().__post_init__()
         if not isinstance(self.portion, (int, float)) or not 0 < self.portion <= 1:
             raise ValueError(
                 f"pcpp: portion={self.portion!r} must be in (0, 1] (1 = whole neighbour patches)"
             )
         if self.send not in SENDS:
             raise ValueError(f"pcpp: send={self.send!r}; known: {list(SENDS)}")
-
-    def sync_steps(self, steps: int) -> int:
-        return min(steps, self.warmup_steps + 1)
-
-    def validate(self, steps: int, patch: int, cfg: int) -> None:
-        check_warmup(self.name, self.warmup_steps, steps)
 
     def ops(self, phase: str, n: int) -> PatchOps:
         return PatchOps(
