@@ -87,8 +87,7 @@ class UNetConfig:
             got = cfg.get(key, want)
             if got != want and not (key == "cross_attention_norm" and got in (None, "")):
                 raise ValueError(f"{where}: {key}={got!r} is not supported (supported: {want!r})")
-        if cfg.get("upcast_attention"):
-            pass  # attention logits are computed in float32 anyway
+        # upcast_attention needs nothing: attention logits and softmax are always float32.
         n = len(cfg["block_out_channels"])
         down = tuple(cfg["down_block_types"])
         up = tuple(cfg["up_block_types"])
