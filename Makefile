@@ -21,9 +21,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# Every strategy side by side on the tiny preset, 8 fake devices: table on stdout, records,
+# images, plots and a grid image in results/quickstart/ (re-made from scratch each time).
 run: $(STAMP)
-	$(TEST_ENV) $(VENV)/bin/patchpar generate --model tiny --prompt "a photo of a red bag" \
-		--steps 20 --seed 0 --out results/quickstart
+	rm -rf results/quickstart
+	$(TEST_ENV) $(VENV)/bin/patchpar sweep experiments/sweeps/quickstart.yaml
+	$(TEST_ENV) $(VENV)/bin/patchpar plot results/quickstart
 
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q

@@ -1,4 +1,12 @@
-"""The `patchpar` command: parses a typed config and hands it to a library function."""
+"""The `patchpar` command: parses a typed config and hands it to a library function.
+
+patchpar run [CONFIG.yaml] [--dotted.overrides ...]   one run -> one record
+patchpar sweep SWEEP.yaml                             a resumable grid of runs
+patchpar table RESULTS...                             markdown table of records
+patchpar plot RESULTS...                              PNG plots of records
+patchpar generate ...                                 images from prompts, no record
+patchpar comm ...                                     bytes and FLOPs of one UNet call
+"""
 
 from __future__ import annotations
 
@@ -6,37 +14,111 @@ import sys
 from collections.abc import Sequence
 
 
+def _run_config(args: list[str]):
+    """`run`: an optional YAML path first, then tyro's dotted overrides on top of it."""
+    import tyro
+
+    from patchpar.config import RunConfig, load_config
+
+    path = args[0] if args and not args[0].startswith("-") else None
+    default = load_config(path) if path else RunConfig()
+    return tyro.cli(
+        RunConfig,
+        default=default,
+        args=args[1:] if path else args,
+        prog="patchpar run [CONFIG.yaml]",
+        description="One experiment run: generate for the prompt set under a strategy, time it, "
+        "count communication, compare with the single-device outputs, append a record. "
+        "Flags override the YAML's values (`--strategy.portion 0.5`).",
+    )
+
+
+def _subcommands() -> dict:
+    from patchpar.config import RunConfig
+    from patchpar.costs import CommConfig
+    from patchpar.generate import GenerateConfig
+    from patchpar.plots import PlotConfig
+    from patchpar.sweep import SweepConfig
+    from patchpar.tables import TableConfig
+
+    return {
+        "run": RunConfig,
+        "sweep": SweepConfig,
+        "table": TableConfig,
+        "plot": PlotConfig,
+        "generate": GenerateConfig,
+        "comm": CommConfig,
+    }
+
+
+def dispatch(config) -> None:
+    """Hand a parsed config to its library function and print what it returns."""
+    from patchpar.config import RunConfig
+    from patchpar.costs import CommConfig
+    from patchpar.generate import GenerateConfig
+    from patchpar.plots import PlotConfig
+    from patchpar.sweep import SweepConfig
+    from patchpar.tables import TableConfig
+
+    if isinstance(config, RunConfig):
+        from patchpar.runner import run, runs_path
+        from patchpar.tables import markdown
+
+        rec = run(config, raise_errors=True)
+        print(markdown([rec]))
+        print(f"record {rec['run_id']} -> {runs_path(config)}")
+    elif isinstance(config, SweepConfig):
+        from patchpar.sweep import run_sweep
+        from patchpar.tables import markdown
+
+        records = run_sweep(config)
+        if records:
+            print(markdown(records, sort_by=("mesh.devices", "label")))
+    elif isinstance(config, TableConfig):
+        from patchpar.tables import run_table
+
+        print(run_table(config))
+    elif isinstance(config, PlotConfig):
+        from patchpar.plots import run_plot
+
+        for name, where in run_plot(config).items():
+            print(f"{name}: {where}")
+    elif isinstance(config, GenerateConfig):
+        from patchpar.generate import generate
+
+        record = generate(config)
+        for path in record["images"]:
+            print(path)
+        print(
+            f"{record['strategy']} on {record['devices']} device(s): latent {record['latent_shape']} "
+            f"-> {config.out}/latent.npy ({record['generate_s_including_compile']:.1f} s including "
+            f"compile; stale buffers {record['stale_bytes_per_device'] / 2**20:.2f} MiB per device)"
+        )
+    elif isinstance(config, CommConfig):
+        import json
+
+        from patchpar.costs import format_comm, run_comm
+
+        rec = run_comm(config)
+        print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import tyro
 
-    from patchpar.costs import CommConfig
-    from patchpar.generate import GenerateConfig
-
-    config = tyro.extras.subcommand_cli_from_dict(
-        {"generate": GenerateConfig, "comm": CommConfig},
-        prog="patchpar",
-        description="Patch-parallel diffusion inference in JAX.",
-        args=argv,
-    )
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if isinstance(config, GenerateConfig):
-            from patchpar.generate import generate
-
-            record = generate(config)
-            for path in record["images"]:
-                print(path)
-            print(
-                f"{record['strategy']} on {record['devices']} device(s): latent {record['latent_shape']} "
-                f"-> {config.out}/latent.npy ({record['generate_s_including_compile']:.1f} s including "
-                f"compile; stale buffers {record['stale_bytes_per_device'] / 2**20:.2f} MiB per device)"
+        if args and args[0] == "run":
+            config = _run_config(args[1:])
+        else:
+            config = tyro.extras.subcommand_cli_from_dict(
+                _subcommands(),
+                prog="patchpar",
+                description="Patch-parallel diffusion inference in JAX. `patchpar run` takes a "
+                "YAML config path before its flags.",
+                args=args,
             )
-        elif isinstance(config, CommConfig):
-            import json
-
-            from patchpar.costs import format_comm, run_comm
-
-            rec = run_comm(config)
-            print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
+        dispatch(config)
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"patchpar: error: {e}", file=sys.stderr)
         return 2

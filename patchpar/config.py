@@ -1,8 +1,30 @@
-"""Typed, frozen configs shared by the commands. Every knob an ablation varies is a field."""
+"""Typed, frozen configs. Every knob an ablation varies is a field (with its paper reference).
+
+`RunConfig` is what `patchpar run` takes: read from YAML (`load_config`), changed by dotted
+overrides (`with_overrides(cfg, {"strategy.portion": 0.5})`, or `--strategy.portion 0.5` on the
+command line), checked by `validate()`. A sweep point is a new RunConfig, never a mutated one.
+`PlanFlags` is the flat form `patchpar generate` and `patchpar comm` take.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+STRATEGY_OPTIONS = ("warmup_steps", "gn", "no_sync", "portion", "send", "split")
+
+
+def build_plan(name: str, options: dict, devices: int, cfg: int):
+    """The strategy `name` with the options given (None = the strategy's default), on devices."""
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+
+    options = {k: v for k, v in options.items() if v is not None}
+    return Plan(make_strategy(name, **options), devices, cfg)
 
 
 @dataclass(frozen=True)
@@ -31,9 +53,255 @@ class PlanFlags:
 
     def plan(self):
         """The strategy with the options given, placed on the devices."""
-        from patchpar.parallel.engine import Plan
-        from patchpar.parallel.strategies import make_strategy
+        opts = {k: getattr(self, k) for k in STRATEGY_OPTIONS}
+        return build_plan(self.strategy, opts, self.devices, self.cfg)
 
-        names = ("warmup_steps", "gn", "no_sync", "portion", "send", "split")
-        options = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-        return Plan(make_strategy(self.strategy, **options), self.devices, self.cfg)
+
+# ---------------------------------------------------------------------------- RunConfig parts
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny"
+    """A preset with weights (tiny, tiny-xl) or a local diffusers-format folder."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    devices: int = 1
+    """Devices in all (= cfg x patch)."""
+    cfg: int = 1
+    """1: both guidance halves on every device; 2: split across two device halves (DistriFusion §4.3)."""
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """A strategy and its options; an option left unset (null) keeps the strategy's default."""
+
+    name: str = "single"
+    """single, naive_patch, sync_patch, distrifusion or pcpp."""
+    warmup_steps: int | None = None
+    """distrifusion/pcpp: the first warmup_steps + 1 steps run synchronously (default 4; DistriFusion §4.3, Table 4)."""
+    gn: str | None = None
+    """distrifusion/pcpp GroupNorm after warm-up: separate, stale, corrected, sync (DistriFusion §4.2, Table 5)."""
+    no_sync: bool | None = None
+    """distrifusion: exchange nothing after warm-up (DistriFusion Table 4, "no sync")."""
+    portion: float | None = None
+    """pcpp: share of each neighbour patch attended to, in (0, 1] (default 0.3; PCPP §3.2, Table 3)."""
+    send: str | None = None
+    """pcpp: full (whole neighbour K/V, as PCPP's code) or band (only the rows used)."""
+    split: str | None = None
+    """naive_patch: row, col or alternate (DistriFusion Fig. 3's baselines)."""
+
+    def options(self) -> dict:
+        return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
+
+    def label(self) -> str:
+        """Name and the options set, e.g. `pcpp portion=0.5 send=band`."""
+        return " ".join([self.name] + [f"{k}={v}" for k, v in self.options().items()])
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    name: str = "ddim"
+    """ddim, euler or dpmpp_2m."""
+    steps: int = 20
+    """Denoising steps (DistriFusion and PCPP evaluate 50-step DDIM / Euler)."""
+    guidance_scale: float = 7.5
+    """Classifier-free guidance scale; <= 1 disables CFG."""
+    height: int | None = None
+    """Image height in pixels (default: the UNet's sample size x the VAE factor)."""
+    width: int | None = None
+    """Image width in pixels (default: as height)."""
+    dtype: str = "float32"
+    """float32 or bfloat16."""
+
+
+@dataclass(frozen=True)
+class PromptsConfig:
+    prompts: tuple[str, ...] = ("a photo of a red bag",)
+    """The prompt set; one image per prompt and seed."""
+    seeds: tuple[int, ...] = (0,)
+    """Seeds of the initial latents; image (prompt p, seed s) starts from normal(key(s))."""
+    negative_prompt: str = ""
+    """Negative prompt for classifier-free guidance ("" = unconditional)."""
+    batch_size: int = 0
+    """Images per pipeline call (0 = all in one call); the first call's batch is the timed one."""
+
+
+QUALITY_METRICS = ("psnr", "ssim")
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    warmup_runs: int = 1
+    """Untimed runs after compilation, before the timed repeats."""
+    repeats: int = 3
+    """Timed runs (block_until_ready); the record keeps the median, min, max and all."""
+    comm: bool = True
+    """Count bytes per device and FLOPs from the lowered step programs (patchpar comm)."""
+    quality: tuple[str, ...] = QUALITY_METRICS
+    """Metrics against the single-device outputs of the same prompts and seeds."""
+    save_images: bool = True
+    """Write the images next to the record (git-ignored)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One experiment run: a model, a strategy on a mesh, a sampler, prompts and what to measure.
+    Records go to `<results>/<experiment>/runs.jsonl`."""
+
+    experiment: str = "default"
+    """Name of the results folder."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    results: Path = Path("results")
+    """Root folder of the records; also holds the single-device baselines (.baselines/)."""
+
+    def plan(self):
+        return build_plan(
+            self.strategy.name, self.strategy.options(), self.mesh.devices, self.mesh.cfg
+        )
+
+    def validate(self) -> RunConfig:
+        """Everything checkable without a model; ValueError naming the field and what fits."""
+        from patchpar.parallel.strategies import STRATEGIES
+        from patchpar.sampling.schedulers import SAMPLERS
+
+        s, m = self.sampler, self.measure
+        checks = [
+            (self.experiment and "/" not in self.experiment, "experiment", self.experiment,
+             "a non-empty name without '/'"),
+            (self.strategy.name in STRATEGIES, "strategy.name", self.strategy.name,
+             f"one of {list(STRATEGIES)}"),
+            (s.name in SAMPLERS, "sampler.name", s.name, f"one of {list(SAMPLERS)}"),
+            (s.steps >= 1, "sampler.steps", s.steps, "an integer >= 1"),
+            (s.dtype in DTYPES, "sampler.dtype", s.dtype, f"one of {list(DTYPES)}"),
+            (s.height is None or s.height > 0, "sampler.height", s.height, "a positive integer"),
+            (s.width is None or s.width > 0, "sampler.width", s.width, "a positive integer"),
+            (len(self.prompts.prompts) > 0, "prompts.prompts", self.prompts.prompts,
+             "at least one prompt"),
+            (len(self.prompts.seeds) > 0, "prompts.seeds", self.prompts.seeds, "at least one seed"),
+            (self.prompts.batch_size >= 0, "prompts.batch_size", self.prompts.batch_size,
+             "0 (all at once) or a positive integer"),
+            (m.warmup_runs >= 0, "measure.warmup_runs", m.warmup_runs, "an integer >= 0"),
+            (m.repeats >= 1, "measure.repeats", m.repeats, "an integer >= 1"),
+            (set(m.quality) <= set(QUALITY_METRICS), "measure.quality", m.quality,
+             f"a subset of {list(QUALITY_METRICS)}"),
+        ]  # fmt: skip
+        for ok, key, value, fits in checks:
+            if not ok:
+                raise ValueError(f"{key}={value!r}: must be {fits}")
+        try:
+            plan = self.plan()  # strategy options: unknown names and bad values
+            plan.strategy.validate(s.steps, plan.patch, plan.cfg)
+        except ValueError as e:
+            raise ValueError(f"strategy: {e}") from None
+        return self
+
+
+# ---------------------------------------------------------------------------- dict <-> config
+
+
+def to_dict(cfg) -> dict:
+    """Plain JSON/YAML types: nested dicts, lists for tuples, str for paths."""
+
+    def plain(v):
+        if is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, Path):
+            return str(v)
+        return v
+
+    return plain(cfg)
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Build a (nested) config dataclass from plain data; unknown keys and wrong types are
+    errors naming the dotted key and what would fit. Missing keys keep their defaults."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ValueError(f"unknown key {key!r}; known keys here: {sorted(known)}")
+    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp, v, key: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, v, key)
+    if is_dataclass(tp):
+        return from_dict(tp, v, key)
+    if origin is tuple:
+        if isinstance(v, str | int | float):  # a single value stands for a one-element tuple
+            v = [v]
+        if not isinstance(v, list | tuple):
+            raise ValueError(f"{key}={v!r}: expected a list")
+        return tuple(_coerce(args[0], x, key) for x in v)
+    if tp is Path:
+        if not isinstance(v, str | Path):
+            raise ValueError(f"{key}={v!r}: expected a path")
+        return Path(v)
+    if tp is float and isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    if tp in (int, float, str, bool) and (
+        not isinstance(v, tp) or (tp is not bool and isinstance(v, bool))
+    ):
+        raise ValueError(f"{key}={v!r}: expected {tp.__name__}")
+    return v
+
+
+def with_overrides(cfg, overrides: dict[str, Any]):
+    """A new config with dotted keys set: {"strategy.portion": 0.5}. A value for a key naming a
+    sub-config (e.g. "strategy") is a mapping that replaces the whole sub-config."""
+    data = to_dict(cfg)
+    for dotted, value in overrides.items():
+        node, parts = data, dotted.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                raise ValueError(
+                    f"unknown key {'.'.join(parts[: i + 1])!r} in override {dotted!r}; known: "
+                    f"{sorted(k for k, v in node.items() if isinstance(v, dict))}"
+                )
+            node = node[part]
+        if parts[-1] not in node:
+            raise ValueError(f"unknown key {dotted!r}; known keys here: {sorted(node)}")
+        node[parts[-1]] = value
+    return from_dict(type(cfg), data)
+
+
+def load_config(path: str | Path, cls=RunConfig):
+    """A config from a YAML file (keys not given keep their defaults)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return from_dict(cls, data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def dump_config(cfg, path: str | Path) -> None:
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -3,6 +3,7 @@ atomically (a killed sweep loses no finished row), with provenance (DESIGN.md §
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -14,8 +15,9 @@ from importlib import metadata
 from pathlib import Path
 
 
-def provenance() -> dict:
-    """Git commit, package versions and the device kind of this process."""
+@functools.cache
+def git_commit() -> str | None:
+    """The commit of the patchpar checkout this process runs (None outside git)."""
     try:
         commit = (
             subprocess.run(
@@ -29,6 +31,27 @@ def provenance() -> dict:
         )
     except (OSError, subprocess.SubprocessError):
         commit = None
+    return commit
+
+
+def git_dirty() -> bool | None:
+    """Whether the checkout has uncommitted changes (then the commit alone does not say what ran)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def provenance() -> dict:
+    """Git commit, package versions and the device kind of this process."""
+    commit = git_commit()
     versions = {}
     for pkg in ("jax", "jaxlib", "flax", "numpy"):
         try:
@@ -40,6 +63,7 @@ def provenance() -> dict:
     dev = jax.devices()[0]
     return {
         "git_commit": commit,
+        "git_dirty": git_dirty(),
         "versions": versions,
         "python": platform.python_version(),
         "device_kind": dev.device_kind,

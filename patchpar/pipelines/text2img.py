@@ -139,6 +139,21 @@ class Pipeline:
             jax.random.key(seed), (batch, h, w, self.unet.config.in_channels), jnp.float32
         )
 
+    def _denoise_call(self, cond, latents, sampler, steps, guidance_scale, plan):
+        """(jitted function, all its arguments) for denoising on one device or under `plan`;
+        arguments 3, 4, 5 and 6 (params, cond, schedule, x) are the dynamic ones."""
+        smp = get_sampler(sampler)
+        schedule = smp.schedule(self.scheduler, steps)
+        x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
+        if plan is not None:
+            plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
+        gs = float(guidance_scale)
+        if plan is None or not plan.strategy.parallel:
+            fn, static = _denoise_single, (self.unet, smp, None)
+        else:
+            fn, static = denoise_parallel, (self.unet, plan, smp)
+        return fn, (*static, self.unet_params, cond, schedule, x, gs)
+
     def denoise(
         self,
         cond: Conditioning,
@@ -150,22 +165,25 @@ class Pipeline:
     ) -> jax.Array:
         """Denoise an initial unit-Gaussian latent, on one device or under `plan`; returns the
         final latent (and records the stale-buffer memory per device in `self.last_stale_bytes`)."""
-        smp = get_sampler(sampler)
-        schedule = smp.schedule(self.scheduler, steps)
-        x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
-        if plan is None or not plan.strategy.parallel:
-            if plan is not None:
-                plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
-            self.last_stale_bytes = 0
-            return _denoise_single(
-                self.unet, smp, self.unet_params, cond, schedule, x, float(guidance_scale)
-            )
-        plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
-        out, state = denoise_parallel(
-            self.unet, plan, smp, self.unet_params, cond, schedule, x, float(guidance_scale)
-        )
+        fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
+        out, state = fn(*args)
         self.last_stale_bytes = stale_bytes_per_device(state)
         return out
+
+    def lower_denoise(
+        self,
+        cond: Conditioning,
+        latents: jax.Array,
+        sampler: str,
+        steps: int,
+        guidance_scale: float,
+        plan: Plan | None = None,
+    ):
+        """The denoising program lowered (not compiled) and its dynamic arguments:
+        `lowered.compile()(*args)` returns (final latent, stale state). For timing compilation
+        apart from running."""
+        fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
+        return fn.lower(*args), args[3:7]
 
     def decode(self, latents: jax.Array) -> np.ndarray:
         """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process."""
@@ -212,14 +230,16 @@ def _decode(vae: VAEFn, params, z):
     return vae(params, z)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 6))
-def _denoise_single(unet, smp, params, cond, schedule, x, guidance_scale):
+@partial(jax.jit, static_argnums=(0, 1, 2, 7))
+def _denoise_single(unet, smp, _plan, params, cond, schedule, x, guidance_scale):
+    """All steps on one device; returns (final latent, empty stale state)."""
+
     def model_fn(x_in, t, i, state):
         return guided(unet_on_stack(unet, params, x_in, t, cond), guidance_scale), state
 
     n = schedule.timesteps.shape[0]
     x, _, _ = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), (), 0, n)
-    return x
+    return x, {}
 
 
 def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:

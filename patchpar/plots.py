@@ -1,0 +1,163 @@
+"""`patchpar plot RESULTS`: matplotlib figures drawn from records only (never from stdout).
+
+Each `plot_*` takes records (`patchpar.tables.load_records`) and an Axes, so a notebook draws
+the same figures; each returns False, drawing nothing, when the records lack its data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import tyro
+
+from patchpar.tables import get, load_records
+
+
+@dataclass(frozen=True)
+class PlotConfig:
+    """Write PNG plots (and a grid of every run's images) from records."""
+
+    results: Annotated[tuple[Path, ...], tyro.conf.Positional]
+    """Results folders (holding runs.jsonl) or runs.jsonl files."""
+    out: Path | None = None
+    """Folder for the PNGs (default: <first results folder>/plots)."""
+
+
+def _ok(records, *keys):
+    return [
+        r for r in records if r.get("status") == "ok" and all(get(r, k) is not None for k in keys)
+    ]
+
+
+def _by(records, key):
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(get(r, key), []).append(r)
+    return groups
+
+
+def _lines(ax, records, x_key, y_key, scale=1.0, group="label"):
+    for name, rs in sorted(_by(records, group).items(), key=lambda kv: str(kv[0])):
+        pts = sorted((get(r, x_key), get(r, y_key) * scale) for r in rs)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def plot_bytes_vs_devices(records, ax) -> bool:
+    """Bytes received per device per denoising step (mean over the run's steps) vs devices."""
+    rs = _ok(records, "bytes_per_device_per_step", "mesh.devices")
+    if not rs:
+        return False
+    _lines(ax, rs, "mesh.devices", "bytes_per_device_per_step", 1 / 2**20)
+    ax.set(xlabel="devices", ylabel="MiB received / device / step", title="Communication")
+    return True
+
+
+def plot_psnr_vs_devices(records, ax) -> bool:
+    """PSNR against the single-device output vs devices, per strategy (identical runs left out)."""
+    rs = [r for r in _ok(records, "psnr", "mesh.devices") if r.get("label") != "single"]
+    if not rs:
+        return False
+    _lines(ax, rs, "mesh.devices", "psnr")
+    ax.set(xlabel="devices", ylabel="PSNR vs single (dB)", title="Quality vs devices")
+    return True
+
+
+def plot_step_time(records, ax) -> bool:
+    """Median time per denoising step, per strategy, one bar per device count."""
+    rs = _ok(records, "step_s_median", "mesh.devices")
+    if not rs:
+        return False
+    labels = sorted({r["label"] for r in rs})
+    devices = sorted({get(r, "mesh.devices") for r in rs})
+    width = 0.8 / len(devices)
+    for i, d in enumerate(devices):
+        by = {r["label"]: get(r, "step_s_median") * 1e3 for r in rs if get(r, "mesh.devices") == d}
+        xs = [j + i * width for j, lab in enumerate(labels) if lab in by]
+        ax.bar(xs, [by[lab] for lab in labels if lab in by], width, label=f"{d} device(s)")
+    ax.set_xticks(
+        np.arange(len(labels)) + 0.4 - width / 2, labels, rotation=30, ha="right", fontsize=7
+    )
+    title = "Time per step"
+    if any(get(r, "provenance.platform") == "cpu" and get(r, "mesh.devices") > 1 for r in rs):
+        title += "\n(fake CPU devices share the cores: not a speedup)"
+    ax.set(ylabel="ms / step (median)", title=title)
+    ax.legend(fontsize=7)
+    return True
+
+
+def plot_psnr_vs_portion(records, ax) -> bool:
+    """PCPP: PSNR against single vs the attended portion of each neighbour patch."""
+    rs = [r for r in _ok(records, "psnr", "strategy.portion") if get(r, "strategy.name") == "pcpp"]
+    if len({get(r, "strategy.portion") for r in rs}) < 2:
+        return False
+    for r in rs:
+        r["_series"] = f"send={get(r, 'strategy.send')}, {get(r, 'mesh.devices')} devices"
+    _lines(ax, rs, "strategy.portion", "psnr", group="_series")
+    ax.set(xlabel="PCPP portion", ylabel="PSNR vs single (dB)", title="PCPP portion")
+    return True
+
+
+PLOTS = {
+    "bytes_vs_devices": plot_bytes_vs_devices,
+    "psnr_vs_devices": plot_psnr_vs_devices,
+    "step_time_vs_strategy": plot_step_time,
+    "psnr_vs_portion": plot_psnr_vs_portion,
+}
+
+
+def image_grid(records, path: Path, max_images: int = 4) -> bool:
+    """One column per run (sorted by devices, then strategy), one row per image."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    rs = [r for r in records if r.get("status") == "ok" and r.get("images")]
+    if not rs:
+        return False
+    rs = sorted(rs, key=lambda r: (get(r, "mesh.devices") or 0, r["label"]))
+    rows = min(max_images, max(len(r["images"]) for r in rs))
+    fig, axes = plt.subplots(
+        rows, len(rs), figsize=(2.2 * len(rs), 2.2 * rows + 0.4), squeeze=False
+    )
+    for j, r in enumerate(rs):
+        root = Path(r["_dir"])  # image paths are relative to the records' folder
+        for i in range(rows):
+            ax = axes[i, j]
+            ax.axis("off")
+            if i < len(r["images"]) and (root / r["images"][i]).is_file():
+                ax.imshow(np.asarray(Image.open(root / r["images"][i])))
+        axes[0, j].set_title(f"{r['label']}\n{get(r, 'mesh.devices')} dev", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run_plot(config: PlotConfig) -> dict[str, str]:
+    """Write every plot the records allow; returns name -> path, or the reason it was skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = load_records(config.results)
+    first = Path(config.results[0])
+    out = Path(config.out) if config.out else (first if first.is_dir() else first.parent) / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, fn in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if fn(records, ax):
+            fig.tight_layout()
+            fig.savefig(out / f"{name}.png", dpi=100)
+            written[name] = str(out / f"{name}.png")
+        else:
+            written[name] = f"skipped: {fn.__doc__.splitlines()[0]} needs records with that data"
+        plt.close(fig)
+    grid = out / "grid.png"
+    written["grid"] = str(grid) if image_grid(records, grid) else "skipped: no images recorded"
+    return written

@@ -1,0 +1,136 @@
+"""`patchpar sweep SWEEP.yaml`: a grid of runs over dotted keys on top of a base config, one
+record per point, resumable.
+
+A sweep file:
+
+    experiment: devices_strategy        # the results folder (overrides the base's)
+    base: ../configs/tiny.yaml          # a RunConfig YAML, relative to this file (optional)
+    set: {sampler.steps: 20}            # dotted overrides for every point (optional)
+    points:                             # listed points, each a mapping of overrides (optional)
+      - {strategy.name: single, mesh.devices: 1}
+    grid:                               # cross product over dotted keys (optional)
+      mesh.devices: [2, 4, 8]
+      strategy: [{name: distrifusion}, {name: pcpp, send: band}]
+
+Points = points x grid (either may be absent); `grid` may also be a list of such mappings,
+whose cross products are joined (one grid for `single` on 1 device, one for the rest). A value for a key naming a sub-config
+(`strategy`) replaces that whole sub-config. Every point is built and type-checked before
+anything runs (an unknown key stops the sweep with an error naming it); a point that fails
+while running becomes a record with its status and error, and the sweep goes on. Points whose
+config is already recorded in `runs.jsonl` are skipped, so a killed sweep resumes where it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+from patchpar.config import RunConfig, load_config, with_overrides
+from patchpar.results import read_records
+
+SWEEP_KEYS = ("experiment", "base", "set", "points", "grid")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Run every point of a sweep file that is not recorded yet."""
+
+    file: Annotated[Path, tyro.conf.Positional]
+    """The sweep YAML (see experiments/sweeps/)."""
+    results: Path | None = None
+    """Root folder of the records (default: the base config's, `results`)."""
+    retry_failed: bool = False
+    """Run again the points recorded with status error or oom (a new row each)."""
+    dry_run: bool = False
+    """List the points and whether each is recorded; run nothing."""
+
+
+def load_sweep(path: str | Path, results: Path | None = None) -> list[RunConfig]:
+    """The sweep's points as configs, in order; ValueError naming a bad key or value."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"sweep file {str(path)!r} does not exist")
+    spec = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: expected a mapping with keys {list(SWEEP_KEYS)}")
+    unknown = sorted(set(spec) - set(SWEEP_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; a sweep has {list(SWEEP_KEYS)}")
+    base = load_config(path.parent / spec["base"]) if spec.get("base") else RunConfig()
+    common = dict(spec.get("set") or {})
+    if "experiment" in spec:
+        common["experiment"] = spec["experiment"]
+    if results is not None:
+        common["results"] = str(results)
+    listed = spec.get("points") or [{}]
+    grids = spec.get("grid") or {}
+    grids = grids if isinstance(grids, list) else [grids]
+    if not isinstance(listed, list) or not all(isinstance(p, dict) for p in listed):
+        raise ValueError(f"{path}: `points` must be a list of mappings of dotted keys")
+    for grid in grids:
+        if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+            raise ValueError(
+                f"{path}: `grid` must map dotted keys to non-empty lists of values (or be a "
+                f"list of such mappings); got {grid!r}"
+            )
+    combos = [dict(zip(g, c, strict=True)) for g in grids for c in itertools.product(*g.values())]
+    configs = []
+    for point in listed:
+        for combo in combos:
+            overrides = {**common, **point, **combo}
+            try:
+                configs.append(with_overrides(base, overrides))
+            except ValueError as e:
+                raise ValueError(f"{path}: point {overrides}: {e}") from None
+    return configs
+
+
+def run_sweep(config: SweepConfig) -> list[dict]:
+    """Run the points not yet recorded; returns the records of this sweep's points (old and
+    new, the latest per point), in sweep order."""
+    from tqdm import tqdm
+
+    from patchpar.runner import point_key, run, runs_path
+
+    points = load_sweep(config.file, config.results)
+
+    def index() -> dict:  # (runs file, point) -> its latest record
+        return {
+            (path, point_key(r["config"])): r
+            for path in {runs_path(cfg) for cfg in points}
+            for r in read_records(path)
+        }
+
+    done = index()
+    todo = []
+    for cfg in points:
+        prev = done.get((runs_path(cfg), point_key(cfg)))
+        if prev is None or (config.retry_failed and prev["status"] != "ok"):
+            todo.append(cfg)
+    if config.dry_run:
+        for cfg in points:
+            state = "to run" if cfg in todo else "recorded"
+            print(
+                f"{state:9s} {cfg.strategy.label()} | devices={cfg.mesh.devices} cfg={cfg.mesh.cfg}"
+            )
+        return []
+    skipped = len(points) - len(todo)
+    if skipped:
+        print(
+            f"{skipped} of {len(points)} points already recorded in {runs_path(points[0])}; skipped"
+        )
+    bar = tqdm(todo, desc="sweep", unit="point")
+    for cfg in bar:
+        bar.set_postfix_str(f"{cfg.strategy.label()} on {cfg.mesh.devices}")
+        rec = run(cfg, log=tqdm.write)
+        if rec["status"] != "ok":
+            tqdm.write(f"  point failed ({rec['status']}): {rec['error']}")
+    done = index()
+    keys = [(runs_path(cfg), point_key(cfg)) for cfg in points]
+    return [done[k] for k in keys if k in done]

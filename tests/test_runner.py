@@ -1,0 +1,335 @@
+"""The experiment runner: configs (YAML round-trip, dotted overrides, errors), `patchpar run`
+records, a sweep killed mid-way and resumed, tables, plots and the notebook."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from patchpar.cli import main
+from patchpar.config import (
+    RunConfig,
+    dump_config,
+    from_dict,
+    load_config,
+    to_dict,
+    with_overrides,
+)
+from patchpar.results import read_records
+from patchpar.sweep import SweepConfig, load_sweep, run_sweep
+from patchpar.tables import get, load_records, markdown
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def micro_base(micro_folder, results) -> dict:
+    """A RunConfig (as YAML data) on the micro model: 32x32 images, 3 steps, quick to compile."""
+    return {
+        "experiment": "micro",
+        "model": {"name": str(micro_folder)},
+        "sampler": {"steps": 3, "height": 32, "width": 32, "guidance_scale": 5.0},
+        "prompts": {"prompts": ["a red bag"], "seeds": [0, 1]},
+        "measure": {"warmup_runs": 0, "repeats": 2},
+        "results": str(results),
+    }
+
+
+# ---------------------------------------------------------------------------- configs
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    cfg = with_overrides(
+        RunConfig(),
+        {
+            "experiment": "x",
+            "mesh.devices": 4,
+            "mesh.cfg": 2,
+            "strategy": {"name": "pcpp", "portion": 0.5, "send": "band"},
+            "sampler.steps": 7,
+            "sampler.dtype": "bfloat16",
+            "prompts.prompts": ["a", "b"],
+            "prompts.seeds": [3, 4],
+            "measure.quality": ["psnr"],
+        },
+    )
+    assert cfg.strategy.portion == 0.5 and cfg.prompts.seeds == (3, 4)
+    assert cfg.strategy.warmup_steps is None  # a replaced sub-config keeps its defaults
+    dump_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert from_dict(RunConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
+    cfg.validate()
+    with pytest.raises(AttributeError):
+        cfg.mesh.devices = 2  # frozen
+
+
+def test_every_shipped_config_and_sweep_loads_and_validates():
+    configs = sorted((REPO / "experiments" / "configs").glob("*.yaml"))
+    sweeps = sorted((REPO / "experiments" / "sweeps").glob("*.yaml"))
+    assert configs and {p.stem for p in sweeps} >= {
+        "quickstart",
+        "devices_strategy",
+        "warmup",
+        "groupnorm",
+        "pcpp_portion",
+    }
+    for p in configs:
+        load_config(p).validate()
+    for p in sweeps:
+        points = load_sweep(p)
+        assert len(set(points)) == len(points), f"{p.name} repeats a point"
+        for cfg in points:
+            cfg.validate()
+    portions = {
+        c.strategy.portion for c in load_sweep(REPO / "experiments/sweeps/pcpp_portion.yaml")
+    }
+    assert portions == {round(0.1 * k, 1) for k in range(1, 11)}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"strategy.portio": 0.5}, "unknown key 'strategy.portio'"),
+        ({"strateg.portion": 0.5}, "unknown key 'strateg'"),
+        ({"mesh.devices": "four"}, "mesh.devices='four': expected int"),
+        ({"prompts.seeds": [0, "x"]}, "prompts.seeds='x': expected int"),
+        ({"strategy": {"name": "pcpp", "portoin": 0.3}}, "unknown key 'strategy.portoin'"),
+    ],
+)
+def test_bad_override_names_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with_overrides(RunConfig(), overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"strategy.name": "pcp"}, "strategy.name='pcp': must be one of"),
+        ({"sampler.dtype": "float16"}, "sampler.dtype='float16'"),
+        ({"measure.quality": ["psnr", "fidd"]}, "measure.quality"),
+        ({"strategy": {"name": "pcpp", "portion": 1.5}}, "portion"),
+        ({"strategy": {"name": "naive_patch", "portion": 0.3}}, "has no option"),
+        (
+            {"strategy": {"name": "distrifusion", "warmup_steps": 20}},
+            "warmup_steps=20 must be < steps=20",
+        ),
+        ({"mesh.devices": 2}, "strategy 'single' runs on 1 device"),
+    ],
+)
+def test_bad_value_is_an_error_naming_it(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        with_overrides(RunConfig(), overrides).validate()
+
+
+def test_cli_overrides_apply_on_top_of_the_yaml(tmp_path, capsys):
+    from patchpar.cli import _run_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        yaml.safe_dump({"strategy": {"name": "pcpp", "send": "band"}, "mesh": {"devices": 8}})
+    )
+    cfg = _run_config([str(path), "--strategy.portion", "0.5", "--sampler.steps", "9"])
+    assert (cfg.strategy.name, cfg.strategy.send, cfg.strategy.portion) == ("pcpp", "band", 0.5)
+    assert (cfg.mesh.devices, cfg.sampler.steps) == (8, 9)
+    # a misspelt flag: tyro's error names it and suggests the right one, exit status 2
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(path), "--strategy.portio", "0.5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--strategy.portio" in err and "--strategy.portion" in err
+    # a value the config rejects: one line naming it, exit status 2, no record written
+    assert main(["run", str(path), "--strategy.portion", "1.5", "--results", str(tmp_path)]) == 2
+    assert "portion=1.5" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("runs.jsonl"))
+    # a YAML with an unknown key
+    path.write_text("strategy: {name: pcpp, portoin: 0.3}\n")
+    assert main(["run", str(path)]) == 2
+    assert "unknown key 'strategy.portoin'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- a sweep, killed and resumed
+
+
+SWEEP_GRID = [
+    {"strategy": [{"name": "single"}], "mesh.devices": [1]},
+    {
+        "mesh.devices": [2],
+        "strategy": [
+            {"name": "naive_patch"},
+            {"name": "pcpp", "portion": 0.3, "warmup_steps": 1},
+            {"name": "pcpp", "portion": 1.0, "warmup_steps": 1},
+        ],
+    },
+    # 16 latent rows do not split into 3 patches of the UNet's multiple: a failed point
+    {"strategy": [{"name": "sync_patch"}], "mesh.devices": [3]},
+]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, micro_folder):
+    """A sweep started in a child process, killed once its first record is written, then run
+    again to the end. Returns (sweep file, results folder, first record)."""
+    root = tmp_path_factory.mktemp("sweep")
+    (root / "base.yaml").write_text(yaml.safe_dump(micro_base(micro_folder, root / "results")))
+    sweep = root / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": "base.yaml", "grid": SWEEP_GRID}))
+    runs = root / "results" / "micro" / "runs.jsonl"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "patchpar.cli", "sweep", str(sweep)],
+        env=os.environ.copy(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not read_records(runs) and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.2)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    first = read_records(runs)
+    assert len(first) == 1, f"expected the child to be killed after one record, found {len(first)}"
+    run_sweep(SweepConfig(sweep))
+    return sweep, root / "results" / "micro", first[0]
+
+
+def test_killed_sweep_resumes_with_every_point_once(swept):
+    sweep, folder, first = swept
+    records = read_records(folder / "runs.jsonl")
+    points = load_sweep(sweep)
+    assert len(records) == len(points) == 5
+    from patchpar.runner import point_key
+
+    assert sorted(point_key(r["config"]) for r in records) == sorted(point_key(p) for p in points)
+    assert records[0] == first  # the row written before the kill is kept as it was
+    assert [r["status"] for r in records].count("ok") == 4
+    failed = [r for r in records if r["status"] != "ok"]
+    assert failed[0]["status"] == "error" and "not divisible by patch=3" in failed[0]["error"]
+    # a third run finds nothing to do
+    run_sweep(SweepConfig(sweep))
+    assert read_records(folder / "runs.jsonl") == records
+    # --retry-failed runs the failed point again (a new row), nothing else
+    run_sweep(SweepConfig(sweep, retry_failed=True))
+    again = read_records(folder / "runs.jsonl")
+    assert len(again) == 6 and again[-1]["config"] == failed[0]["config"]
+
+
+def test_record_schema(swept):
+    _, folder, _ = swept
+    records = read_records(folder / "runs.jsonl")
+    by = {r["label"]: r for r in records if r["status"] == "ok"}
+    for r in records:
+        assert {"run_id", "time", "experiment", "label", "strategy", "config", "status", "error",
+                "metrics", "images", "provenance", "baseline"} <= set(r)  # fmt: skip
+        assert r["experiment"] == "micro"
+        prov = r["provenance"]
+        assert {"git_commit", "versions", "device_kind", "platform", "device_count"} <= set(prov)
+        assert isinstance(from_dict(RunConfig, r["config"]), RunConfig)  # the full config
+    m = by["pcpp warmup_steps=1 portion=1.0"]["metrics"]
+    for k in ("compile_s", "denoise_s_median", "step_s_median", "bytes_per_device_per_step",
+              "steady_bytes_per_device", "warmup_bytes_per_device", "flops_per_device_per_step",
+              "psnr", "ssim", "stale_bytes_per_device"):  # fmt: skip
+        assert isinstance(m[k], float | int), k
+    assert m["denoise_s_min"] <= m["denoise_s_median"] <= m["denoise_s_max"]
+    assert len(m["denoise_s_all"]) == 2 and m["analytic_matches_hlo"] is True
+    assert m["step_s_median"] == pytest.approx(m["denoise_s_median"] / 3)
+    # bytes per step: 2 exact steps (warmup_steps=1) then 1 stale step
+    assert m["bytes_per_device_per_step"] == pytest.approx(
+        (2 * m["warmup_bytes_per_device"] + m["steady_bytes_per_device"]) / 3
+    )
+    assert by["pcpp warmup_steps=1 portion=1.0"]["strategy"]["send"] == "full"  # default filled in
+    # single is its own baseline; naive_patch moves no bytes and differs from it
+    single, naive = by["single"]["metrics"], by["naive_patch"]["metrics"]
+    assert single["identical"] and single["psnr"] is None and single["ssim"] == pytest.approx(1.0)
+    assert naive["bytes_per_device_per_step"] == 0 and not naive["identical"]
+    assert 0 < naive["psnr"] < 60 and naive["ssim"] < 1
+    # one baseline for every point, images on disk next to the records
+    assert len({r["baseline"] for r in records}) == 1
+    for r in by.values():
+        assert len(r["images"]) == 2 and all((folder / p).is_file() for p in r["images"])
+
+
+def test_table_groups_and_sorts(swept, tmp_path):
+    _, folder, _ = swept
+    records = load_records([folder])
+    assert len(records) == 5  # the latest of each point (the failed one was run twice)
+    text = markdown(records, sort_by=("mesh.devices", "label"))
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ") and "strategy" not in ln]
+    assert [ln.split(" | ")[0].strip("| ") for ln in lines] == [
+        "single",
+        "naive_patch",
+        "pcpp warmup_steps=1 portion=0.3",
+        "pcpp warmup_steps=1 portion=1.0",
+        "sync_patch",
+    ]
+    assert "∞ (identical)" in lines[0] and "(error)" in text
+    grouped = markdown(
+        records, columns=("label", "psnr"), sort_by=("label",), group_by="mesh.devices"
+    )
+    assert [ln for ln in grouped.splitlines() if ln.startswith("###")] == [
+        "### mesh.devices = 1",
+        "### mesh.devices = 2",
+        "### mesh.devices = 3",
+    ]
+    out = tmp_path / "t.md"
+    assert main(["table", str(folder), "--columns", "label", "psnr", "--out", str(out)]) == 0
+    assert out.read_text().startswith("| strategy | PSNR dB |")
+    assert get(records[0], "strategy.portion") is None or isinstance(
+        get(records[0], "strategy.portion"), float
+    )
+
+
+def test_plots_from_records(swept, tmp_path):
+    _, folder, _ = swept
+    out = tmp_path / "plots"
+    assert main(["plot", str(folder), "--out", str(out)]) == 0
+    from PIL import Image
+
+    for name in (
+        "bytes_vs_devices",
+        "psnr_vs_devices",
+        "step_time_vs_strategy",
+        "psnr_vs_portion",
+        "grid",
+    ):
+        img = Image.open(out / f"{name}.png")
+        assert img.size[0] > 200 and img.size[1] > 100, name
+
+
+def test_plot_skips_what_the_records_lack(tmp_path, capsys):
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(
+        json.dumps({"label": "x", "status": "error", "config": {}, "metrics": {}}) + "\n"
+    )
+    assert main(["plot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 5
+    assert main(["table", str(tmp_path / "nothing")]) == 2
+    assert "no records at" in capsys.readouterr().err
+
+
+def test_notebook_executes(swept, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    _, folder, _ = swept
+    monkeypatch.setenv("PATCHPAR_RESULTS", str(folder))
+    path = REPO / "experiments" / "notebooks" / "records.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "5 records (4 ok)" in text
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "data" in o and "image/png" in o["data"]
+    ]
+    assert len(images) >= 2
