@@ -11,9 +11,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Eight fake CPU devices for the patch-parallel tests and the quick start.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
+# Fashion-MNIST (ground truth for FID) from Debian's package, installed when absent.
+FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 .PHONY: setup run test test-slow lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(FMNIST)
+
+$(FMNIST):
+	$(SUDO) apt-get install -y -q dataset-fashion-mnist || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q dataset-fashion-mnist) || \
+		{ echo "could not install Debian's dataset-fashion-mnist; put its four *-ubyte.gz files in $(dir $(FMNIST))"; exit 1; }
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,15 +32,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 # Every strategy side by side on the tiny preset, 8 fake devices: table on stdout, records,
 # images, plots and a grid image in results/quickstart/ (re-made from scratch each time).
-run: $(STAMP)
+run: $(STAMP) $(FMNIST)
 	rm -rf results/quickstart
 	$(TEST_ENV) $(VENV)/bin/patchpar sweep experiments/sweeps/quickstart.yaml
 	$(TEST_ENV) $(VENV)/bin/patchpar plot results/quickstart
 
-test: $(STAMP)
+test: $(STAMP) $(FMNIST)
 	$(TEST_ENV) $(PY) -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(FMNIST)
 	$(TEST_ENV) $(PY) -m pytest -q -m slow
 
 lint: $(STAMP)

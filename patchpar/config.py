@@ -129,7 +129,7 @@ class PromptsConfig:
     """Images per pipeline call (0 = all in one call); the first call's batch is the timed one."""
 
 
-QUALITY_METRICS = ("psnr", "ssim")
+QUALITY_METRICS = ("psnr", "ssim", "lpips", "fid", "fid_gt", "clip_score")
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,21 @@ class MeasureConfig:
     """Timed runs (block_until_ready); the record keeps the median, min, max and all."""
     comm: bool = True
     """Count bytes per device and FLOPs from the lowered step programs (patchpar comm)."""
-    quality: tuple[str, ...] = QUALITY_METRICS
-    """Metrics against the single-device outputs of the same prompts and seeds."""
+    quality: tuple[str, ...] = ("psnr", "ssim")
+    """psnr, ssim, lpips (vs the single-device image of the same prompt and seed; DistriFusion
+    Table 1), fid (vs the single-device set), fid_gt (vs ground_truth), clip_score (vs prompts)."""
+    ground_truth: str = "fashion-mnist"
+    """fid_gt's reference: fashion-mnist[:train|:test] or a folder of images."""
+    ground_truth_samples: int = 1000
+    """How many ground-truth images fid_gt uses (their features are cached)."""
+    clip_model: str | None = None
+    """clip_score: an open_clip model name (e.g. ViT-B-32)."""
+    clip_checkpoint: str | None = None
+    """clip_score: a local checkpoint file of that model (nothing is downloaded)."""
+    clip_config: str | None = None
+    """clip_score: a model config JSON named <clip_model>.json, for models open_clip lacks."""
+    lpips_net: str = "alex"
+    """LPIPS backbone: alex, vgg or squeeze (its torchvision weights must be on disk)."""
     save_images: bool = True
     """Write the images next to the record (git-ignored)."""
 
@@ -192,6 +205,13 @@ class RunConfig:
             (m.repeats >= 1, "measure.repeats", m.repeats, "an integer >= 1"),
             (set(m.quality) <= set(QUALITY_METRICS), "measure.quality", m.quality,
              f"a subset of {list(QUALITY_METRICS)}"),
+            ("clip_score" not in m.quality or (m.clip_model and m.clip_checkpoint),
+             "measure.clip_model", m.clip_model,
+             "set, with measure.clip_checkpoint, when measure.quality has clip_score"),
+            (m.ground_truth_samples >= 2, "measure.ground_truth_samples",
+             m.ground_truth_samples, "an integer >= 2"),
+            (m.lpips_net in ("alex", "vgg", "squeeze"), "measure.lpips_net", m.lpips_net,
+             "alex, vgg or squeeze"),
         ]  # fmt: skip
         for ok, key, value, fits in checks:
             if not ok:

