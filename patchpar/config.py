@@ -129,7 +129,7 @@ class PromptsConfig:
     """Images per pipeline call (0 = all in one call); the first call's batch is the timed one."""
 
 
-QUALITY_METRICS = ("psnr", "ssim", "lpips", "fid", "fid_gt", "clip_score")
+QUALITY_METRICS = ("psnr", "ssim", "lpips", "fid", "fid_gt", "clip_score", "prompt_accuracy")
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,8 @@ class MeasureConfig:
     """Count bytes per device and FLOPs from the lowered step programs (patchpar comm)."""
     quality: tuple[str, ...] = ("psnr", "ssim")
     """psnr, ssim, lpips (vs the single-device image of the same prompt and seed; DistriFusion
-    Table 1), fid (vs the single-device set), fid_gt (vs ground_truth), clip_score (vs prompts)."""
+    Table 1), fid (vs the single-device set), fid_gt (vs ground_truth), clip_score (vs prompts),
+    prompt_accuracy (the model folder's classifier/ agrees with the class the prompt names)."""
     ground_truth: str = "fashion-mnist"
     """fid_gt's reference: fashion-mnist[:train|:test] or a folder of images."""
     ground_truth_samples: int = 1000

@@ -186,6 +186,12 @@ def cached_features(path: Path, images_fn) -> np.ndarray:
     return feats
 
 
+def model_folder(name: str) -> Path:
+    from patchpar.models.presets import PRESETS, SHIPPED, preset_folder
+
+    return preset_folder(name) if name in PRESETS or name in SHIPPED else Path(name)
+
+
 def ground_truth_features(config: RunConfig) -> np.ndarray:
     """Features of measure.ground_truth (its first ground_truth_samples images), cached."""
     from patchpar.datasets import ground_truth
@@ -221,6 +227,16 @@ def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log:
             out.update(q.guarded(k, lambda k=k: q.fid(feats, refs[k]())))
             if k == "fid_gt" and out[k] is not None:
                 out["fid_gt_reference_samples"] = len(ground_truth_features(config))
+    if "prompt_accuracy" in m.quality:
+        from patchpar.measure.classifier import prompt_accuracy
+
+        prompts = [p for b in _batches(config) for p, _ in b]
+        folder = model_folder(config.model.name) / "classifier"
+        if folder.is_dir():
+            out["prompt_accuracy"] = prompt_accuracy(folder, images, prompts)
+        else:
+            out["prompt_accuracy"] = None
+            out["prompt_accuracy_unavailable"] = f"the model has no classifier at {folder}"
     if "clip_score" in m.quality:
         prompts = [p for b in _batches(config) for p, _ in b]
         out.update(

@@ -179,12 +179,43 @@ PRESETS["tiny-xl"] = {
     },
     "scheduler": PRESETS["sdxl"]["scheduler"],
 }
-WEIGHTED = ("tiny", "tiny-xl")  # presets that get random weights written on first use
+# The `fmnist` architecture (pixel space, no VAE: 32x32 grey images in [-1, 1]), trained by
+# experiments/train_fmnist.py; `fmnist-random` is it with random weights (the FID reference).
+PRESETS["fmnist-random"] = {
+    "unet": {
+        **PRESETS["tiny"]["unet"],
+        "sample_size": 32,
+        "in_channels": 1,
+        "out_channels": 1,
+        "block_out_channels": [32, 64, 64],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "attention_head_dim": 2,  # diffusers' legacy name: 2 heads (of 32 channels at 16x16)
+        "cross_attention_dim": 32,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    },
+    "text_encoder": _TINY_CLIP,
+    "scheduler": {  # DDPM's linear betas; DDIM clips x0 to the pixel range
+        "_class_name": "DDIMScheduler",
+        "num_train_timesteps": 1000,
+        "beta_start": 0.0001,
+        "beta_end": 0.02,
+        "beta_schedule": "linear",
+        "clip_sample": True,
+        "set_alpha_to_one": False,
+        "steps_offset": 1,
+        "prediction_type": "epsilon",
+    },
+}
+WEIGHTED = ("tiny", "tiny-xl", "fmnist-random")  # random weights written on first use
+# Presets with trained weights committed in the repository (experiments/train_fmnist.py).
+SHIPPED = {"fmnist": Path(__file__).resolve().parent.parent / "weights" / "fmnist"}
 TINY_SEED = 0
 
 
 def preset_names() -> list[str]:
-    return sorted(PRESETS)
+    return sorted([*PRESETS, *SHIPPED])
 
 
 def get_preset(name: str) -> dict[str, dict]:
@@ -202,6 +233,8 @@ def abstract_unet(model: str | Path, dtype=jnp.bfloat16):
     from patchpar.models.unet import UNet2DConditionModel, UNetConfig
 
     name = str(model)
+    if name in SHIPPED:
+        model = preset_folder(name)
     if name in PRESETS:
         cfg, where = PRESETS[name]["unet"], f"preset {name}"
     else:
@@ -218,6 +251,13 @@ def home() -> Path:
 
 def preset_folder(name: str) -> Path:
     """The diffusers folder of a weighted preset, written (atomically) if not there yet."""
+    if name in SHIPPED:
+        if not (SHIPPED[name] / "model_index.json").is_file():
+            raise ValueError(
+                f"preset {name!r}: its weights are not at {SHIPPED[name]} (made by "
+                f"experiments/train_fmnist.py and committed)"
+            )
+        return SHIPPED[name]
     get_preset(name)
     if name not in WEIGHTED:
         raise ValueError(
@@ -251,14 +291,15 @@ def write_random_folder(folder: Path, preset: dict[str, dict], seed: int) -> Non
     folder = Path(folder)
     unet = api.UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(preset["unet"]), jnp.float32))
     write_component(folder / "unet", preset["unet"], unet.init(seed))
-    vae = api.VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"]), jnp.float32))
-    write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
     index = {
         "_class_name": "StableDiffusionPipeline",
         "unet": ["diffusers", "UNet2DConditionModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
         "scheduler": ["diffusers", "DDIMScheduler"],
     }
+    if "vae" in preset:  # none: a pixel-space model
+        vae = api.VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"]), jnp.float32))
+        write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
+        index["vae"] = ["diffusers", "AutoencoderKL"]
     for k, sub in enumerate(("text_encoder", "text_encoder_2")):
         if sub not in preset:
             continue

@@ -15,7 +15,7 @@ import numpy as np
 
 from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, load_unet, load_vae
 from patchpar.models.loading import CheckpointError, read_config
-from patchpar.models.presets import PRESETS, preset_folder
+from patchpar.models.presets import PRESETS, SHIPPED, preset_folder
 from patchpar.models.tokenizer import Tokenizer, load_tokenizer
 from patchpar.parallel.engine import Plan, stale_bytes_per_device
 from patchpar.parallel.engine import denoise as denoise_parallel
@@ -41,8 +41,8 @@ class Output:
 class Pipeline:
     unet: UNetFn
     unet_params: dict
-    vae: VAEFn
-    vae_params: dict
+    vae: VAEFn | None  # None: a pixel-space model (the "latent" is the image in [-1, 1])
+    vae_params: dict | None
     text_encoders: list[tuple[TextEncoderFn, dict]]
     tokenizers: list[Tokenizer]
     scheduler: SchedulerConfig
@@ -56,7 +56,7 @@ class Pipeline:
 
     @property
     def latent_factor(self) -> int:
-        return self.vae.config.downsample_factor
+        return 1 if self.vae is None else self.vae.config.downsample_factor
 
     def check_size(self, height: int, width: int, rows_multiple: int = 1) -> tuple[int, int]:
         """Latent (h, w) for an image size; ValueError when it does not fit the networks."""
@@ -187,7 +187,11 @@ class Pipeline:
 
     def decode(self, latents: jax.Array) -> np.ndarray:
         """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process."""
-        img = _decode(self.vae, self.vae_params, latents / self.vae.config.scaling_factor)
+        if self.vae is None:  # pixel space; grey images become RGB
+            img = latents.astype(jnp.float32)
+            img = jnp.repeat(img, 3, axis=-1) if img.shape[-1] == 1 else img
+        else:
+            img = _decode(self.vae, self.vae_params, latents / self.vae.config.scaling_factor)
         return np.asarray(jnp.round(jnp.clip(img / 2 + 0.5, 0, 1) * 255)).astype(np.uint8)
 
     def __call__(
@@ -243,18 +247,20 @@ def _denoise_single(unet, smp, _plan, params, cond, schedule, x, guidance_scale)
 
 
 def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
-    """A pipeline from a local diffusers folder, or a preset name with weights (`tiny`, `tiny-xl`)."""
+    """A pipeline from a local diffusers folder, or a preset name with weights (`fmnist`,
+    `tiny`, `tiny-xl`). A folder without `vae/` is a pixel-space model."""
     name = str(path_or_preset)
-    if name in PRESETS:
+    if name in PRESETS or name in SHIPPED:
         folder = preset_folder(name)
     else:
         folder = Path(path_or_preset)
         if not folder.is_dir():
             raise CheckpointError(
-                f"{name!r} is neither a preset ({sorted(PRESETS)}) nor an existing diffusers folder"
+                f"{name!r} is neither a preset ({sorted([*PRESETS, *SHIPPED])}) nor an existing "
+                f"diffusers folder"
             )
     unet = load_unet(folder / "unet", dtype)
-    vae = load_vae(folder / "vae", dtype)
+    vae = load_vae(folder / "vae", dtype) if (folder / "vae").is_dir() else (None, None)
     encoders, tokenizers = [], []
     for sub in ("text_encoder", "text_encoder_2"):
         if (folder / sub).is_dir():
