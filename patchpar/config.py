@@ -28,9 +28,31 @@ def build_plan(name: str, options: dict, devices: int, cfg: int):
 
 
 @dataclass(frozen=True)
-class PlanFlags:
-    """Which strategy, on how many devices, with which options (unset options keep the
-    strategy's defaults; an option the strategy does not have is an error)."""
+class StrategyOptions:
+    """The strategies' options; one left unset (None) keeps the strategy's default, and one the
+    chosen strategy does not have is an error."""
+
+    warmup_steps: int | None = None
+    """distrifusion/pcpp: the first warmup_steps + 1 steps run synchronously (default 4; DistriFusion §4.3, Table 4)."""
+    gn: str | None = None
+    """distrifusion/pcpp GroupNorm after warm-up: separate, stale, corrected (default), sync (DistriFusion §4.2, Table 5)."""
+    no_sync: bool | None = None
+    """distrifusion: exchange nothing after warm-up (DistriFusion Table 4, "no sync")."""
+    portion: float | None = None
+    """pcpp: share of each neighbour patch attended to, in (0, 1] (default 0.3, PCPP's code; PCPP §3.2)."""
+    send: str | None = None
+    """pcpp: full (whole neighbour K/V, as PCPP's code; default) or band (only the rows used)."""
+    split: str | None = None
+    """naive_patch: row (default), col or alternate (DistriFusion Fig. 3's baselines)."""
+
+    def options(self) -> dict:
+        return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class PlanFlags(StrategyOptions):
+    """Which strategy, on how many devices, with which options (flat flags for `generate` and
+    `comm`)."""
 
     strategy: str = "single"
     """single, naive_patch, sync_patch, distrifusion or pcpp."""
@@ -38,23 +60,10 @@ class PlanFlags:
     """Devices in all (= cfg x patch)."""
     cfg: int = 1
     """1: both guidance halves on every device; 2: split across two device halves."""
-    warmup_steps: int | None = None
-    """distrifusion/pcpp: synchronous steps before going stale are warmup_steps + 1 (default 4; DistriFusion §4.3)."""
-    gn: str | None = None
-    """distrifusion/pcpp GroupNorm after warm-up: separate, stale, corrected (default), sync (DistriFusion Table 5)."""
-    no_sync: bool | None = None
-    """distrifusion: exchange nothing after warm-up."""
-    portion: float | None = None
-    """pcpp: share of each neighbour patch attended to, in (0, 1] (default 0.3, PCPP's code)."""
-    send: str | None = None
-    """pcpp: full (whole neighbour K/V, as PCPP's code; default) or band (only the rows used)."""
-    split: str | None = None
-    """naive_patch: row (default), col or alternate."""
 
     def plan(self):
         """The strategy with the options given, placed on the devices."""
-        opts = {k: getattr(self, k) for k in STRATEGY_OPTIONS}
-        return build_plan(self.strategy, opts, self.devices, self.cfg)
+        return build_plan(self.strategy, self.options(), self.devices, self.cfg)
 
 
 # ---------------------------------------------------------------------------- RunConfig parts
@@ -75,26 +84,11 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
-class StrategyConfig:
-    """A strategy and its options; an option left unset (null) keeps the strategy's default."""
+class StrategyConfig(StrategyOptions):
+    """A strategy and its options."""
 
     name: str = "single"
     """single, naive_patch, sync_patch, distrifusion or pcpp."""
-    warmup_steps: int | None = None
-    """distrifusion/pcpp: the first warmup_steps + 1 steps run synchronously (default 4; DistriFusion §4.3, Table 4)."""
-    gn: str | None = None
-    """distrifusion/pcpp GroupNorm after warm-up: separate, stale, corrected, sync (DistriFusion §4.2, Table 5)."""
-    no_sync: bool | None = None
-    """distrifusion: exchange nothing after warm-up (DistriFusion Table 4, "no sync")."""
-    portion: float | None = None
-    """pcpp: share of each neighbour patch attended to, in (0, 1] (default 0.3; PCPP §3.2, Table 3)."""
-    send: str | None = None
-    """pcpp: full (whole neighbour K/V, as PCPP's code) or band (only the rows used)."""
-    split: str | None = None
-    """naive_patch: row, col or alternate (DistriFusion Fig. 3's baselines)."""
-
-    def options(self) -> dict:
-        return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
 
     def label(self) -> str:
         """Name and the options set, e.g. `pcpp portion=0.5 send=band`."""

@@ -24,6 +24,8 @@ class PlotConfig:
     """Results folders (holding runs.jsonl) or runs.jsonl files."""
     out: Path | None = None
     """Folder for the PNGs (default: <first results folder>/plots)."""
+    prompt_grid: bool = False
+    """Also one PNG per run: a row per prompt, a column per seed (the first 10)."""
 
 
 def _ok(records, *keys):
@@ -137,6 +139,41 @@ def image_grid(records, path: Path, max_images: int = 4) -> bool:
     return True
 
 
+def prompt_grid(record: dict, path: Path, max_seeds: int = 10) -> bool:
+    """One run's images: a row per prompt, a column per seed, the prompt at the left."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    cfg = record.get("config", {}).get("prompts", {})
+    prompts, seeds = cfg.get("prompts", []), cfg.get("seeds", [])[:max_seeds]
+    root = Path(record["_dir"])
+    files = {Path(p).name: root / p for p in record.get("images", [])}
+    if not prompts or not seeds or not files:
+        return False
+    fig, axes = plt.subplots(
+        len(prompts),
+        len(seeds),
+        figsize=(0.9 * len(seeds) + 1.6, 0.9 * len(prompts)),
+        squeeze=False,
+    )
+    for i, prompt in enumerate(prompts):
+        for j, seed in enumerate(seeds):
+            ax = axes[i, j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            f = files.get(f"p{i}_s{seed}.png")
+            if f is not None and f.is_file():
+                ax.imshow(np.asarray(Image.open(f)), cmap="gray")
+        axes[i, 0].set_ylabel(
+            prompt.removeprefix("a photo of a "), rotation=0, ha="right", fontsize=7
+        )
+    fig.suptitle(f"{record['label']}, {get(record, 'mesh.devices')} device(s)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def run_plot(config: PlotConfig) -> dict[str, str]:
     """Write every plot the records allow; returns name -> path, or the reason it was skipped."""
     import matplotlib
@@ -161,4 +198,11 @@ def run_plot(config: PlotConfig) -> dict[str, str]:
         plt.close(fig)
     grid = out / "grid.png"
     written["grid"] = str(grid) if image_grid(records, grid) else "skipped: no images recorded"
+    if config.prompt_grid:
+        for r in records:
+            if r.get("status") == "ok":
+                path = out / f"prompt_grid_{r['run_id']}.png"
+                written[f"prompt_grid {r['run_id']}"] = (
+                    str(path) if prompt_grid(r, path) else "skipped: no images recorded"
+                )
     return written

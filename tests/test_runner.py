@@ -286,7 +286,8 @@ def test_table_groups_and_sorts(swept, tmp_path):
 def test_plots_from_records(swept, tmp_path):
     _, folder, _ = swept
     out = tmp_path / "plots"
-    assert main(["plot", str(folder), "--out", str(out)]) == 0
+    assert main(["plot", str(folder), "--out", str(out), "--prompt-grid"]) == 0
+    assert len(list(out.glob("prompt_grid_*.png"))) == 4  # one per ok run
     from PIL import Image
 
     for name in (
