@@ -17,7 +17,7 @@ class CommConfig(PlanFlags):
     model: str = "sdxl"
     """A preset (sd15, sd21, sdxl, tiny, tiny-xl) or a local diffusers folder (only its unet/config.json is read)."""
     resolution: int = 1024
-    """Square image size in pixels (latent = resolution / 8)."""
+    """Square image size in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
     batch: int = 1
     """Images per call; with cfg=1 the UNet batch is 2 x batch (the CFG pair)."""
     dtype: str = "bfloat16"
@@ -34,13 +34,16 @@ def run_comm(config: CommConfig) -> dict:
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
-    if config.resolution <= 0 or config.resolution % 8:
+    from patchpar.models.presets import latent_factor
+
+    f = latent_factor(config.model)
+    if config.resolution <= 0 or config.resolution % f:
         raise ValueError(
-            f"resolution={config.resolution}: must be a positive multiple of 8 (the VAE factor)"
+            f"resolution={config.resolution}: must be a positive multiple of {f} (the VAE factor)"
         )
     plan = config.plan()
     unet = abstract_unet(config.model, getattr(jnp, config.dtype))
-    latent = config.resolution // 8
+    latent = config.resolution // f
     r = measure(unet, plan, (latent, latent), batch=config.batch)
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
     return {

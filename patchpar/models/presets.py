@@ -244,6 +244,19 @@ def abstract_unet(model: str | Path, dtype=jnp.bfloat16):
     return api.UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(cfg, where), dtype))
 
 
+def latent_factor(model: str | Path) -> int:
+    """Image pixels per latent pixel of a preset or diffusers folder (1: pixel space, no VAE)."""
+    from patchpar.models.loading import read_config
+
+    name = str(model)
+    if name in PRESETS:
+        vae = PRESETS[name].get("vae")
+    else:
+        folder = preset_folder(name) if name in SHIPPED else Path(model)
+        vae = read_config(folder / "vae") if (folder / "vae").is_dir() else None
+    return 1 if vae is None else 2 ** (len(vae["block_out_channels"]) - 1)
+
+
 def home() -> Path:
     """Where generated model folders live: $PATCHPAR_HOME, else ~/.cache/patchpar."""
     return Path(os.environ.get("PATCHPAR_HOME", Path.home() / ".cache" / "patchpar"))
