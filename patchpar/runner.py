@@ -224,9 +224,14 @@ def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log:
             if feats is None:  # no extractor here: every FID says why
                 out.update({k: None, f"{k}_unavailable": got["features_unavailable"]})
                 continue
-            out.update(q.guarded(k, lambda k=k: q.fid(feats, refs[k]())))
-            if k == "fid_gt" and out[k] is not None:
-                out["fid_gt_reference_samples"] = len(ground_truth_features(config))
+            got_ref = q.guarded("reference", refs[k])
+            reference = got_ref["reference"]
+            if reference is None:  # e.g. the ground truth is absent: say why
+                out.update({k: None, f"{k}_unavailable": got_ref["reference_unavailable"]})
+                continue
+            out[k] = q.fid(feats, reference)
+            if k == "fid_gt":
+                out["fid_gt_reference_samples"] = len(reference)
     if "prompt_accuracy" in m.quality:
         from patchpar.measure.classifier import prompt_accuracy
 

@@ -20,9 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-class Unavailable(RuntimeError):
-    """A metric cannot run here (a weights file is absent); the message says what is missing."""
+from patchpar.measure.quality import Unavailable
 
 
 def inception_weights_path() -> Path:

@@ -59,7 +59,7 @@ def ssim(images: np.ndarray, reference: np.ndarray) -> float:
 
 
 def lpips(images: np.ndarray, reference: np.ndarray, net: str = "alex") -> float:
-    """Mean LPIPS over images; raises features.Unavailable without the backbone weights."""
+    """Mean LPIPS over images; raises Unavailable without the backbone weights."""
     _check_pair(images, reference)
     import torch
 
@@ -135,20 +135,16 @@ def paired(images: np.ndarray, reference: np.ndarray, metrics, lpips_net: str = 
     return out
 
 
+class Unavailable(RuntimeError):
+    """A metric cannot run here (a weights file is absent); the message says what is missing."""
+
+
 def guarded(name: str, fn) -> dict:
     """{name: fn()} or, when a weights file or a package is missing, {name: None,
     name_unavailable: reason}: no crash, no made-up number."""
-    from importlib import import_module
-
     try:
         return {name: fn()}
     except ImportError as e:
         return {name: None, f"{name}_unavailable": f"missing package: {e}"}
-    except Exception as e:
-        try:
-            unavailable = import_module("patchpar.measure.features").Unavailable
-        except ImportError:
-            raise e from None
-        if isinstance(e, unavailable):
-            return {name: None, f"{name}_unavailable": str(e)}
-        raise
+    except Unavailable as e:
+        return {name: None, f"{name}_unavailable": str(e)}
