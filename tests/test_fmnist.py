@@ -75,3 +75,48 @@ def test_fmnist_preset_one_image_per_class_deterministic():
     np.testing.assert_array_equal(a.images, b.images)
     acc = clf.prompt_accuracy(SHIPPED["fmnist"] / "classifier", a.images, prompts)
     assert acc >= 0.5, acc  # 10 images; the 500-sample figure is in paper_repro.md
+
+
+def test_train_script_exports_resumes_and_refuses_another_recipe(tmp_path, capsys, monkeypatch):
+    """experiments/train_fmnist.py in miniature: two steps, export (UNet and the jointly trained
+    text encoder, EMA), resume to a third step, and a changed recipe refused."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    from patchpar.pipelines import load_pipeline
+
+    script = Path(__file__).resolve().parent.parent / "experiments" / "train_fmnist.py"
+    spec = importlib.util.spec_from_file_location("train_fmnist", script)
+    train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_fmnist", train)  # dataclasses look the module up
+    spec.loader.exec_module(train)
+    cfg = train.TrainConfig(
+        max_steps=2,
+        classifier_epochs=0,
+        work=tmp_path / "work",
+        out=tmp_path / "out",
+        plots=tmp_path / "plots",
+    )
+    train.main(cfg)
+    info = json.loads((cfg.out / "training.json").read_text())
+    assert info["trained_steps"] == 2 and info["recipe"]["text_encoder_trained"]
+    text_1 = load_file(str(cfg.out / "text_encoder" / "model.safetensors"))
+
+    pipe = load_pipeline(cfg.out)
+    out = pipe(["a photo of a bag"], steps=2, seed=0)
+    assert out.images.shape == (1, 32, 32, 3)
+
+    train.main(train.TrainConfig(**{**vars(cfg), "max_steps": 3}))
+    assert "resumed at step 2" in capsys.readouterr().out
+    assert json.loads((cfg.out / "training.json").read_text())["trained_steps"] == 3
+    text_2 = load_file(str(cfg.out / "text_encoder" / "model.safetensors"))
+    assert text_1.keys() == text_2.keys()
+    # the text encoder is trained: its exported (EMA) weights move from step 2 to step 3
+    assert any(not np.array_equal(text_1[k], text_2[k]) for k in text_1)
+
+    with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
+        train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))

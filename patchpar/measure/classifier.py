@@ -22,7 +22,7 @@ from patchpar.datasets import FASHION_MNIST_CLASSES
 class FashionCNN(nn.Module):
     """(N, 28, 28, 1) in [0, 1] -> (N, 10) logits."""
 
-    width: int = 32
+    width: int = 16
 
     @nn.compact
     def __call__(self, x):

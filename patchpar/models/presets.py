@@ -187,13 +187,16 @@ PRESETS["fmnist-random"] = {
         "sample_size": 32,
         "in_channels": 1,
         "out_channels": 1,
-        "block_out_channels": [32, 64, 64],
+        # 16/32/64 channels at 32x32/16x16/8x8, attention (self + cross) at 8x8 and in the
+        # mid block: 3x cheaper per training step on the CPU than 32/64/64 with attention at
+        # 16x16 too (538 vs 1650 ms at batch 32), so the 90-minute budget sees ~4 epochs.
+        "block_out_channels": [16, 32, 64],
         "layers_per_block": 1,
         "norm_num_groups": 8,
-        "attention_head_dim": 2,  # diffusers' legacy name: 2 heads (of 32 channels at 16x16)
+        "attention_head_dim": 2,  # diffusers' legacy name: 2 heads (of 64 channels at 8x8)
         "cross_attention_dim": 32,
-        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        "down_block_types": ["DownBlock2D", "DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D", "UpBlock2D"],
     },
     "text_encoder": _TINY_CLIP,
     "scheduler": {  # DDPM's linear betas; DDIM clips x0 to the pixel range
