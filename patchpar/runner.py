@@ -233,12 +233,15 @@ def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log:
             if k == "fid_gt":
                 out["fid_gt_reference_samples"] = len(reference)
     if "prompt_accuracy" in m.quality:
-        from patchpar.measure.classifier import prompt_accuracy
+        from patchpar.measure.classifier import prompt_accuracy_by_class
 
         prompts = [p for b in _batches(config) for p, _ in b]
         folder = model_folder(config.model.name) / "classifier"
         if folder.is_dir():
-            out["prompt_accuracy"] = prompt_accuracy(folder, images, prompts)
+            acc, per_class, counts = prompt_accuracy_by_class(folder, images, prompts)
+            out["prompt_accuracy"] = acc
+            out["prompt_accuracy_per_class"] = per_class
+            out["predicted_class_counts"] = counts
         else:
             out["prompt_accuracy"] = None
             out["prompt_accuracy_unavailable"] = f"the model has no classifier at {folder}"

@@ -31,6 +31,18 @@ def test_classifier_round_trip(tmp_path):
     np.testing.assert_array_equal(got, want)
     prompts = [f"a photo of a {FASHION_MNIST_CLASSES[k]}" for k in want]
     assert clf.prompt_accuracy(tmp_path / "classifier", images, prompts) == 1.0
+    # prompts naming the wrong class for the last two images
+    wrong = [
+        f"a photo of a {FASHION_MNIST_CLASSES[(k + 1 * (i >= 3)) % 10]}" for i, k in enumerate(want)
+    ]
+    acc, per_class, counts = clf.prompt_accuracy_by_class(tmp_path / "classifier", images, wrong)
+    assert acc == 3 / 5
+    named = [clf.prompt_class(p) for p in wrong]
+    for k in set(named):
+        hits = [want[i] == k for i in range(5) if named[i] == k]
+        assert per_class[FASHION_MNIST_CLASSES[k]] == np.mean(hits)
+    assert set(per_class) == {FASHION_MNIST_CLASSES[k] for k in named}
+    assert counts == {n: int((want == k).sum()) for k, n in enumerate(FASHION_MNIST_CLASSES)}
     # 32x32 inputs are Fashion-MNIST padded by 2: the classifier sees the centre 28x28
     np.testing.assert_allclose(
         clf.to_input(images)[..., 0], images[:, 2:30, 2:30].mean(-1) / 255.0, atol=1e-6

@@ -102,7 +102,20 @@ def prompt_class(prompt: str) -> int:
 
 def prompt_accuracy(folder: str | Path, images: np.ndarray, prompts: list[str]) -> float:
     """Share of images the classifier assigns to the class their prompt names."""
+    return prompt_accuracy_by_class(folder, images, prompts)[0]
+
+
+def prompt_accuracy_by_class(
+    folder: str | Path, images: np.ndarray, prompts: list[str]
+) -> tuple[float, dict[str, float], dict[str, int]]:
+    """(overall share, share per prompted class, how many images the classifier put in each
+    class), the classes by name; only prompted classes appear in the per-class shares."""
     if len(images) != len(prompts):
         raise ValueError(f"{len(images)} images but {len(prompts)} prompts; one prompt per image")
     want = np.array([prompt_class(p) for p in prompts])
-    return float((predict(folder, images) == want).mean())
+    got = predict(folder, images)
+    per_class = {
+        FASHION_MNIST_CLASSES[k]: float((got[want == k] == k).mean()) for k in np.unique(want)
+    }
+    counts = {name: int((got == k).sum()) for k, name in enumerate(FASHION_MNIST_CLASSES)}
+    return float((got == want).mean()), per_class, counts
