@@ -196,9 +196,7 @@ def main(cfg: TrainConfig) -> None:
             cap = y[idx] * n_cap + rng.integers(0, n_cap, cfg.batch)
             cap = np.where(rng.random(cfg.batch) < cfg.p_uncond, len(captions) - 1, cap)
             key, sub = jax.random.split(key)
-            params, ema, opt_state, loss = train_step(
-                params, ema, opt_state, x[idx], cap, sub
-            )
+            params, ema, opt_state, loss = train_step(params, ema, opt_state, x[idx], cap, sub)
             state["step"] += 1
             if state["step"] % 50 == 0:
                 losses.append(float(loss))
