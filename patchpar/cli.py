@@ -62,18 +62,18 @@ def dispatch(config) -> None:
 
     if isinstance(config, RunConfig):
         from patchpar.runner import run, runs_path
-        from patchpar.tables import markdown
+        from patchpar.tables import markdown, summary_columns
 
         rec = run(config, raise_errors=True)
-        print(markdown([rec]))
+        print(markdown([rec], summary_columns([rec])))
         print(f"record {rec['run_id']} -> {runs_path(config)}")
     elif isinstance(config, SweepConfig):
         from patchpar.sweep import run_sweep
-        from patchpar.tables import markdown
+        from patchpar.tables import markdown, summary_columns
 
         records = run_sweep(config)
         if records:
-            print(markdown(records, sort_by=("mesh.devices", "label")))
+            print(markdown(records, summary_columns(records), sort_by=("mesh.devices", "label")))
     elif isinstance(config, TableConfig):
         from patchpar.tables import run_table
 

@@ -27,6 +27,18 @@ DEFAULT_COLUMNS = (
     "ssim",
     "status",
 )
+# quality metrics that a summary shows when some record has them
+OPTIONAL_COLUMNS = ("lpips", "fid", "fid_gt", "clip_score", "prompt_accuracy")
+
+
+def summary_columns(records: list[dict]) -> tuple[str, ...]:
+    """DEFAULT_COLUMNS, with the optional quality metrics some record measured before status."""
+    extra = tuple(
+        k for k in OPTIONAL_COLUMNS if any(r.get("metrics", {}).get(k) is not None for r in records)
+    )
+    return DEFAULT_COLUMNS[:-1] + extra + DEFAULT_COLUMNS[-1:]
+
+
 # key -> (header, format)
 FORMATS = {
     "bytes_per_device_per_step": ("MiB/device/step", lambda v: f"{v / 2**20:.3f}"),

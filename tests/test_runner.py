@@ -23,7 +23,7 @@ from patchpar.config import (
 )
 from patchpar.results import read_records
 from patchpar.sweep import SweepConfig, load_sweep, run_sweep
-from patchpar.tables import get, load_records, markdown
+from patchpar.tables import DEFAULT_COLUMNS, get, load_records, markdown, summary_columns
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -284,6 +284,10 @@ def test_table_groups_and_sorts(swept, tmp_path):
         1.0,
     }
     assert get(next(r for r in records if r["label"] == "naive_patch"), "strategy.split") == "row"
+    # the summary printed by run/sweep adds a quality column only where some record has it
+    assert summary_columns(records) == DEFAULT_COLUMNS
+    measured = [{**records[0], "metrics": {**records[0]["metrics"], "prompt_accuracy": 0.5}}]
+    assert summary_columns(records + measured)[-2:] == ("prompt_accuracy", "status")
 
 
 def test_plots_from_records(swept, tmp_path):
