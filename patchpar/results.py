@@ -34,8 +34,11 @@ def git_commit() -> str | None:
     return commit
 
 
+@functools.cache
 def git_dirty() -> bool | None:
-    """Whether the checkout has uncommitted changes (then the commit alone does not say what ran)."""
+    """Whether the checkout had uncommitted changes when this process first asked (then the
+    commit alone does not say what ran). Cached like the commit, so that a commit made while a
+    sweep runs cannot make its later records read clean against the older commit."""
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
