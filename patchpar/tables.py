@@ -153,8 +153,14 @@ def markdown(records: list[dict], columns=DEFAULT_COLUMNS, sort_by=(), group_by=
         lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for r in rs:
             cells = [_cell(c, get(r, c)) for c in columns]
-            if r.get("status") == "ok" and get(r, "identical") and "psnr" in columns:
-                cells[columns.index("psnr")] = "∞ (identical)"
+            same = get(r, "psnr_identical_images")
+            if r.get("status") == "ok" and same and "psnr" in columns:
+                # per-image PSNR averaged is infinite once one image is identical; say how many
+                cells[columns.index("psnr")] = (
+                    "∞ (identical)"
+                    if get(r, "identical")
+                    else f"∞ ({same}/{get(r, 'quality_samples')} identical)"
+                )
             lines.append("| " + " | ".join(cells) + " |")
         failed = [r for r in rs if r.get("status") not in (None, "ok")]
         if failed:

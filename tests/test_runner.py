@@ -288,6 +288,10 @@ def test_table_groups_and_sorts(swept, tmp_path):
     assert summary_columns(records) == DEFAULT_COLUMNS
     measured = [{**records[0], "metrics": {**records[0]["metrics"], "prompt_accuracy": 0.5}}]
     assert summary_columns(records + measured)[-2:] == ("prompt_accuracy", "status")
+    # some images identical to single (the mean PSNR is infinite): the cell says how many
+    partly = {**records[0], "metrics": {**records[0]["metrics"], "psnr": None}}
+    partly["metrics"].update(identical=False, psnr_identical_images=9, quality_samples=10)
+    assert "| ∞ (9/10 identical) |" in markdown([partly], columns=("label", "psnr"))
 
 
 def test_plots_from_records(swept, tmp_path):
