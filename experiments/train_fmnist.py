@@ -64,7 +64,7 @@ class TrainConfig:
     max_steps: int = 0
     """Stop at this many steps in all (0: only the time budget)."""
     batch: int = 32
-    """Small batches, more updates: the budget is wall-clock on 2 CPU cores (~0.55 s per step)."""
+    """Small batches, more updates: the budget is wall-clock on 2 CPU cores (~0.6 s per step)."""
     lr: float = 1e-3
     ema: float = 0.999
     p_uncond: float = 0.1
