@@ -250,6 +250,7 @@ def abstract_unet(model: str | Path, dtype=jnp.bfloat16):
 def latent_factor(model: str | Path) -> int:
     """Image pixels per latent pixel of a preset or diffusers folder (1: pixel space, no VAE)."""
     from patchpar.models.loading import read_config
+    from patchpar.models.vae import VAEConfig
 
     name = str(model)
     if name in PRESETS:
@@ -257,7 +258,7 @@ def latent_factor(model: str | Path) -> int:
     else:
         folder = preset_folder(name) if name in SHIPPED else Path(model)
         vae = read_config(folder / "vae") if (folder / "vae").is_dir() else None
-    return 1 if vae is None else 2 ** (len(vae["block_out_channels"]) - 1)
+    return 1 if vae is None else VAEConfig.from_diffusers(vae).downsample_factor
 
 
 def home() -> Path:
