@@ -48,10 +48,10 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     if args.table_only:
-        write_table(read_records(OUT / "runs.jsonl"), OUT / "table.md")
+        write_table(read_records(OUT / "runs.jsonl", skip_bad=True), OUT / "table.md")
         return 0
     runs = OUT / "runs.jsonl"
-    done = {key(r) for r in read_records(runs)}
+    done = {key(r) for r in read_records(runs, skip_bad=True)}
     points = [
         (m, res, n, s, o)
         for m in args.models
@@ -101,12 +101,15 @@ def main(argv=None) -> int:
                 steady_by_site={k: v["max"] for k, v in st["hlo"].items() if k != "all"},
                 warmup_by_site={k: v["max"] for k, v in wu["hlo"].items() if k != "all"},
                 analytic_matches_hlo=st["analytic_matches_hlo"] and wu["analytic_matches_hlo"],
+                released_steady_bytes_per_device=st["released"]["all"]["max"],
+                released_warmup_bytes_per_device=wu["released"]["all"]["max"],
+                released_steady_by_site={k: v["max"] for k, v in st["released"].items() if k != "all"},
                 flops_per_device=st.get("flops_per_device"),
                 stale_bytes_per_device=r["stale_bytes_per_device"],
                 seconds=round(time.perf_counter() - t0, 1),
             )
         append_record(runs, rec)
-    write_table(read_records(runs), OUT / "table.md")
+    write_table(read_records(runs, skip_bad=True), OUT / "table.md")
     return 0
 
 

@@ -6,6 +6,8 @@ patchpar table RESULTS...                             markdown table of records
 patchpar plot RESULTS...                              PNG plots of records
 patchpar generate ...                                 images from prompts, no record
 patchpar comm ...                                     bytes and FLOPs of one UNet call
+
+`--debug` anywhere on the line shows a failure's traceback instead of its one-line message.
 """
 
 from __future__ import annotations
@@ -104,9 +106,14 @@ def dispatch(config) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 bad input (a ValueError: names the value and what fits), 1 any
+    other failure, 130 interrupted. A failure prints one line on stderr; `--debug` (anywhere
+    on the line) prints the traceback instead."""
     import tyro
 
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
     try:
         if args and args[0] == "run":
             config = _run_config(args[1:])
@@ -119,10 +126,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args=args,
             )
         dispatch(config)
-    except ValueError as e:  # bad input: a clear message, no traceback
-        print(f"patchpar: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("patchpar: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        if isinstance(e, ValueError):  # bad input: the message names the value and what fits
+            print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)
+            return 2
+        print(
+            f"patchpar: error: {type(e).__name__}: {_one_line(str(e))} (--debug shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "(no message)"
 
 
 if __name__ == "__main__":

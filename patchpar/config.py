@@ -8,6 +8,7 @@ command line), checked by `validate()`. A sweep point is a new RunConfig, never 
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -181,7 +182,16 @@ class RunConfig:
         from patchpar.sampling.schedulers import SAMPLERS
 
         s, m = self.sampler, self.measure
+        seeds_ok = all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32
+            for x in self.prompts.seeds
+        )
+        gs = s.guidance_scale
         checks = [
+            (isinstance(self.mesh.devices, int) and self.mesh.devices >= 1, "mesh.devices",
+             self.mesh.devices, "an integer >= 1"),
+            (self.mesh.cfg in (1, 2), "mesh.cfg", self.mesh.cfg,
+             "1 (both guidance halves on every device) or 2 (split across two device halves)"),
             (self.experiment and "/" not in self.experiment, "experiment", self.experiment,
              "a non-empty name without '/'"),
             (self.strategy.name in STRATEGIES, "strategy.name", self.strategy.name,
@@ -194,6 +204,10 @@ class RunConfig:
             (len(self.prompts.prompts) > 0, "prompts.prompts", self.prompts.prompts,
              "at least one prompt"),
             (len(self.prompts.seeds) > 0, "prompts.seeds", self.prompts.seeds, "at least one seed"),
+            (seeds_ok, "prompts.seeds", self.prompts.seeds,
+             "integers in [0, 2^32) (larger seeds wrap around: 2^32 would repeat seed 0)"),
+            (isinstance(gs, int | float) and math.isfinite(gs), "sampler.guidance_scale", gs,
+             "a finite number (<= 1 turns guidance off)"),
             (self.prompts.batch_size >= 0, "prompts.batch_size", self.prompts.batch_size,
              "0 (all at once) or a positive integer"),
             (m.warmup_runs >= 0, "measure.warmup_runs", m.warmup_runs, "an integer >= 0"),

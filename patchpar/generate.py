@@ -16,8 +16,8 @@ from patchpar.config import PlanFlags
 class GenerateConfig(PlanFlags):
     """Generate images from prompts and save them as PNG, with the final latent as latent.npy."""
 
-    model: str = "tiny"
-    """A preset with weights (tiny, tiny-xl) or a local diffusers-format folder."""
+    model: str = "fmnist"
+    """A preset with weights (fmnist: the trained default; tiny, tiny-xl: random) or a local diffusers-format folder."""
     prompt: tuple[str, ...] = ("a photo of a red bag",)
     """One or more prompts; one image each."""
     negative_prompt: str = ""
@@ -31,9 +31,9 @@ class GenerateConfig(PlanFlags):
     height: int | None = None
     """Image height in pixels (default: the UNet's sample size x the VAE factor)."""
     width: int | None = None
-    """Image width in pixels (default as height)."""
+    """Image width in pixels (default: as height)."""
     seed: int = 0
-    """Seed of the initial latent."""
+    """Seed of the initial latent, in [0, 2^32)."""
     dtype: str = "float32"
     """float32 or bfloat16."""
     out: Path = Path("results/generate")
@@ -50,8 +50,18 @@ def generate(config: GenerateConfig) -> dict:
 
     from patchpar.pipelines import load_pipeline
 
+    from patchpar.pipelines.text2img import check_guidance, check_seed
+
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    for name in ("height", "width"):
+        v = getattr(config, name)
+        if v is not None and v <= 0:
+            raise ValueError(f"{name}={v}: must be a positive number of pixels (or left unset)")
+    if config.steps < 1:
+        raise ValueError(f"steps={config.steps}: must be >= 1")
+    check_seed(config.seed)
+    check_guidance(config.guidance_scale)
     plan = config.plan()  # unknown strategy or option: error before loading anything
     t0 = time.perf_counter()
     pipe = load_pipeline(config.model, dtype=getattr(jnp, config.dtype))

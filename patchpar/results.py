@@ -3,11 +3,15 @@ atomically (a killed sweep loses no finished row), with provenance (DESIGN.md §
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
 import platform
+import stat
 import subprocess
+import sys
 import tempfile
 import uuid
 from datetime import UTC, datetime
@@ -37,11 +41,12 @@ def git_commit() -> str | None:
 @functools.cache
 def git_dirty() -> bool | None:
     """Whether the checkout had uncommitted changes when this process first asked (then the
-    commit alone does not say what ran). Cached like the commit, so that a commit made while a
-    sweep runs cannot make its later records read clean against the older commit."""
+    commit alone does not say what ran): a changed tracked file anywhere, or an untracked file
+    under patchpar/ (a new module runs but is in no commit). Cached like the commit, so that a
+    commit made while a sweep runs cannot make its later records read clean against it."""
     try:
         out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=all"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -49,7 +54,19 @@ def git_dirty() -> bool | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return any(_counts_as_dirty(line) for line in out.stdout.splitlines())
+
+
+def _counts_as_dirty(porcelain_line: str) -> bool:
+    """A `git status --porcelain` line: tracked changes count anywhere, untracked files only
+    inside the package (results and scratch files beside it do not change what runs)."""
+    if not porcelain_line.strip():
+        return False
+    if porcelain_line.startswith("??"):
+        return porcelain_line[3:].strip('"').startswith("patchpar/")
+    return True
 
 
 def provenance() -> dict:
@@ -75,15 +92,51 @@ def provenance() -> dict:
     }
 
 
-def read_records(path: Path) -> list[dict]:
+class RecordError(ValueError):
+    """A line of a runs.jsonl that is not a usable record (the message names file and line)."""
+
+
+def _warn(msg: str) -> None:
+    print(f"patchpar: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def read_records(
+    path: Path, skip_bad: bool = False, require: tuple[str, ...] = (), warn=_warn
+) -> list[dict]:
+    """The records of a runs.jsonl (none if the file is absent). A line that is not a JSON
+    object, or lacks a key in `require`, raises RecordError naming the file and line number;
+    with `skip_bad` it is skipped and `warn` says which (sweep, table and plot do that)."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        problem = None
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            problem = f"not valid JSON ({e.msg} at column {e.colno})"
+        else:
+            if not isinstance(rec, dict):
+                problem = f"a JSON {type(rec).__name__}, not a record object"
+            elif missing := [k for k in require if k not in rec]:
+                problem = f"a record without {missing}"
+        if problem is None:
+            out.append(rec)
+        elif skip_bad:
+            warn(f"{path}:{number}: {problem}; skipped")
+        else:
+            raise RecordError(f"{path}:{number}: {problem}")
+    return out
 
 
 def append_record(path: Path, record: dict) -> dict:
-    """Append one record (adding run id and time) by rewriting the file through a rename."""
+    """Append one record (adding run id and time), atomically: under an exclusive lock on the
+    folder (two processes appending to one file lose no row), the file is rewritten to a temp
+    file with the old file's permissions, fsynced, renamed over it, and the folder is fsynced.
+    A failure removes the temp file and leaves the old file as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -91,13 +144,33 @@ def append_record(path: Path, record: dict) -> dict:
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
         **record,
     }
-    old = path.read_text() if path.is_file() else ""
-    if old and not old.endswith("\n"):
-        old += "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".runs-")
-    with os.fdopen(fd, "w") as f:
-        f.write(old + json.dumps(record, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    line = json.dumps(record, sort_keys=True) + "\n"
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        old = path.read_text() if path.is_file() else ""
+        if old and not old.endswith("\n"):
+            old += "\n"
+        mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~_umask()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".runs-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), mode)
+                f.write(old + line)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)  # closing releases the lock
     return record
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -105,10 +105,25 @@ def generate_all(pipe, config: RunConfig, plan, hw) -> tuple[np.ndarray, np.ndar
 # ---------------------------------------------------------------------------- baseline
 
 
+def weights_sha256(config: RunConfig) -> str | None:
+    """Digest of the model folder the run loads (None when it cannot be read: the run itself
+    then fails with the loader's error)."""
+    from patchpar.models.loading import weights_digest
+
+    try:
+        return weights_digest(model_folder(config.model.name))
+    except (OSError, ValueError):
+        return None
+
+
 def _baseline_id(config: RunConfig) -> dict:
-    """Same model, sampler and prompts (and code) -> same single-device outputs."""
+    """Same model weights, sampler and prompts (and code) -> same single-device outputs."""
     d = to_dict(config)
-    return {**{k: d[k] for k in ("model", "sampler", "prompts")}, "git_commit": git_commit()}
+    return {
+        **{k: d[k] for k in ("model", "sampler", "prompts")},
+        "git_commit": git_commit(),
+        "weights_sha256": weights_sha256(config),
+    }
 
 
 def baseline_key(config: RunConfig) -> str:
@@ -162,7 +177,10 @@ def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
     n = config.sampler.steps
     sync = plan.strategy.sync_steps(n)
     w_bytes, s_bytes = wu["hlo"]["all"]["max"], st["hlo"]["all"]["max"]
+    rw, rs = wu["released"]["all"]["max"], st["released"]["all"]["max"]
     return {
+        # analytic: the released DistriFusion / PCPP code's traffic pattern for the same run
+        "released_bytes_per_device_per_step": (sync * rw + (n - sync) * rs) / n,
         "warmup_bytes_per_device": w_bytes,
         "steady_bytes_per_device": s_bytes,
         "bytes_per_device_per_step": (sync * w_bytes + (n - sync) * s_bytes) / n,
@@ -340,21 +358,37 @@ def _status(err: BaseException) -> str:
 
 def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> dict:
     """Run one experiment point and append its record (also when it fails); returns the record.
-    A config that does not validate raises ValueError before anything is written."""
-    config.validate()
-    strategy = config.plan().strategy
+    With `raise_errors` (the CLI) a config that does not validate raises ValueError before
+    anything is written; without (a sweep) it becomes a record with status `error`."""
+    try:
+        config.validate()
+        invalid = None
+    except ValueError as e:
+        if raise_errors:
+            raise
+        invalid = e
     run_id = uuid.uuid4().hex[:12]
     out = runs_path(config)
+    if invalid is None:
+        strategy = config.plan().strategy
+        # the strategy with every option, defaults included (the config holds only those set)
+        strategy_record = {"name": strategy.name, **dataclasses.asdict(strategy)}
+    else:
+        strategy_record = {"name": config.strategy.name, **config.strategy.options()}
     record = {
         "run_id": run_id,
         "experiment": config.experiment,
         "label": config.strategy.label(),
-        # the strategy with every option, defaults included (the config holds only those set)
-        "strategy": {"name": strategy.name, **dataclasses.asdict(strategy)},
+        "strategy": strategy_record,
         "config": to_dict(config),
         "baseline": baseline_key(config) if config.measure.quality else None,
-        "provenance": provenance(),
+        "provenance": {**provenance(), "weights_sha256": weights_sha256(config)},
     }
+    if invalid is not None:
+        record.update(
+            status="error", error=f"invalid config: {invalid}", metrics={}, images=[]
+        )
+        return append_record(out, record)
     log(f"run {run_id}: {config.strategy.label()} on {config.mesh.devices} device(s)")
     try:
         metrics, images = _execute(config, out.parent / "images" / run_id, log)

@@ -56,7 +56,10 @@ def load_sweep(path: str | Path, results: Path | None = None) -> list[RunConfig]
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sweep file {str(path)!r} does not exist")
-    spec = yaml.safe_load(path.read_text()) or {}
+    try:
+        spec = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: expected a mapping with keys {list(SWEEP_KEYS)}")
     unknown = sorted(set(spec) - set(SWEEP_KEYS))
@@ -104,7 +107,7 @@ def run_sweep(config: SweepConfig) -> list[dict]:
         return {
             (path, point_key(r["config"])): r
             for path in {runs_path(cfg) for cfg in points}
-            for r in read_records(path)
+            for r in read_records(path, skip_bad=True, require=("config", "status"))
         }
 
     done = index()

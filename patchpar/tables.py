@@ -93,7 +93,8 @@ def load_records(paths, latest_only: bool = True) -> list[dict]:
             raise ValueError(
                 f"no records at {str(p)!r} (expected a folder with runs.jsonl, or the file)"
             )
-        for r in read_records(f):
+        # a malformed line or a record without its config is skipped, with a message naming it
+        for r in read_records(f, skip_bad=True, require=("config", "status")):
             out.append({**r, "_dir": str(f.parent)})
     if latest_only:
         seen: dict = {}
@@ -155,12 +156,15 @@ def markdown(records: list[dict], columns=DEFAULT_COLUMNS, sort_by=(), group_by=
             cells = [_cell(c, get(r, c)) for c in columns]
             same = get(r, "psnr_identical_images")
             if r.get("status") == "ok" and same and "psnr" in columns:
-                # per-image PSNR averaged is infinite once one image is identical; say how many
-                cells[columns.index("psnr")] = (
-                    "∞ (identical)"
-                    if get(r, "identical")
-                    else f"∞ ({same}/{get(r, 'quality_samples')} identical)"
-                )
+                # the mean is over the images that differ; say how many were identical
+                i = columns.index("psnr")
+                n = get(r, "quality_samples")
+                if get(r, "identical"):
+                    cells[i] = "∞ (identical)"
+                elif get(r, "psnr") is None:  # a record from before the mean skipped them
+                    cells[i] = f"∞ ({same}/{n} identical)"
+                else:
+                    cells[i] = f"{cells[i]} ({same}/{n} identical)"
             lines.append("| " + " | ".join(cells) + " |")
         failed = [r for r in rs if r.get("status") not in (None, "ok")]
         if failed:

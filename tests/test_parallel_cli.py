@@ -91,7 +91,11 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         ),
         (
             dict(strategy="distrifusion", devices=2, gn="sync", no_sync=True),
-            r"gn='sync' exchanges every step, no_sync=True",
+            r"no_sync=True exchanges nothing after warm-up, so GroupNorm is local",
+        ),
+        (
+            dict(strategy="distrifusion", devices=2, no_sync=True),
+            r"it needs gn='separate', got gn='corrected'",
         ),
         (
             dict(strategy="naive_patch", devices=2, split="diagonal"),

@@ -68,10 +68,12 @@ def test_conv_with_fresh_halo_equals_unsharded(name, n):
     np.testing.assert_allclose(out, ref_mod.apply({"params": params}, x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("gn", ["sync", "separate", "stale", "corrected"])
 @pytest.mark.parametrize("n", [2, 8])
-def test_groupnorm_sync_equals_unsharded(n):
+def test_groupnorm_sync_equals_unsharded(n, gn):
+    """In the sync (warm-up) phase every GroupNorm mode is exact, `separate` included."""
     x = rand(B, H, W, C) * 3 + 1
-    mod = GroupNorm(4, 1e-5, ops=PatchOps(n, "sync"))
+    mod = GroupNorm(4, 1e-5, ops=PatchOps(n, "sync", gn=gn))
     params = init(GroupNorm(4, 1e-5), x)
     out, _ = sharded(mod, params, x, n)
     np.testing.assert_allclose(
@@ -239,10 +241,28 @@ def attention_ref(q, k, v, params, heads=2):
 def test_no_sync_keeps_buffers_frozen():
     n = 4
     x = rand(B, H, W, C, seed=14)
-    mod = Conv(5, ops=PatchOps(n, "steady", halo_mode="stale", exchange=False))
+    mod = Conv(5, ops=PatchOps(n, "steady", halo_mode="stale", gn="separate", exchange=False))
     state0 = {"halo": rand(n, B, 2, W, C, seed=15)}
     _, state1 = sharded(mod, init(Conv(5), x), x, n, state0)
     np.testing.assert_array_equal(state1["halo"], state0["halo"])
+
+
+def test_no_sync_needs_local_groupnorm():
+    with pytest.raises(ValueError, match="gn must be 'separate'.*got gn='corrected'"):
+        PatchOps(4, "steady", gn="corrected", exchange=False)
+
+
+def test_input_layer_halo_is_fresh():
+    """conv_in's ops: the stale halo becomes fresh (no buffer, exact); zero stays zero."""
+    n = 4
+    x = rand(B, H, W, C, seed=16)
+    ops = PatchOps(n, "steady", halo_mode="stale", gn="corrected", kv="stale").input_layer()
+    assert ops.halo_mode == "fresh" and ops.input and ops.gn == "corrected"
+    assert PatchOps(n, halo_mode="zero").input_layer().halo_mode == "zero"
+    params = init(Conv(5), x)
+    out, state = sharded(Conv(5, ops=ops), params, x, n)
+    assert state == {}
+    np.testing.assert_allclose(out, Conv(5).apply({"params": params}, x), atol=1e-5, rtol=0)
 
 
 def test_band_tokens():

@@ -65,15 +65,22 @@ def test_sync_patch_sampling_run_equals_single(kind, patch, cfg):
     assert max_diff(out, ref) <= 1e-4
 
 
-@pytest.mark.parametrize(
-    "strategy, options, patch, cfg",
-    [
-        ("distrifusion", {"gn": "corrected"}, 8, 1),
-        ("distrifusion", {"gn": "stale"}, 2, 2),
-        ("pcpp", {"send": "full"}, 4, 2),
-        ("pcpp", {"send": "band", "portion": 0.1}, 8, 1),
-    ],
-)
+# Every GroupNorm mode of both stale strategies (and distrifusion's no_sync): the warm-up steps
+# are exact whatever the steady phase does (the released code syncs while counter <= warmup_steps).
+WARMUP_CASES = [
+    ("distrifusion", {"gn": "separate"}, 8, 1),
+    ("distrifusion", {"gn": "stale"}, 2, 2),
+    ("distrifusion", {"gn": "corrected"}, 4, 1),
+    ("distrifusion", {"gn": "sync"}, 4, 2),
+    ("distrifusion", {"gn": "separate", "no_sync": True}, 4, 1),
+    ("pcpp", {"gn": "separate", "send": "band"}, 4, 2),
+    ("pcpp", {"gn": "stale", "send": "full"}, 8, 1),
+    ("pcpp", {"gn": "corrected", "send": "band", "portion": 0.1}, 8, 1),
+    ("pcpp", {"gn": "sync", "send": "full"}, 2, 2),
+]
+
+
+@pytest.mark.parametrize("strategy, options, patch, cfg", WARMUP_CASES)
 def test_warmup_covering_all_steps_equals_sync_patch(strategy, options, patch, cfg):
     steps = 3
     ref, _ = run("sd", "sync_patch", patch, cfg, steps)
@@ -100,6 +107,20 @@ def test_pcpp_whole_neighbour_band_on_2_devices_equals_distrifusion(gn):
     assert max_diff(p_full, d) <= 1e-4 and max_diff(p_band, d) <= 1e-4
     if gn != "sync":
         assert max_diff(d, s) > 1e-3, "the steady phase should differ from sync_patch"
+
+
+def test_conv_in_keeps_no_stale_halo():
+    """The released code slices conv_in's input from the full latent every step: the first
+    convolution's halo is exchanged fresh, so no stale buffer exists for it (every other 3x3
+    conv keeps one)."""
+    unet, params = micro_unet("sd")
+    x, t, cond = inputs("sd")
+    for name in ("distrifusion", "pcpp"):
+        plan = Plan(make_strategy(name), 4, 1)
+        warm = make_step(unet, plan, "sync", "row", GUIDANCE, plan.mesh())
+        _, state = jax.eval_shape(warm, params, x, t, cond, None)
+        assert "conv_in" not in state
+        assert "halo" in state["conv_out"] and "halo" in state["down_blocks_0"]["resnets_0"]["conv1"]
 
 
 def hlo(strategy, phase, patch=4, cfg=1, **options):

@@ -70,6 +70,12 @@ def test_psnr_is_per_image_then_averaged():
     assert out["psnr"] == pytest.approx(per.mean()) and 0 < out["ssim"] < 1
     same = q.paired(ref, ref, ("psnr", "ssim"))
     assert same["psnr"] is None and same["identical"] and same["ssim"] == pytest.approx(1.0)
+    # one identical image of three: the mean over the other two, and the count
+    some = noisy.copy()
+    some[1] = ref[1]
+    part = q.paired(some, ref, ("psnr",))
+    assert part["psnr"] == pytest.approx((per[0] + per[2]) / 2)
+    assert part["psnr_identical_images"] == 1 and not part["identical"]
     with pytest.raises(ValueError, match="differ in shape"):
         q.psnr_per_image(ref[:2], ref)
 

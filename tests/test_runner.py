@@ -292,6 +292,9 @@ def test_table_groups_and_sorts(swept, tmp_path):
     partly = {**records[0], "metrics": {**records[0]["metrics"], "psnr": None}}
     partly["metrics"].update(identical=False, psnr_identical_images=9, quality_samples=10)
     assert "| ∞ (9/10 identical) |" in markdown([partly], columns=("label", "psnr"))
+    # today's records: the mean over the images that differ, and the count beside it
+    partly["metrics"]["psnr"] = 48.0
+    assert "| 48.00 (9/10 identical) |" in markdown([partly], columns=("label", "psnr"))
 
 
 def test_plots_from_records(swept, tmp_path):

@@ -6,7 +6,9 @@ Convention, per collective over a group of n devices, S = bytes of one device's 
 - all-gather: (n-1) x S (the other devices' parts);
 - all-reduce: 2 (n-1)/n x S (ring: reduce-scatter, then all-gather);
 - reduce-scatter: (n-1)/n x S;  all-to-all: (n-1)/n x S.
-Async `-start`/`-done` pairs count once (at the start). Site kinds come from the named scopes
+S sums every operand of a tuple collective; `replica_groups={}` is one group of all devices.
+Async `-start`/`-done` pairs count once (at the start), sized by their operand part; an op
+wrapped in a generic `async-start(..., calls=...)` is counted from the wrapped computation. Site kinds come from the named scopes
 the parallel layer puts around its collectives (`pp_halo`, `pp_gn`, `pp_kv`, `pp_cfg`).
 Use the pre-optimisation HLO to count bf16 as bf16: the CPU backend upcasts bf16 collectives.
 """
@@ -44,33 +46,28 @@ _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(OPS) + r")(?P<async>-start|-done)?\("
 )
-_ARRAY = re.compile(r"(\w+)\[([^\]]*)\]")
+_ARRAY_AT = re.compile(r"(\w+)\[([^\]]*)\](?:\{[^}]*\})?")
+
+
+Shape = tuple[tuple[str, tuple[int, ...]], ...]  # arrays (dtype, dims), flattened
 
 
 @dataclass(frozen=True)
 class Collective:
     op: str  # one of OPS
-    arrays: tuple[tuple[str, tuple[int, ...]], ...]  # the result type's arrays (dtype, dims)
+    operand: Shape  # one device's operand(s); a tuple collective has several
     pairs: tuple[tuple[int, int], ...] = ()  # collective-permute source -> target
-    groups: tuple[tuple[int, ...], ...] = ()  # replica groups (device ids)
+    groups: tuple[tuple[int, ...], ...] = ()  # replica groups (device ids); () = all devices
     site: str = "other"
     is_async: bool = False
 
     def operand_bytes(self) -> int:
-        """Bytes of one device's operand (the unit S of the convention above)."""
-        sizes = [int(np.prod(d, dtype=np.int64)) * DTYPE_BYTES[t] for t, d in self.arrays]
-        if self.op == "collective-permute":
-            return sizes[0]  # async start: (operand, result, contexts...)
-        if self.op == "all-gather":
-            if self.is_async:  # (operand, result)
-                return sizes[0]
-            return sizes[0] // self.group_size()
-        if self.op == "reduce-scatter":
-            return sum(sizes) * self.group_size()
-        return sum(sizes)  # all-reduce (possibly a tuple of operands), all-to-all
+        """Bytes of one device's operand(s) (the unit S of the convention above)."""
+        return sum(int(np.prod(d, dtype=np.int64)) * DTYPE_BYTES[t] for t, d in self.operand)
 
-    def group_size(self) -> int:
-        return len(self.groups[0]) if self.groups else 1
+    def group_list(self, num_devices: int) -> tuple[tuple[int, ...], ...]:
+        """The replica groups; `replica_groups={}` (or none) is one group of every device."""
+        return self.groups or (tuple(range(num_devices)),)
 
     def received(self, num_devices: int) -> np.ndarray:
         """Bytes each device receives, (num_devices,) int64."""
@@ -80,7 +77,7 @@ class Collective:
             for _, dst in self.pairs:
                 out[dst] += s
             return out
-        for group in self.groups or (tuple(range(num_devices)),):
+        for group in self.group_list(num_devices):
             n = len(group)
             per = {
                 "all-gather": (n - 1) * s,
@@ -92,13 +89,67 @@ class Collective:
         return out
 
 
+def _split_type(text: str):
+    """An HLO type as nested tuples of (dtype, dims) arrays: `(f32[2], (bf16[3,4]{1,0}))`."""
+    text = re.sub(r"/\*.*?\*/", "", text)  # long tuples carry /*index=5*/ comments
+    pos = 0
+
+    def parse():
+        nonlocal pos
+        while text[pos] == " ":
+            pos += 1
+        if text[pos] == "(":
+            pos += 1
+            items = []
+            while True:
+                while text[pos] in " ,":
+                    pos += 1
+                if text[pos] == ")":
+                    pos += 1
+                    return tuple(items)
+                items.append(parse())
+        m = _ARRAY_AT.match(text, pos)
+        if not m:
+            raise ValueError(f"cannot parse HLO type {text!r} at {pos}")
+        pos = m.end()
+        dims = tuple(int(d) for d in m.group(2).split(",") if d.strip())
+        return (m.group(1), dims)
+
+    return parse()
+
+
+def _flat(t) -> Shape:
+    if isinstance(t[0], str):  # one array
+        return ((t[0], t[1]),) if t[0] in DTYPE_BYTES else ()
+    return tuple(a for item in t for a in _flat(item))
+
+
+def _operand(op: str, is_async: bool, type_text: str, groups) -> Shape:
+    """One device's operand(s) from the instruction's result type. An async `-start` returns
+    (operands, results, ...) and its first element is the operand (all-reduce-start returns
+    just the results, the operand's shape); a synchronous op returns its results."""
+    t = _split_type(type_text)
+    if is_async and op != "all-reduce":
+        return _flat(t[0])
+    arrays = _flat(t)
+    if op in ("all-gather", "reduce-scatter"):  # result = operand x or / group size
+        g = len(groups[0])
+        out = []
+        for dt, dims in arrays:  # which dimension was gathered does not matter: (elements,)
+            n = int(np.prod(dims, dtype=np.int64))
+            out.append((dt, (n // g if op == "all-gather" else n * g,)))
+        return tuple(out)
+    return arrays
+
+
 def _parse_groups(attr: str) -> tuple[tuple[int, ...], ...]:
     attr = attr.strip()
-    if attr.startswith("{"):
-        return tuple(
+    if attr.startswith("{"):  # `{}` has no groups: every device (see Collective.group_list)
+        groups = (
             tuple(int(v) for v in g.split(",") if v.strip())
             for g in re.findall(r"\{([\d,\s]*)\}", attr)
         )
+        return tuple(g for g in groups if g)
     m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attr)  # iota form
     if not m:
         raise ValueError(f"cannot parse replica groups {attr!r}")
@@ -117,34 +168,37 @@ def _attr(line: str, name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text (`-done` halves of async pairs skipped)."""
+def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
+    """Every collective in an HLO module's text (`-done` halves of async pairs skipped).
+    `num_devices` resolves `replica_groups={}` (all devices) for all-gather / reduce-scatter,
+    whose operand size depends on the group size."""
     out = []
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if not m or m.group("async") == "-done":
             continue
-        arrays = tuple(
-            (t, tuple(int(d) for d in dims.split(",") if d.strip()))
-            for t, dims in _ARRAY.findall(m.group("type"))
-            if t in DTYPE_BYTES
-        )
+        op, is_async = m.group("op"), m.group("async") == "-start"
         pairs = ()
-        if m.group("op") == "collective-permute":
+        if op == "collective-permute":
             pairs = tuple(
                 tuple(g) for g in _parse_groups(_attr(line, "source_target_pairs") or "{}")
             )
         groups = ()
         if (g := _attr(line, "replica_groups")) is not None:
             groups = _parse_groups(g)
+        if not groups and num_devices is not None:  # replica_groups={}: every device
+            groups = (tuple(range(num_devices)),)
+        if op in ("all-gather", "reduce-scatter") and not groups and not is_async:
+            raise ValueError(
+                f"{op} with replica_groups={{}} (all devices): pass num_devices to size it"
+            )
+        operand = _operand(op, is_async, m.group("type"), groups)
         op_name = re.search(r'op_name="([^"]*)"', line)
         site = "other"
         if op_name:
             found = [s for s in SITES if f"pp_{s}" in op_name.group(1)]
             site = found[-1] if found else "other"
-        out.append(
-            Collective(m.group("op"), arrays, pairs, groups, site, m.group("async") == "-start")
-        )
+        out.append(Collective(op, operand, pairs, groups, site, is_async))
     return out
 
 
@@ -177,7 +231,7 @@ class CommCount:
 
 def count_hlo(hlo_text: str, num_devices: int) -> CommCount:
     count = CommCount(num_devices)
-    for c in parse_collectives(hlo_text):
+    for c in parse_collectives(hlo_text, num_devices):
         count.add(c.site, c.received(num_devices))
     return count
 

@@ -51,6 +51,23 @@ def analytic_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
     return count
 
 
+def released_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
+    """Bytes per device that the released DistriFusion / PCPP code's pattern would move for the
+    same UNet call (analytic, from the recorded site calls; `PatchOps.released_bytes`), plus
+    the all-gather of the UNet output over all devices that it runs every step to hand the
+    full latent to the scheduler (patchpar keeps the latent sharded instead)."""
+    count = CommCount(plan.devices)
+    for ops, kind, info in log:
+        per_patch = np.array(
+            [ops.released_bytes(kind, info, p) for p in range(plan.patch)], np.int64
+        )
+        count.add(kind, np.tile(per_patch, plan.cfg))
+    if plan.devices > 1:  # out_shape: one device's slab of the guided output (its CFG part)
+        slab = int(np.prod(out_shape)) * out_itemsize * (2 if plan.cfg == 1 else 1)
+        count.add("output", np.full(plan.devices, (plan.devices - 1) * slab, np.int64))
+    return count
+
+
 def measure(
     unet: UNetFn,
     plan: Plan,
@@ -91,6 +108,7 @@ def measure(
             "lower_s": round(time.perf_counter() - t0, 2),
         }
         entry["analytic_matches_hlo"] = _same(hlo, model)
+        entry["released"] = released_count(plan, log, local_out, out_shape.dtype.itemsize).summary()
         if flops:
             cost = lowered.cost_analysis()
             entry["flops_per_device"] = float((cost or {}).get("flops", float("nan")))

@@ -2,8 +2,9 @@
 live in `features.py` and are imported only when a metric needs them, so the core library runs
 without torch. Images are uint8 (N, H, W, 3).
 
-- PSNR per image on [0, 1], then averaged over images (DistriFusion's definition). Identical
-  images have infinite PSNR, and so has the mean: a record stores null with the count.
+- PSNR per image on [0, 1], then averaged over images (DistriFusion's definition). An identical
+  image has infinite PSNR: the mean is taken over the other images and the record counts the
+  identical ones (`psnr_identical_images`); null only when every image is identical.
 - SSIM: torchmetrics (Gaussian window 11, sigma 1.5, data range 1), mean over images.
 - LPIPS: torchmetrics with the AlexNet backbone, when its weights are on disk.
 - FID: torchmetrics' FrechetInceptionDistance on features given (2048-d InceptionV3 pool
@@ -124,10 +125,10 @@ def paired(images: np.ndarray, reference: np.ndarray, metrics, lpips_net: str = 
     out: dict = {}
     if "psnr" in metrics:
         per = psnr_per_image(images, reference)
-        same = int(np.isinf(per).sum())
-        out["psnr"] = None if same else float(per.mean())
-        out["psnr_identical_images"] = same
-        out["identical"] = same == len(per)
+        finite = per[np.isfinite(per)]
+        out["psnr"] = float(finite.mean()) if len(finite) else None  # over the differing images
+        out["psnr_identical_images"] = len(per) - len(finite)
+        out["identical"] = not len(finite)
     if "ssim" in metrics:
         out.update(guarded("ssim", lambda: ssim(images, reference)))
     if "lpips" in metrics:

@@ -9,7 +9,10 @@ every expected key and shape is checked: missing or mis-shaped keys raise `Check
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -50,7 +53,13 @@ def read_state_dict(folder: Path) -> dict[str, np.ndarray]:
     plain = [f for f in files if f.name.count(".") == 1]
     state: dict[str, np.ndarray] = {}
     for f in plain or files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error type (or OSError) on bad bytes
+            size = f.stat().st_size
+            raise CheckpointError(
+                f"{str(f)!r} ({size} bytes) is not a readable safetensors file: {e}"
+            ) from None
     return state
 
 
@@ -65,6 +74,8 @@ def _flax_key(torch_key: str) -> tuple[str, ...]:
 
 
 _WEIGHT_LEAVES = ("kernel", "scale", "embedding")
+# non-parameter buffers that checkpoints carry and the Flax models recompute
+_BUFFERS = ("position_ids",)
 
 
 def _to_flax(arr: np.ndarray, leaf: str) -> np.ndarray:
@@ -94,10 +105,13 @@ def state_dict_to_params(
         leaf = path[-1]
         by_torch[path[:-1] + (("weight",) if leaf in _WEIGHT_LEAVES else (leaf,))] = path
     out = {}
+    unused = []
     for key, arr in state.items():
         path = by_torch.get(_flax_key(key))
         if path is None:
-            continue  # buffers such as position_ids, or parts of other components
+            if not key.endswith(_BUFFERS):
+                unused.append(key)
+            continue
         value = _to_flax(np.asarray(arr), path[-1])
         want = expected[path]
         if tuple(value.shape) != tuple(want.shape):
@@ -106,6 +120,12 @@ def state_dict_to_params(
                 f"{tuple(_to_torch(np.empty(want.shape), path[-1]).shape)}"
             )
         out[path] = value.astype(dtype or want.dtype)
+    if unused:
+        warnings.warn(
+            f"{where}: {len(unused)} checkpoint key(s) that the model config does not use were "
+            f"ignored (a config that does not match its weights?): {sorted(unused)[:8]}",
+            stacklevel=2,
+        )
     missing = [p for p in expected if p not in out]
     if missing:
         names = [_torch_name(p) for p in missing]
@@ -158,3 +178,28 @@ def write_component(folder: Path, config: dict, params) -> None:
         "model.safetensors" if "architectures" in config else "diffusion_pytorch_model.safetensors"
     )
     save_file(params_to_state_dict(params), str(folder / fname), metadata={"format": "pt"})
+
+
+def weights_digest(folder: str | Path) -> str:
+    """SHA-256 (16 hex digits) of every file in a model folder (relative names and contents:
+    weights, configs, tokenizer), so records made from different weights differ. Cached per
+    process by the files' sizes and modification times."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
+    files = sorted(
+        p for p in folder.rglob("*") if p.is_file() and not p.relative_to(folder).parts[0].startswith(".")
+    )
+    stamp = tuple((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _digest(folder.resolve(), stamp)
+
+
+@functools.cache
+def _digest(folder: Path, stamp: tuple) -> str:
+    h = hashlib.sha256()
+    for rel, _, _ in stamp:
+        h.update(rel.encode() + b"\0")
+        with open(folder / rel, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:16]

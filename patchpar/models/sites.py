@@ -3,7 +3,8 @@
 Everything else in the models is per-pixel or per-token and runs unchanged on a row slab.
 Model code calls a `SiteOps` object at exactly three places:
 
-1. `halo`: a spatial convolution needs `top` / `bottom` extra rows around its input;
+1. `halo`: a spatial convolution needs `top` / `bottom` extra rows around its input (the
+   first convolution, on the sampler's latent, takes `input_layer()`'s ops: always exact);
 2. `group_stats`: GroupNorm needs global per-group E[x] and E[x^2];
 3. `self_attn_kv`: self-attention queries need keys/values of the whole image (or, for PCPP,
    of the neighbouring bands; a key mask marks slots that do not exist on an edge device).
@@ -43,6 +44,12 @@ class SiteOps:
         (B, T, D), and a (T,) bool mask of the keys that exist (None = all)."""
         del mod
         return k, v, None
+
+    def input_layer(self) -> SiteOps:
+        """The ops of the model's first convolution, which reads the sampler's latent: its halo
+        must be exact every step (the released DistriFusion slices its input from the full
+        latent), whatever the strategy does elsewhere."""
+        return self
 
 
 IDENTITY = SiteOps()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,20 @@ class Tokenizer:
         enc = self.hf(
             list(prompts), padding="max_length", max_length=self.max_length, truncation=True
         )
+        self._warn_truncated(prompts)
         return np.asarray(enc["input_ids"], np.int32)
+
+    def _warn_truncated(self, prompts: list[str]) -> None:
+        """Say which words the text encoder never sees (diffusers warns the same way)."""
+        full = self.hf(list(prompts), truncation=False)["input_ids"]
+        for prompt, ids in zip(prompts, full, strict=True):
+            if len(ids) > self.max_length:
+                dropped = self.hf.decode(ids[self.max_length - 1 : -1])
+                warnings.warn(
+                    f"prompt {prompt[:40]!r}... has {len(ids)} tokens; the text encoder takes "
+                    f"{self.max_length}, so this part was truncated: {dropped!r}",
+                    stacklevel=3,
+                )
 
 
 def load_tokenizer(path: str | Path, subfolder: str = "tokenizer") -> Tokenizer:

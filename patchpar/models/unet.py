@@ -83,6 +83,21 @@ class UNetConfig:
     @classmethod
     def from_diffusers(cls, cfg: dict, where: str = "unet/config.json") -> UNetConfig:
         """Parse and validate a diffusers config dict; unsupported values raise ValueError."""
+        required = ["block_out_channels", "down_block_types", "up_block_types"]
+        if cfg.get("addition_embed_type") == "text_time":
+            required += ["addition_time_embed_dim", "projection_class_embeddings_input_dim"]
+        missing = [k for k in required if cfg.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"{where}: required key(s) {missing} missing (a diffusers UNet2DConditionModel "
+                f"config has them; found keys: {sorted(cfg)[:12]}...)"
+            )
+        cin, cout = cfg.get("in_channels", 4), cfg.get("out_channels", 4)
+        if cin != cout:
+            raise ValueError(
+                f"{where}: in_channels={cin} != out_channels={cout}: an inpainting or other "
+                f"conditioned-input UNet is not supported (text-to-image UNets have in == out)"
+            )
         for key, want in _REQUIRED.items():
             got = cfg.get(key, want)
             if got != want and not (key == "cross_attention_norm" and got in (None, "")):
@@ -340,7 +355,8 @@ class UNet2DConditionModel(nn.Module):
             emb = emb + TimestepEmbedding(4 * boc[0], dt, name="add_embedding")(add)
         ctx = encoder_hidden_states.astype(dt)
 
-        x = Conv(boc[0], dtype=dt, ops=ops, name="conv_in")(sample.astype(dt))
+        # The model's input is exact every step: its halo comes fresh even for stale strategies.
+        x = Conv(boc[0], dtype=dt, ops=ops.input_layer(), name="conv_in")(sample.astype(dt))
         skips = [x]
         for i in range(len(boc)):
             x, s = DownBlock(cfg, i, dt, ops, name=f"down_blocks_{i}")(x, emb, ctx)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,7 @@ class PatchOps(SiteOps):
     portion: float = 1.0  # kv="band"
     send: str = "full"  # kv="band": send whole K/V and crop at the receiver, or only the band
     exchange: bool = True  # steady phase: refresh buffers (False: DistriFusion's no_sync)
+    input: bool = False  # the model's first conv (`input_layer()`): halo always fresh
 
     def __post_init__(self):
         for name, value, known in (
@@ -108,10 +109,22 @@ class PatchOps(SiteOps):
         ):
             if value not in known:
                 raise ValueError(f"{name}={value!r}; known: {list(known)}")
+        if not self.exchange and self.gn != "separate":
+            raise ValueError(
+                f"exchange=False (no_sync) keeps no GroupNorm statistics fresh: gn must be "
+                f"'separate' (local after warm-up), got gn={self.gn!r}"
+            )
 
     @property
     def sync(self) -> bool:
         return self.phase == "sync"
+
+    def input_layer(self) -> PatchOps:
+        """`conv_in` reads the latent itself, which the sampler updates every step: a stale halo
+        would be last step's input (with Euler, under last step's input scaling), so it is
+        exchanged fresh (2 rows x W x C_in per neighbour). `zero` (naive patch) stays zero."""
+        mode = "fresh" if self.halo_mode == "stale" else self.halo_mode
+        return replace(self, halo_mode=mode, input=True)
 
     # ------------------------------------------------------------------ conv halo
 
@@ -146,8 +159,11 @@ class PatchOps(SiteOps):
 
     def group_stats(self, mod, mean: jax.Array, mean_sq: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Local (B, G) E[x], E[x^2] -> the global estimate the mode gives."""
-        _note(self, "gn", shape=(2,) + mean.shape, itemsize=4)
-        if self.gn == "separate" or self.n == 1:
+        act = jnp.dtype(getattr(mod, "dtype", jnp.float32)).itemsize  # the activation's dtype
+        _note(self, "gn", shape=(2,) + mean.shape, itemsize=4, act_itemsize=act)
+        # Every mode is exact during warm-up (the released code all-reduces while
+        # counter <= warmup_steps); `separate` is local only in the steady phase.
+        if self.n == 1 or (self.gn == "separate" and not self.sync):
             return mean, mean_sq
         fresh = jnp.stack([mean, mean_sq])  # (2, B, G): one collective for both moments
         stale_mode = self.gn in ("stale", "corrected")
@@ -163,9 +179,8 @@ class PatchOps(SiteOps):
             est = g.value + (fresh - loc.value) / self.n
         else:  # corrected: DistriFusion Eq. 2
             est = g.value + (fresh - loc.value)
-        if self.exchange:
-            g.value = _pmean(fresh)
-            loc.value = fresh
+        g.value = _pmean(fresh)
+        loc.value = fresh
         e_mean, e_sq = est[0], est[1]
         if self.gn == "corrected":  # where the estimated variance is negative, use the local one
             local_var = mean_sq - jnp.square(mean)
@@ -260,7 +275,7 @@ class PatchOps(SiteOps):
             per_row = size // rows
             return per_row * ((info["top"] if p > 0 else 0) + (info["bottom"] if p < n - 1 else 0))
         if kind == "gn":
-            if self.gn == "separate" or (not self.sync and self.gn != "sync" and not self.exchange):
+            if not self.sync and self.gn == "separate":
                 return 0
             return 2 * (n - 1) * size // n  # ring all-reduce
         if kind == "kv":
@@ -273,4 +288,40 @@ class PatchOps(SiteOps):
                 size if self.send == "full" else size // length * band_tokens(length, self.portion)
             )
             return sent * ((p > 0) + (p < n - 1))
+        raise ValueError(f"unknown site kind {kind!r}")
+
+    def released_bytes(self, kind: str, info: dict, p: int) -> int:
+        """Bytes device p would receive for the same site call with the released code's traffic
+        pattern (mit-han-lab/distrifuser, and xiuyuz/pcpp for K/V bands), analytic only:
+        - halo: every 3x3 conv but the first all-gathers its top and bottom `padding` rows
+          (`conv_in` slices the full latent, nothing is sent); no_sync sends nothing after warm-up;
+        - gn: statistics in the activation dtype; stale/corrected modes all-gather them, the
+          others all-reduce them during warm-up (and `sync` every step); separate is local after;
+        - kv: all-gather (warm-up, distrifusion); PCPP's steady phase sends the whole K/V to
+          each neighbour (its code has no band-only send).
+        The UNet output's all-gather is not a site: `patchpar.measure.cost.released_count`."""
+        n = self.n
+        if n == 1 or self.halo_mode == "zero":
+            return 0
+        steady = not self.sync
+        size = math.prod(info["shape"]) * info["itemsize"]
+        if kind == "halo":
+            if self.input or (steady and not self.exchange):
+                return 0
+            rows = info["shape"][1]
+            pad = max(info["top"], info["bottom"])
+            return (n - 1) * 2 * pad * (size // rows)
+        if kind == "gn":
+            size = size // info["itemsize"] * info["act_itemsize"]
+            if steady and self.gn == "separate":
+                return 0
+            if self.gn in ("stale", "corrected"):
+                return (n - 1) * size  # all-gather
+            return 2 * (n - 1) * size // n  # all-reduce: sync, or separate during warm-up
+        if kind == "kv":
+            if steady and not self.exchange:
+                return 0
+            if steady and self.kv == "band":
+                return size * ((p > 0) + (p < n - 1))
+            return (n - 1) * size
         raise ValueError(f"unknown site kind {kind!r}")

@@ -5,6 +5,7 @@ SDXL-style folders (two, penultimate hidden states, pooled embedding and size co
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -89,6 +90,7 @@ class Pipeline:
         height: int,
         width: int,
     ) -> Conditioning:
+        check_guidance(guidance_scale)
         cfg = guidance_scale > 1.0
         negative = negative_prompts or [""] * len(prompts)
         if len(negative) != len(prompts):
@@ -134,6 +136,7 @@ class Pipeline:
 
     def initial_latents(self, batch: int, height: int, width: int, seed: int) -> jax.Array:
         """Unit Gaussian latent (B, h, w, C) fixed by the seed; the sampler scales it."""
+        check_seed(seed)
         h, w = self.check_size(height, width)
         return jax.random.normal(
             jax.random.key(seed), (batch, h, w, self.unet.config.in_channels), jnp.float32
@@ -211,8 +214,11 @@ class Pipeline:
         if not prompts:
             raise ValueError("no prompts given")
         size = self.unet.config.sample_size * self.latent_factor
-        height, width = height or size, width or size
+        height = size if height is None else height  # 0 is an error (check_size), not "default"
+        width = height if width is None else width
         hw = self.check_size(height, width)
+        check_seed(seed)
+        check_guidance(guidance_scale)
         get_sampler(sampler).schedule(self.scheduler, steps)  # name and step count
         if plan is not None:  # every check before any work
             plan.validate(self.unet, hw, steps, guidance_scale)
@@ -222,6 +228,24 @@ class Pipeline:
         final = self.denoise(cond, latents, sampler, steps, guidance_scale, plan)
         # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
         return Output(self.decode(final), np.asarray(final.astype(jnp.float32)))
+
+
+SEED_RANGE = 2**32  # jax.random.key takes the seed modulo 2^32: a larger one repeats a smaller
+
+
+def check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < SEED_RANGE:
+        raise ValueError(
+            f"seed={seed!r}: must be an integer in [0, 2^32) (larger seeds wrap around: "
+            f"2^32 would give seed 0's image)"
+        )
+
+
+def check_guidance(guidance_scale) -> None:
+    if not isinstance(guidance_scale, int | float) or not math.isfinite(guidance_scale):
+        raise ValueError(
+            f"guidance_scale={guidance_scale!r}: must be a finite number (<= 1 turns guidance off)"
+        )
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -259,6 +283,7 @@ def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
                 f"{name!r} is neither a preset ({sorted([*PRESETS, *SHIPPED])}) nor an existing "
                 f"diffusers folder"
             )
+    index = _model_index(folder)
     unet = load_unet(folder / "unet", dtype)
     vae = load_vae(folder / "vae", dtype) if (folder / "vae").is_dir() else (None, None)
     encoders, tokenizers = [], []
@@ -271,8 +296,37 @@ def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
-    force_zeros = True
-    index = folder / "model_index.json"
-    if index.is_file():
-        force_zeros = json.loads(index.read_text()).get("force_zeros_for_empty_prompt", True)
+    force_zeros = index.get("force_zeros_for_empty_prompt", True)
     return Pipeline(*unet, *vae, encoders, tokenizers, sched, force_zeros, name)
+
+
+SUPPORTED_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
+# pipelines people will point patchpar at, and what they are
+_KNOWN_OTHERS = {
+    "StableDiffusion3": "SD3 (an MMDiT transformer, no UNet)",
+    "Flux": "Flux (a DiT transformer, no UNet)",
+    "PixArt": "PixArt (a DiT transformer, no UNet)",
+    "Inpaint": "inpainting (a UNet with extra input channels)",
+    "Img2Img": "image-to-image",
+    "ControlNet": "ControlNet",
+}
+
+
+def _model_index(folder: Path) -> dict:
+    """model_index.json ({} if absent); a pipeline class patchpar cannot run is an error that
+    says what it is, before any component is read."""
+    path = folder / "model_index.json"
+    if not path.is_file():
+        return {}
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
+    name = index.get("_class_name")
+    if name is not None and name not in SUPPORTED_PIPELINES:
+        what = next((v for k, v in _KNOWN_OTHERS.items() if k in name), "not a text-to-image UNet pipeline")
+        raise CheckpointError(
+            f"{str(folder)!r}: unsupported: {name} is {what}; patchpar runs "
+            f"{list(SUPPORTED_PIPELINES)}"
+        )
+    return index

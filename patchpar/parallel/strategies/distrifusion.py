@@ -1,6 +1,9 @@
 """`distrifusion`: displaced patch parallelism (Li et al., CVPR 2024, arXiv 2402.19430).
 After `warmup_steps + 1` exact steps, every site uses the previous step's activations of the
-other patches (halos, all K/V, GroupNorm statistics) and refreshes them asynchronously."""
+other patches (halos, all K/V, GroupNorm statistics) and refreshes them asynchronously.
+
+`no_sync=True` is the released code's `no_sync` mode: after warm-up nothing is exchanged; halos
+and K/V stay as at the last warm-up step and GroupNorm is local, so it needs `gn='separate'`."""
 
 from dataclasses import dataclass
 
@@ -11,14 +14,16 @@ from patchpar.parallel.strategies.base import StaleStrategy
 @dataclass(frozen=True)
 class DistriFusion(StaleStrategy):
     name = "distrifusion"
-    # after warm-up exchange nothing: halos, K/V and GN statistics stay as at the last warm-up step
+    # after warm-up exchange nothing: halos and K/V as at the last warm-up step, GroupNorm local
+    # (DistriFusion Table 4 "no sync"; the released code's mode="no_sync")
     no_sync: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        if self.no_sync and self.gn == "sync":
+        if self.no_sync and self.gn != "separate":
             raise ValueError(
-                f"{self.name}: gn='sync' exchanges every step, no_sync=True exchanges nothing; pick one"
+                f"{self.name}: no_sync=True exchanges nothing after warm-up, so GroupNorm is local "
+                f"then (the released code's no_sync mode); it needs gn='separate', got gn={self.gn!r}"
             )
 
     def ops(self, phase: str, n: int) -> PatchOps:

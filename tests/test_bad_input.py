@@ -1,0 +1,169 @@
+"""Bad input gets a clear error (or a warning) naming the value and what would fit: corrupt
+checkpoints, configs that do not fit, out-of-range seeds and guidance, over-long prompts,
+`generate` defaults, CLI exit codes (issue 12, items 8-13)."""
+
+import json
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+
+from patchpar.cli import main
+from patchpar.config import RunConfig, with_overrides
+from patchpar.models import CheckpointError, load_unet
+from patchpar.models.unet import UNetConfig
+from patchpar.pipelines import load_pipeline
+
+
+@pytest.fixture
+def model(micro_folder, tmp_path):
+    """A private copy of the micro pipeline folder, to break."""
+    dst = tmp_path / "model"
+    shutil.copytree(micro_folder, dst)
+    return dst
+
+
+def test_empty_and_corrupt_safetensors_name_the_file(model):
+    (weights,) = (model / "unet").glob("*.safetensors")
+    weights.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.safetensors' \(0 bytes\) is not a readable safetensors"):
+        load_unet(model / "unet")
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match=r"\(24 bytes\) is not a readable safetensors"):
+        load_unet(model / "unet")
+
+
+def test_extra_checkpoint_keys_are_listed(model):
+    from safetensors.numpy import load_file, save_file
+
+    (path,) = (model / "unet").glob("*.safetensors")
+    state = load_file(str(path))
+    state["down_blocks.7.resnets.0.conv1.weight"] = np.zeros((2, 2), np.float32)
+    save_file(state, str(path))
+    with pytest.warns(UserWarning, match=r"1 checkpoint key\(s\) that the model config does not use.*down_blocks\.7\.resnets\.0\.conv1\.weight"):
+        load_unet(model / "unet")
+
+
+def test_unet_config_missing_keys_and_inpainting():
+    from torch_refs import MICRO_UNETS
+
+    cfg = dict(MICRO_UNETS["sd"])
+    del cfg["block_out_channels"], cfg["up_block_types"]
+    with pytest.raises(ValueError, match=r"required key\(s\) \['block_out_channels', 'up_block_types'\] missing"):
+        UNetConfig.from_diffusers(cfg)
+    with pytest.raises(ValueError, match=r"in_channels=9 != out_channels=4: an inpainting"):
+        UNetConfig.from_diffusers({**MICRO_UNETS["sd"], "in_channels": 9})
+
+
+@pytest.mark.parametrize(
+    "cls, what",
+    [
+        ("StableDiffusion3Pipeline", "unsupported: StableDiffusion3Pipeline is SD3"),
+        ("FluxPipeline", "unsupported: FluxPipeline is Flux"),
+        ("StableDiffusionInpaintPipeline", "is inpainting"),
+    ],
+)
+def test_unsupported_pipeline_class_is_named(model, cls, what):
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "_class_name": cls}))
+    shutil.rmtree(model / "unet")  # an SD3/Flux folder has no unet/: say what it is instead
+    with pytest.raises(CheckpointError, match=what):
+        load_pipeline(model)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"mesh.cfg": 0}, r"mesh.cfg=0: must be 1 .* or 2"),
+        ({"mesh.devices": 0}, r"mesh.devices=0: must be an integer >= 1"),
+        ({"mesh.devices": -2}, r"mesh.devices=-2: must be an integer >= 1"),
+        ({"prompts.seeds": [0, 2**32]}, r"prompts.seeds=\(0, 4294967296\): must be integers in \[0, 2\^32\)"),
+        ({"prompts.seeds": [-1]}, r"must be integers in \[0, 2\^32\)"),
+        ({"sampler.guidance_scale": float("nan")}, r"sampler.guidance_scale=nan: must be a finite number"),
+        ({"sampler.guidance_scale": float("inf")}, r"sampler.guidance_scale=inf: must be a finite number"),
+    ],
+)
+def test_run_config_rejects(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        with_overrides(RunConfig(), overrides).validate()
+
+
+def test_invalid_sweep_point_is_a_row_and_the_sweep_goes_on(tmp_path, micro_folder):
+    from patchpar.results import read_records
+    from patchpar.sweep import SweepConfig, run_sweep
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(
+        f"experiment: bad\nset: {{model.name: '{micro_folder}', results: '{tmp_path}', "
+        "sampler.steps: 2, sampler.height: 32, measure.repeats: 1, measure.warmup_runs: 0, "
+        "measure.comm: false, measure.quality: [], measure.save_images: false}\n"
+        "points:\n  - {mesh.cfg: 0}\n  - {mesh.devices: 1}\n"
+    )
+    run_sweep(SweepConfig(sweep))
+    rows = read_records(tmp_path / "bad" / "runs.jsonl")
+    assert [r["status"] for r in rows] == ["error", "ok"]
+    assert "invalid config: mesh.cfg=0" in rows[0]["error"]
+
+
+def test_invalid_yaml_sweep_file(tmp_path, capsys):
+    bad = tmp_path / "s.yaml"
+    bad.write_text("grid: [unclosed\n")
+    assert main(["sweep", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("patchpar: error:") and "s.yaml: not valid YAML" in err
+
+
+def test_seed_and_guidance_checked_in_the_library(micro_folder):
+    pipe = load_pipeline(micro_folder)
+    with pytest.raises(ValueError, match=r"seed=4294967296: must be an integer in \[0, 2\^32\)"):
+        pipe.initial_latents(1, 32, 32, 2**32)
+    with pytest.raises(ValueError, match="guidance_scale=nan: must be a finite number"):
+        pipe("a bag", steps=2, guidance_scale=float("nan"))
+
+
+def test_long_prompt_warns_what_was_cut(micro_folder):
+    pipe = load_pipeline(micro_folder)
+    (tok,) = pipe.tokenizers
+    long = "a red bag " * 40 + "and the very last words"
+    with pytest.warns(UserWarning, match=r"the text encoder takes 77, so this part was truncated: .*very last words"):
+        ids = tok([long])
+    assert ids.shape == (1, 77)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tok(["a short prompt"])  # no warning
+
+
+def test_generate_width_follows_height_and_height_zero_is_an_error(tmp_path, micro_folder, capsys):
+    out = tmp_path / "gen"
+    base = ["generate", "--model", str(micro_folder), "--steps", "2", "--out", str(out)]
+    assert main(base + ["--height", "48"]) == 0
+    assert json.loads((out / "generate.json").read_text())["latent_shape"] == [1, 24, 24, 4]
+    assert main(base + ["--height", "0"]) == 2
+    assert "height=0: must be a positive" in capsys.readouterr().err
+    assert main(base + ["--seed", str(2**32)]) == 2
+    assert "seed=4294967296" in capsys.readouterr().err
+
+
+def test_generate_default_model_is_the_trained_fmnist():
+    from patchpar.generate import GenerateConfig
+
+    assert GenerateConfig().model == "fmnist"
+
+
+def test_cli_failures_exit_non_zero_with_one_line(tmp_path, micro_folder, capsys, monkeypatch):
+    # a failure that is not bad input: one line, exit 1; --debug shows the traceback
+    import patchpar.generate as gen
+
+    def boom(config):
+        raise RuntimeError("the accelerator\ncaught fire")
+
+    monkeypatch.setattr(gen, "generate", boom)
+    assert main(["generate", "--model", str(micro_folder)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["patchpar: error: RuntimeError: the accelerator caught fire (--debug shows the traceback)"]
+    with pytest.raises(RuntimeError, match="caught fire"):
+        main(["generate", "--debug", "--model", str(micro_folder)])
+    # a record file that is not there: bad input, exit 2, one line
+    assert main(["table", str(tmp_path / "nothing")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
