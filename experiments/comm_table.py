@@ -18,11 +18,11 @@ from pathlib import Path
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from patchpar.lab.results import append_record, provenance, read_records
 from patchpar.measure.cost import measure
 from patchpar.models.presets import abstract_unet
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
-from patchpar.results import append_record, provenance, read_records
 
 OUT = Path("results/comm")
 GRID = {"sdxl": (1024, 2048, 3840), "sd15": (512, 1024, 2048)}
@@ -103,7 +103,9 @@ def main(argv=None) -> int:
                 analytic_matches_hlo=st["analytic_matches_hlo"] and wu["analytic_matches_hlo"],
                 released_steady_bytes_per_device=st["released"]["all"]["max"],
                 released_warmup_bytes_per_device=wu["released"]["all"]["max"],
-                released_steady_by_site={k: v["max"] for k, v in st["released"].items() if k != "all"},
+                released_steady_by_site={
+                    k: v["max"] for k, v in st["released"].items() if k != "all"
+                },
                 flops_per_device=st.get("flops_per_device"),
                 stale_bytes_per_device=r["stale_bytes_per_device"],
                 seconds=round(time.perf_counter() - t0, 1),

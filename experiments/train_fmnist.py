@@ -39,7 +39,7 @@ import tyro
 from flax import serialization
 from tqdm import tqdm
 
-from patchpar.datasets import FASHION_MNIST_CLASSES, fashion_mnist
+from patchpar.lab.datasets import FASHION_MNIST_CLASSES, fashion_mnist
 from patchpar.measure import classifier as clf
 from patchpar.models import api
 from patchpar.models.clip import CLIPTextConfig, CLIPTextModel

@@ -9,8 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
-from patchpar.cli import main
-from patchpar.config import RunConfig, with_overrides
+from patchpar.lab.cli import main
+from patchpar.lab.config import RunConfig, with_overrides
 from patchpar.models import CheckpointError, load_unet
 from patchpar.models.unet import UNetConfig
 from patchpar.pipelines import load_pipeline
@@ -27,7 +27,10 @@ def model(micro_folder, tmp_path):
 def test_empty_and_corrupt_safetensors_name_the_file(model):
     (weights,) = (model / "unet").glob("*.safetensors")
     weights.write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.safetensors' \(0 bytes\) is not a readable safetensors"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"diffusion_pytorch_model.safetensors' \(0 bytes\) is not a readable safetensors",
+    ):
         load_unet(model / "unet")
     weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(CheckpointError, match=r"\(24 bytes\) is not a readable safetensors"):
@@ -41,7 +44,10 @@ def test_extra_checkpoint_keys_are_listed(model):
     state = load_file(str(path))
     state["down_blocks.7.resnets.0.conv1.weight"] = np.zeros((2, 2), np.float32)
     save_file(state, str(path))
-    with pytest.warns(UserWarning, match=r"1 checkpoint key\(s\) that the model config does not use.*down_blocks\.7\.resnets\.0\.conv1\.weight"):
+    with pytest.warns(
+        UserWarning,
+        match=r"1 checkpoint key\(s\) that the model config does not use.*down_blocks\.7\.resnets\.0\.conv1\.weight",
+    ):
         load_unet(model / "unet")
 
 
@@ -50,7 +56,9 @@ def test_unet_config_missing_keys_and_inpainting():
 
     cfg = dict(MICRO_UNETS["sd"])
     del cfg["block_out_channels"], cfg["up_block_types"]
-    with pytest.raises(ValueError, match=r"required key\(s\) \['block_out_channels', 'up_block_types'\] missing"):
+    with pytest.raises(
+        ValueError, match=r"required key\(s\) \['block_out_channels', 'up_block_types'\] missing"
+    ):
         UNetConfig.from_diffusers(cfg)
     with pytest.raises(ValueError, match=r"in_channels=9 != out_channels=4: an inpainting"):
         UNetConfig.from_diffusers({**MICRO_UNETS["sd"], "in_channels": 9})
@@ -78,10 +86,19 @@ def test_unsupported_pipeline_class_is_named(model, cls, what):
         ({"mesh.cfg": 0}, r"mesh.cfg=0: must be 1 .* or 2"),
         ({"mesh.devices": 0}, r"mesh.devices=0: must be an integer >= 1"),
         ({"mesh.devices": -2}, r"mesh.devices=-2: must be an integer >= 1"),
-        ({"prompts.seeds": [0, 2**32]}, r"prompts.seeds=\(0, 4294967296\): must be integers in \[0, 2\^32\)"),
+        (
+            {"prompts.seeds": [0, 2**32]},
+            r"prompts.seeds=\(0, 4294967296\): must be integers in \[0, 2\^32\)",
+        ),
         ({"prompts.seeds": [-1]}, r"must be integers in \[0, 2\^32\)"),
-        ({"sampler.guidance_scale": float("nan")}, r"sampler.guidance_scale=nan: must be a finite number"),
-        ({"sampler.guidance_scale": float("inf")}, r"sampler.guidance_scale=inf: must be a finite number"),
+        (
+            {"sampler.guidance_scale": float("nan")},
+            r"sampler.guidance_scale=nan: must be a finite number",
+        ),
+        (
+            {"sampler.guidance_scale": float("inf")},
+            r"sampler.guidance_scale=inf: must be a finite number",
+        ),
     ],
 )
 def test_run_config_rejects(overrides, message):
@@ -90,8 +107,8 @@ def test_run_config_rejects(overrides, message):
 
 
 def test_invalid_sweep_point_is_a_row_and_the_sweep_goes_on(tmp_path, micro_folder):
-    from patchpar.results import read_records
-    from patchpar.sweep import SweepConfig, run_sweep
+    from patchpar.lab.results import read_records
+    from patchpar.lab.sweep import SweepConfig, run_sweep
 
     sweep = tmp_path / "s.yaml"
     sweep.write_text(
@@ -126,7 +143,10 @@ def test_long_prompt_warns_what_was_cut(micro_folder):
     pipe = load_pipeline(micro_folder)
     (tok,) = pipe.tokenizers
     long = "a red bag " * 40 + "and the very last words"
-    with pytest.warns(UserWarning, match=r"the text encoder takes 77, so this part was truncated: .*very last words"):
+    with pytest.warns(
+        UserWarning,
+        match=r"the text encoder takes 77, so this part was truncated: .*very last words",
+    ):
         ids = tok([long])
     assert ids.shape == (1, 77)
     with warnings.catch_warnings():
@@ -146,14 +166,14 @@ def test_generate_width_follows_height_and_height_zero_is_an_error(tmp_path, mic
 
 
 def test_generate_default_model_is_the_trained_fmnist():
-    from patchpar.generate import GenerateConfig
+    from patchpar.lab.generate import GenerateConfig
 
     assert GenerateConfig().model == "fmnist"
 
 
 def test_cli_failures_exit_non_zero_with_one_line(tmp_path, micro_folder, capsys, monkeypatch):
     # a failure that is not bad input: one line, exit 1; --debug shows the traceback
-    import patchpar.generate as gen
+    import patchpar.lab.generate as gen
 
     def boom(config):
         raise RuntimeError("the accelerator\ncaught fire")
@@ -161,7 +181,9 @@ def test_cli_failures_exit_non_zero_with_one_line(tmp_path, micro_folder, capsys
     monkeypatch.setattr(gen, "generate", boom)
     assert main(["generate", "--model", str(micro_folder)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["patchpar: error: RuntimeError: the accelerator caught fire (--debug shows the traceback)"]
+    assert err == [
+        "patchpar: error: RuntimeError: the accelerator caught fire (--debug shows the traceback)"
+    ]
     with pytest.raises(RuntimeError, match="caught fire"):
         main(["generate", "--debug", "--model", str(micro_folder)])
     # a record file that is not there: bad input, exit 2, one line

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 from PIL import Image
 
-from patchpar.cli import main
+from patchpar.lab.cli import main
 
 
 def test_generate_writes_pngs_and_latent(tmp_path, micro_folder):
@@ -66,8 +66,12 @@ def test_bfloat16_run_writes_a_float32_latent(tmp_path, micro_folder):
 
 
 def test_generate_bad_size_is_a_clear_error(tmp_path, capsys):
-    assert main(["generate", "--height", "100", "--out", str(tmp_path)]) == 2  # the tiny preset
+    args = ["generate", "--model", "tiny", "--height", "100", "--out", str(tmp_path)]
+    assert main(args) == 2
     assert "height=100 must be a positive multiple of 32" in capsys.readouterr().err
+    # the default fmnist (pixel space, 2 downsamplings): multiples of 4
+    assert main(["generate", "--height", "30", "--out", str(tmp_path)]) == 2
+    assert "height=30 must be a positive multiple of 4" in capsys.readouterr().err
 
 
 def test_core_imports_without_torch():
@@ -79,7 +83,7 @@ def test_core_imports_without_torch():
         "for name in ('torch', 'torchvision', 'diffusers', 'open_clip'):\n"
         "    sys.modules[name] = None  # as if not installed: import fails, find_spec gives None\n"
         "import patchpar, patchpar.models, patchpar.sampling.schedulers, patchpar.sampling.loop\n"
-        "import patchpar.pipelines, patchpar.cli, patchpar.generate\n"
+        "import patchpar.pipelines, patchpar.lab.cli, patchpar.lab.generate\n"
         "from patchpar.pipelines import load_pipeline\n"
         "out = load_pipeline('tiny')('a cat', height=64, width=64, steps=2)\n"
         "assert sys.modules['torch'] is None, 'torch was imported'\n"
@@ -91,3 +95,26 @@ def test_core_imports_without_torch():
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "ok (1, 64, 64, 3)" in res.stdout
+
+
+def test_the_library_never_imports_the_lab():
+    """docs/design.md §1: the lab (patchpar/lab) depends on the library, never the reverse."""
+    import ast
+    from pathlib import Path
+
+    import patchpar
+
+    root = Path(patchpar.__file__).parent
+    offenders = []
+    for pkg in ("models", "parallel", "sampling", "pipelines", "measure"):
+        for path in (root / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                offenders += [
+                    f"{path.relative_to(root)}: {n}" for n in names if n.startswith("patchpar.lab")
+                ]
+    assert not offenders

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from parallel_helpers import micro_unet
 
-from patchpar.cli import main
+from patchpar.lab.cli import main
 from patchpar.measure.comm import count_hlo, parse_collectives
 from patchpar.measure.cost import measure
 from patchpar.parallel.engine import Plan
@@ -141,6 +141,40 @@ def test_hlo_bytes_equal_analytic_bytes(kind, strategy, options, devices, cfg):
         assert steady["halo"]["max"] == 2 * (1 * 16 * 4 * 2 * 4)
     if strategy in ("distrifusion", "pcpp"):
         assert r["stale_bytes_per_device"] > 0
+
+
+def test_released_code_pattern_relations():
+    """The analytic count of the released code's traffic, tied to patchpar's measured HLO
+    counts by exact relations (fp32 micro UNet, 4 devices, CFG pair in the batch):
+    K/V all-gathers are the same; statistics are all-gathered ((n-1) S, against the all-reduce's
+    2(n-1)/n S: n/2 = 2 times); halos are all-gathered, 2 rows to all n-1 others, except
+    conv_in's; the UNet output (B=2 x 4 rows x 16 x 4 fp32) is all-gathered every step."""
+    unet, params = micro_unet("sd")
+    n = 4
+
+    def phases(strategy, **options):
+        plan = Plan(make_strategy(strategy, **options), n, 1)
+        return measure(unet, plan, (16, 16), params=params, flops=False)["phases"]
+
+    d = phases("distrifusion", gn="corrected")
+    hlo, rel = d["steady"]["hlo"], d["steady"]["released"]
+    assert rel["kv"] == hlo["kv"]
+    assert rel["gn"]["max"] == 2 * hlo["gn"]["max"]
+    output = (n - 1) * (2 * 4 * 16 * 4 * 4)
+    assert rel["output"] == {"max": output, "mean": float(output), "total": n * output}
+    # halos: our interior device gets (top + bottom) rows from two neighbours; the released code
+    # sends each conv's 2 boundary rows to all n-1 others (conv_in: nothing, sliced from the latent)
+    conv_in = 2 * (1 * 16 * 4 * 2 * 4)  # fresh rows above and below, 4 channels, batch 2
+    assert rel["halo"]["max"] == (n - 1) * (hlo["halo"]["max"] - conv_in)
+    p_full = phases("pcpp", send="full")
+    p_band = phases("pcpp", send="band")
+    # PCPP's code sends whole neighbour K/V whatever patchpar's `send` is
+    assert p_full["steady"]["released"]["kv"] == p_band["steady"]["released"]["kv"]
+    assert p_full["steady"]["released"]["kv"] == p_full["steady"]["hlo"]["kv"]
+    assert p_full["steady"]["released"]["all"]["max"] < rel["all"]["max"]
+    # warm-up: every strategy's exchange as sync_patch's in the released code
+    s = phases("sync_patch")
+    assert d["warmup"]["released"]["kv"] == s["warmup"]["released"]["kv"]
 
 
 def test_pcpp_sends_less_than_distrifusion_and_band_less_than_full():

@@ -4,7 +4,7 @@ behind `prompt_accuracy`; the committed `fmnist` preset; the training script in 
 import numpy as np
 import pytest
 
-from patchpar.datasets import FASHION_MNIST_CLASSES
+from patchpar.lab.datasets import FASHION_MNIST_CLASSES
 from patchpar.measure import classifier as clf
 from patchpar.models.presets import SHIPPED
 

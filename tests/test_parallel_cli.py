@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from patchpar.cli import main
-from patchpar.generate import GenerateConfig, generate
+from patchpar.lab.cli import main
+from patchpar.lab.generate import GenerateConfig, generate
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
 

@@ -1,4 +1,4 @@
-"""DESIGN.md §3 items 1 and 4 at the level of single sites, and the corrected GroupNorm against
+"""docs/design.md §4 items 1 and 4 at the level of single sites, and the corrected GroupNorm against
 a NumPy transcription of DistriFusion's Eq. 2."""
 
 import jax
@@ -96,7 +96,7 @@ def test_self_attention_all_gather_equals_unsharded(n):
 
 
 def numpy_groupnorm(x, params, g_stale, l_stale, n, mode, groups=4, eps=1e-5):
-    """DESIGN.md §2 on each device's rows: corrected E = stale_global + (fresh_local - stale_local),
+    """docs/design.md §2 on each device's rows: corrected E = stale_global + (fresh_local - stale_local),
     stale E = stale_global + (fresh_local - stale_local) / n; var = E[x^2] - E[x]^2, the local
     variance where that is negative (corrected)."""
     x = np.asarray(x, np.float64)

@@ -1,4 +1,4 @@
-"""DESIGN.md §3 items 2, 3, 5 and 6 on 8 fake CPU devices, fp32, SD-like and SDXL-like UNets."""
+"""docs/design.md §4 items 2, 3, 5 and 6 on 8 fake CPU devices, fp32, SD-like and SDXL-like UNets."""
 
 import functools
 
@@ -120,7 +120,9 @@ def test_conv_in_keeps_no_stale_halo():
         warm = make_step(unet, plan, "sync", "row", GUIDANCE, plan.mesh())
         _, state = jax.eval_shape(warm, params, x, t, cond, None)
         assert "conv_in" not in state
-        assert "halo" in state["conv_out"] and "halo" in state["down_blocks_0"]["resnets_0"]["conv1"]
+        assert (
+            "halo" in state["conv_out"] and "halo" in state["down_blocks_0"]["resnets_0"]["conv1"]
+        )
 
 
 def hlo(strategy, phase, patch=4, cfg=1, **options):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from patchpar.datasets import FASHION_MNIST_CLASSES, fashion_mnist, load_image_folder, to_rgb
+from patchpar.lab.datasets import FASHION_MNIST_CLASSES, fashion_mnist, load_image_folder, to_rgb
 from patchpar.measure import quality as q
 
 pytest.importorskip("torch")
@@ -188,8 +188,9 @@ def test_runner_records_every_metric(tmp_path, micro_folder, monkeypatch):
     ground-truth images, CLIP score from a local checkpoint, LPIPS unavailable (no weights)."""
     from PIL import Image
 
-    from patchpar.config import RunConfig, from_dict
-    from patchpar.runner import baseline_folder, run
+    from patchpar.lab.baselines import baseline_folder
+    from patchpar.lab.config import RunConfig, from_dict
+    from patchpar.lab.runner import run
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
     name, ckpt, cfg_json = small_clip(tmp_path)

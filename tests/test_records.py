@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from patchpar.config import RunConfig, with_overrides
-from patchpar.results import RecordError, _counts_as_dirty, append_record, read_records
+from patchpar.lab.config import RunConfig, with_overrides
+from patchpar.lab.results import RecordError, _counts_as_dirty, append_record, read_records
 
 WRITER = """
 import sys
-from patchpar.results import append_record
+from patchpar.lab.results import append_record
 for i in range(int(sys.argv[3])):
     append_record(sys.argv[1], {"writer": sys.argv[2], "i": i, "pad": "x" * 20000})
 """
@@ -55,10 +55,14 @@ def test_malformed_line_is_named_and_skipped_where_asked(tmp_path, capsys):
     got = read_records(path, skip_bad=True, require=("config",))
     assert len(got) == 1
     err = capsys.readouterr().err
-    for line, what in ((2, "not valid JSON"), (3, "a JSON list"), (4, "a record without ['config']")):
+    for line, what in (
+        (2, "not valid JSON"),
+        (3, "a JSON list"),
+        (4, "a record without ['config']"),
+    ):
         assert f"runs.jsonl:{line}: {what}" in err
     # table reads the good record and says which it skipped
-    from patchpar.tables import load_records
+    from patchpar.lab.tables import load_records
 
     assert len(load_records([tmp_path])) == 1
     assert "runs.jsonl:4: a record without ['config']; skipped" in capsys.readouterr().err
@@ -99,8 +103,8 @@ def test_dirty_flag_counts_untracked_package_files_only():
 
 
 def test_weights_digest_in_provenance_and_baseline_key(micro_folder, tmp_path):
+    from patchpar.lab.baselines import baseline_key, weights_sha256
     from patchpar.models.loading import weights_digest
-    from patchpar.runner import baseline_key, weights_sha256
 
     copy = tmp_path / "model"
     shutil.copytree(micro_folder, copy)
@@ -118,7 +122,7 @@ def test_weights_digest_in_provenance_and_baseline_key(micro_folder, tmp_path):
 
 
 def test_record_provenance_names_the_weights(tmp_path, micro_folder):
-    from patchpar.runner import run
+    from patchpar.lab.runner import run
 
     cfg = with_overrides(
         RunConfig(),

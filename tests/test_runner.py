@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from patchpar.cli import main
-from patchpar.config import (
+from patchpar.lab.cli import main
+from patchpar.lab.config import (
     RunConfig,
     dump_config,
     from_dict,
@@ -21,9 +21,9 @@ from patchpar.config import (
     to_dict,
     with_overrides,
 )
-from patchpar.results import read_records
-from patchpar.sweep import SweepConfig, load_sweep, run_sweep
-from patchpar.tables import DEFAULT_COLUMNS, get, load_records, markdown, summary_columns
+from patchpar.lab.results import read_records
+from patchpar.lab.sweep import SweepConfig, load_sweep, run_sweep
+from patchpar.lab.tables import DEFAULT_COLUMNS, get, load_records, markdown, summary_columns
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,7 +127,7 @@ def test_bad_value_is_an_error_naming_it(overrides, message):
 
 
 def test_cli_overrides_apply_on_top_of_the_yaml(tmp_path, capsys):
-    from patchpar.cli import _run_config
+    from patchpar.lab.cli import _run_config
 
     path = tmp_path / "c.yaml"
     path.write_text(
@@ -180,7 +180,7 @@ def swept(tmp_path_factory, micro_folder):
     sweep.write_text(yaml.safe_dump({"base": "base.yaml", "grid": SWEEP_GRID}))
     runs = root / "results" / "micro" / "runs.jsonl"
     child = subprocess.Popen(
-        [sys.executable, "-m", "patchpar.cli", "sweep", str(sweep)],
+        [sys.executable, "-m", "patchpar.lab.cli", "sweep", str(sweep)],
         env=os.environ.copy(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -202,7 +202,7 @@ def test_killed_sweep_resumes_with_every_point_once(swept):
     records = read_records(folder / "runs.jsonl")
     points = load_sweep(sweep)
     assert len(records) == len(points) == 5
-    from patchpar.runner import point_key
+    from patchpar.lab.runner import point_key
 
     assert sorted(point_key(r["config"]) for r in records) == sorted(point_key(p) for p in points)
     assert records[0] == first  # the row written before the kill is kept as it was

@@ -16,7 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from patchpar.datasets import FASHION_MNIST_CLASSES
+FASHION_MNIST_CLASSES = (
+    "T-shirt",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle boot",
+)  # label k's name
 
 
 class FashionCNN(nn.Module):

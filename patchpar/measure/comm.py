@@ -1,5 +1,5 @@
 """Communication bytes from HLO text: every collective of a program, the bytes each device
-receives, attributed to the site kind that issued it (DESIGN.md §4).
+receives, attributed to the site kind that issued it (docs/design.md §5).
 
 Convention, per collective over a group of n devices, S = bytes of one device's operand:
 - collective-permute: a device receives S for each source->target pair that targets it;

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from patchpar.measure.quality import Unavailable
+from patchpar.measure.availability import Unavailable
 
 
 def inception_weights_path() -> Path:

@@ -17,8 +17,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from patchpar.measure.availability import Unavailable, guarded
+
 PAIRED = ("psnr", "ssim", "lpips")  # against the single-device image of the same prompt and seed
 KNOWN = PAIRED + ("fid", "fid_gt", "clip_score")
+__all__ = [
+    "Unavailable",
+    "guarded",
+    "psnr_per_image",
+    "ssim",
+    "lpips",
+    "fid",
+    "clip_score",
+    "paired",
+]
 
 
 def _unit(images: np.ndarray) -> np.ndarray:
@@ -134,18 +146,3 @@ def paired(images: np.ndarray, reference: np.ndarray, metrics, lpips_net: str = 
     if "lpips" in metrics:
         out.update(guarded("lpips", lambda: lpips(images, reference, lpips_net)))
     return out
-
-
-class Unavailable(RuntimeError):
-    """A metric cannot run here (a weights file is absent); the message says what is missing."""
-
-
-def guarded(name: str, fn) -> dict:
-    """{name: fn()} or, when a weights file or a package is missing, {name: None,
-    name_unavailable: reason}: no crash, no made-up number."""
-    try:
-        return {name: fn()}
-    except ImportError as e:
-        return {name: None, f"{name}_unavailable": f"missing package: {e}"}
-    except Unavailable as e:
-        return {name: None, f"{name}_unavailable": str(e)}

@@ -15,9 +15,9 @@ def comm_markdown(records: list[dict]) -> str:
         "Made by `experiments/comm_table.py` from `runs.jsonl`; bf16, CFG pair in the UNet batch "
         "(batch 2), 77 text tokens; pre-optimisation HLO, checked against the analytic model.",
         "",
-        "\"steady GB\" and \"warm-up GB\" are patchpar's traffic, counted in the compiled program "
+        '"steady GB" and "warm-up GB" are patchpar\'s traffic, counted in the compiled program '
         "(halos to neighbours only, GroupNorm statistics all-reduced, the latent kept sharded). "
-        "\"released GB\" is the analytic count of what the released DistriFusion / PCPP code's "
+        '"released GB" is the analytic count of what the released DistriFusion / PCPP code\'s '
         "pattern would move for the same steady step (halos and statistics all-gathered from "
         "every device, PCPP's whole neighbour K/V, the UNet output all-gathered every step); "
         "it is not measured.",
@@ -52,8 +52,9 @@ def comm_markdown(records: list[dict]) -> str:
                 if base and base["steady_bytes_per_device"]
                 else "–"
             )
-            rel, rel_base = r.get("released_steady_bytes_per_device"), (base or {}).get(
-                "released_steady_bytes_per_device"
+            rel, rel_base = (
+                r.get("released_steady_bytes_per_device"),
+                (base or {}).get("released_steady_bytes_per_device"),
             )
             rel_gb = f"{rel / GB:.3f}" if rel is not None else "–"
             rel_ratio = f"{rel / rel_base:.1%}" if rel is not None and rel_base else "–"

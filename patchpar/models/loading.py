@@ -188,9 +188,13 @@ def weights_digest(folder: str | Path) -> str:
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
     files = sorted(
-        p for p in folder.rglob("*") if p.is_file() and not p.relative_to(folder).parts[0].startswith(".")
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not p.relative_to(folder).parts[0].startswith(".")
     )
-    stamp = tuple((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    stamp = tuple(
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files
+    )
     return _digest(folder.resolve(), stamp)
 
 

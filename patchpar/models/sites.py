@@ -1,4 +1,4 @@
-"""The three spatial sites of a UNet / VAE, behind one small interface (DESIGN.md §1).
+"""The three spatial sites of a UNet / VAE, behind one small interface (docs/design.md §2).
 
 Everything else in the models is per-pixel or per-token and runs unchanged on a row slab.
 Model code calls a `SiteOps` object at exactly three places:

@@ -1,4 +1,4 @@
-"""Site ops for row patches inside `shard_map` (DESIGN.md §2): exact, stale and banded versions
+"""Site ops for row patches inside `shard_map` (docs/design.md §2): exact, stale and banded versions
 of the three spatial sites. One frozen `PatchOps` per strategy and phase.
 
 Stale state is explicit: each site keeps its buffer in the Flax collection "stale" of the

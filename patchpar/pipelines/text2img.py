@@ -234,7 +234,11 @@ SEED_RANGE = 2**32  # jax.random.key takes the seed modulo 2^32: a larger one re
 
 
 def check_seed(seed) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < SEED_RANGE:
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int | np.integer)
+        or not 0 <= seed < SEED_RANGE
+    ):
         raise ValueError(
             f"seed={seed!r}: must be an integer in [0, 2^32) (larger seeds wrap around: "
             f"2^32 would give seed 0's image)"
@@ -324,7 +328,9 @@ def _model_index(folder: Path) -> dict:
         raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
     name = index.get("_class_name")
     if name is not None and name not in SUPPORTED_PIPELINES:
-        what = next((v for k, v in _KNOWN_OTHERS.items() if k in name), "not a text-to-image UNet pipeline")
+        what = next(
+            (v for k, v in _KNOWN_OTHERS.items() if k in name), "not a text-to-image UNet pipeline"
+        )
         raise CheckpointError(
             f"{str(folder)!r}: unsupported: {name} is {what}; patchpar runs "
             f"{list(SUPPORTED_PIPELINES)}"

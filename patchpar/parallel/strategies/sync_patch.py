@@ -1,5 +1,5 @@
 """`sync_patch`: exact patch parallelism. Every step exchanges fresh halos, all-reduces GroupNorm
-statistics and all-gathers self-attention K/V; the output equals `single` (DESIGN.md §3)."""
+statistics and all-gathers self-attention K/V; the output equals `single` (docs/design.md §4)."""
 
 from dataclasses import dataclass
 

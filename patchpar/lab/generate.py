@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from patchpar.config import PlanFlags
+from patchpar.lab.config import PlanFlags
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,6 @@ def generate(config: GenerateConfig) -> dict:
     from PIL import Image
 
     from patchpar.pipelines import load_pipeline
-
     from patchpar.pipelines.text2img import check_guidance, check_seed
 
     if config.dtype not in DTYPES:

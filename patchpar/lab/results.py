@@ -1,5 +1,5 @@
 """Result records: one JSON object per line in results/<experiment>/runs.jsonl, written
-atomically (a killed sweep loses no finished row), with provenance (DESIGN.md §7)."""
+atomically (a killed sweep loses no finished row), with provenance (docs/design.md §6)."""
 
 from __future__ import annotations
 

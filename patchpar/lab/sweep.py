@@ -29,8 +29,8 @@ from typing import Annotated
 
 import tyro
 
-from patchpar.config import RunConfig, load_config, with_overrides
-from patchpar.results import read_records
+from patchpar.lab.config import RunConfig, load_config, with_overrides
+from patchpar.lab.results import read_records
 
 SWEEP_KEYS = ("experiment", "base", "set", "points", "grid")
 
@@ -99,7 +99,7 @@ def run_sweep(config: SweepConfig) -> list[dict]:
     new, the latest per point), in sweep order."""
     from tqdm import tqdm
 
-    from patchpar.runner import point_key, run, runs_path
+    from patchpar.lab.runner import point_key, run, runs_path
 
     points = load_sweep(config.file, config.results)
 

@@ -20,7 +20,7 @@ def _run_config(args: list[str]):
     """`run`: an optional YAML path first, then tyro's dotted overrides on top of it."""
     import tyro
 
-    from patchpar.config import RunConfig, load_config
+    from patchpar.lab.config import RunConfig, load_config
 
     path = args[0] if args and not args[0].startswith("-") else None
     default = load_config(path) if path else RunConfig()
@@ -36,12 +36,12 @@ def _run_config(args: list[str]):
 
 
 def _subcommands() -> dict:
-    from patchpar.config import RunConfig
-    from patchpar.costs import CommConfig
-    from patchpar.generate import GenerateConfig
-    from patchpar.plots import PlotConfig
-    from patchpar.sweep import SweepConfig
-    from patchpar.tables import TableConfig
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.costs import CommConfig
+    from patchpar.lab.generate import GenerateConfig
+    from patchpar.lab.plots import PlotConfig
+    from patchpar.lab.sweep import SweepConfig
+    from patchpar.lab.tables import TableConfig
 
     return {
         "run": RunConfig,
@@ -55,38 +55,38 @@ def _subcommands() -> dict:
 
 def dispatch(config) -> None:
     """Hand a parsed config to its library function and print what it returns."""
-    from patchpar.config import RunConfig
-    from patchpar.costs import CommConfig
-    from patchpar.generate import GenerateConfig
-    from patchpar.plots import PlotConfig
-    from patchpar.sweep import SweepConfig
-    from patchpar.tables import TableConfig
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.costs import CommConfig
+    from patchpar.lab.generate import GenerateConfig
+    from patchpar.lab.plots import PlotConfig
+    from patchpar.lab.sweep import SweepConfig
+    from patchpar.lab.tables import TableConfig
 
     if isinstance(config, RunConfig):
-        from patchpar.runner import run, runs_path
-        from patchpar.tables import markdown, summary_columns
+        from patchpar.lab.runner import run, runs_path
+        from patchpar.lab.tables import markdown, summary_columns
 
         rec = run(config, raise_errors=True)
         print(markdown([rec], summary_columns([rec])))
         print(f"record {rec['run_id']} -> {runs_path(config)}")
     elif isinstance(config, SweepConfig):
-        from patchpar.sweep import run_sweep
-        from patchpar.tables import markdown, summary_columns
+        from patchpar.lab.sweep import run_sweep
+        from patchpar.lab.tables import markdown, summary_columns
 
         records = run_sweep(config)
         if records:
             print(markdown(records, summary_columns(records), sort_by=("mesh.devices", "label")))
     elif isinstance(config, TableConfig):
-        from patchpar.tables import run_table
+        from patchpar.lab.tables import run_table
 
         print(run_table(config))
     elif isinstance(config, PlotConfig):
-        from patchpar.plots import run_plot
+        from patchpar.lab.plots import run_plot
 
         for name, where in run_plot(config).items():
             print(f"{name}: {where}")
     elif isinstance(config, GenerateConfig):
-        from patchpar.generate import generate
+        from patchpar.lab.generate import generate
 
         record = generate(config)
         for path in record["images"]:
@@ -99,7 +99,7 @@ def dispatch(config) -> None:
     elif isinstance(config, CommConfig):
         import json
 
-        from patchpar.costs import format_comm, run_comm
+        from patchpar.lab.costs import format_comm, run_comm
 
         rec = run_comm(config)
         print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from patchpar.config import PlanFlags
+from patchpar.lab.config import PlanFlags
 
 DTYPES = ("float32", "bfloat16")
 

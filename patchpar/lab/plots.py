@@ -1,6 +1,6 @@
 """`patchpar plot RESULTS`: matplotlib figures drawn from records only (never from stdout).
 
-Each `plot_*` takes records (`patchpar.tables.load_records`) and an Axes, so a notebook draws
+Each `plot_*` takes records (`patchpar.lab.tables.load_records`) and an Axes, so a notebook draws
 the same figures; each returns False, drawing nothing, when the records lack its data.
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from patchpar.tables import get, load_records
+from patchpar.lab.tables import get, load_records
 
 
 @dataclass(frozen=True)

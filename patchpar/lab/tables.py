@@ -14,7 +14,7 @@ from typing import Annotated
 
 import tyro
 
-from patchpar.results import read_records
+from patchpar.lab.results import read_records
 
 DEFAULT_COLUMNS = (
     "label",

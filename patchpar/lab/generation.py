@@ -1,0 +1,61 @@
+"""What a run generates: one loaded pipeline per model, the (prompt, seed) batches of a
+config, their conditioning and initial latents, and every image of a prompt set."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from patchpar.lab.config import RunConfig
+
+_PIPELINES: dict = {}
+
+
+def get_pipeline(model: str, dtype: str):
+    """One loaded pipeline per (model, dtype) per process (a sweep loads each model once)."""
+    import jax.numpy as jnp
+
+    from patchpar.pipelines import load_pipeline
+
+    key = (model, dtype)
+    if key not in _PIPELINES:
+        _PIPELINES[key] = load_pipeline(model, dtype=getattr(jnp, dtype))
+    return _PIPELINES[key]
+
+
+def image_size(pipe, config: RunConfig) -> tuple[int, int]:
+    size = pipe.unet.config.sample_size * pipe.latent_factor
+    h = config.sampler.height or size
+    return h, config.sampler.width or h
+
+
+def batches(config: RunConfig) -> list[list[tuple[str, int]]]:
+    """(prompt, seed) pairs, seed-major, cut into pipeline calls."""
+    pairs = [(p, s) for s in config.prompts.seeds for p in config.prompts.prompts]
+    n = config.prompts.batch_size or len(pairs)
+    return [pairs[i : i + n] for i in range(0, len(pairs), n)]
+
+
+def inputs(pipe, config: RunConfig, batch: list[tuple[str, int]], hw: tuple[int, int]):
+    """Conditioning and initial latents (image (p, s) starts from normal(key(s)))."""
+    import jax.numpy as jnp
+
+    s = config.sampler
+    prompts = [p for p, _ in batch]
+    negative = (
+        [config.prompts.negative_prompt] * len(batch) if config.prompts.negative_prompt else None
+    )
+    cond = pipe.encode_prompt(prompts, negative, s.guidance_scale, *hw)
+    latents = jnp.concatenate([pipe.initial_latents(1, *hw, seed) for _, seed in batch])
+    return cond, latents
+
+
+def generate_all(pipe, config: RunConfig, plan, hw) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, H, W, 3) uint8 and final latents for every (prompt, seed), no timing."""
+    images, latents = [], []
+    s = config.sampler
+    for batch in batches(config):
+        cond, x = inputs(pipe, config, batch, hw)
+        final = pipe.denoise(cond, x, s.name, s.steps, s.guidance_scale, plan)
+        images.append(pipe.decode(final))
+        latents.append(np.asarray(final, np.float32))
+    return np.concatenate(images), np.concatenate(latents)
