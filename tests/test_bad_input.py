@@ -165,10 +165,14 @@ def test_generate_width_follows_height_and_height_zero_is_an_error(tmp_path, mic
     assert "seed=4294967296" in capsys.readouterr().err
 
 
-def test_generate_default_model_is_the_trained_fmnist():
+def test_generate_default_model_is_the_trained_fmnist_at_its_guidance(tmp_path):
     from patchpar.lab.generate import GenerateConfig
 
     assert GenerateConfig().model == "fmnist"
+    out = tmp_path / "gen"
+    assert main(["generate", "--steps", "2", "--out", str(out)]) == 0
+    record = json.loads((out / "generate.json").read_text())
+    assert record["latent_shape"] == [1, 32, 32, 1] and record["guidance_scale"] == 2.0
 
 
 def test_cli_failures_exit_non_zero_with_one_line(tmp_path, micro_folder, capsys, monkeypatch):

@@ -313,17 +313,22 @@ def with_overrides(cfg, overrides: dict[str, Any]):
     return from_dict(type(cfg), data)
 
 
-def load_config(path: str | Path, cls=RunConfig):
-    """A config from a YAML file (keys not given keep their defaults)."""
+def read_yaml(path: str | Path, what: str = "config file"):
+    """The data in a YAML file ({} for an empty one); ValueError if it is absent or not YAML."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
+        raise ValueError(f"{what} {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        return yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
+
+
+def load_config(path: str | Path, cls=RunConfig):
+    """A config from a YAML file (keys not given keep their defaults)."""
+    data = read_yaml(path)
     try:
         return from_dict(cls, data)
     except ValueError as e:

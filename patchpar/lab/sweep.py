@@ -29,7 +29,7 @@ from typing import Annotated
 
 import tyro
 
-from patchpar.lab.config import RunConfig, load_config, with_overrides
+from patchpar.lab.config import RunConfig, load_config, read_yaml, with_overrides
 from patchpar.lab.results import read_records
 
 SWEEP_KEYS = ("experiment", "base", "set", "points", "grid")
@@ -51,15 +51,8 @@ class SweepConfig:
 
 def load_sweep(path: str | Path, results: Path | None = None) -> list[RunConfig]:
     """The sweep's points as configs, in order; ValueError naming a bad key or value."""
-    import yaml
-
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"sweep file {str(path)!r} does not exist")
-    try:
-        spec = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    spec = read_yaml(path, "sweep file")
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: expected a mapping with keys {list(SWEEP_KEYS)}")
     unknown = sorted(set(spec) - set(SWEEP_KEYS))

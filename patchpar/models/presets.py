@@ -215,6 +215,14 @@ WEIGHTED = ("tiny", "tiny-xl", "fmnist-random")  # random weights written on fir
 # Presets with trained weights committed in the repository (experiments/train_fmnist.py).
 SHIPPED = {"fmnist": Path(__file__).resolve().parent.parent / "weights" / "fmnist"}
 TINY_SEED = 0
+# Classifier-free guidance each trained preset was tuned at (fmnist: on held-out seeds 100-104;
+# paper_repro.md "The fmnist model"); other models take the SD pipelines' 7.5.
+TUNED_GUIDANCE = {"fmnist": 2.0}
+DEFAULT_GUIDANCE = 7.5
+
+
+def default_guidance(model: str) -> float:
+    return TUNED_GUIDANCE.get(str(model), DEFAULT_GUIDANCE)
 
 
 def preset_names() -> list[str]:
