@@ -47,7 +47,9 @@ def main() -> None:
     ref = final_latent("sync_patch", 3, "dpmpp_2m")
     for gn in ("separate", "stale", "corrected", "sync"):
         out = final_latent("distrifusion", 3, "dpmpp_2m", warmup_steps=2, gn=gn)
-        print(f"1. warm-up covering all steps, gn={gn:9s}: max |diff| = {np.abs(out - ref).max():.3g}")
+        print(
+            f"1. warm-up covering all steps, gn={gn:9s}: max |diff| = {np.abs(out - ref).max():.3g}"
+        )
     ref = final_latent("sync_patch", 8, "ddim")
     out = final_latent("distrifusion", 8, "ddim", warmup_steps=1)
     print(f"2. 8 DDIM steps, warm-up 1, gn=corrected: mean |diff| = {np.abs(out - ref).mean():.4f}")

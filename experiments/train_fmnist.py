@@ -39,8 +39,9 @@ import tyro
 from flax import serialization
 from tqdm import tqdm
 
-from patchpar.lab.datasets import FASHION_MNIST_CLASSES, fashion_mnist
+from patchpar.lab.datasets import fashion_mnist
 from patchpar.measure import classifier as clf
+from patchpar.measure.classifier import FASHION_MNIST_CLASSES
 from patchpar.models import api
 from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
 from patchpar.models.loading import write_component

@@ -4,8 +4,8 @@ behind `prompt_accuracy`; the committed `fmnist` preset; the training script in 
 import numpy as np
 import pytest
 
-from patchpar.lab.datasets import FASHION_MNIST_CLASSES
 from patchpar.measure import classifier as clf
+from patchpar.measure.classifier import FASHION_MNIST_CLASSES
 from patchpar.models.presets import SHIPPED
 
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from patchpar.lab.datasets import FASHION_MNIST_CLASSES, fashion_mnist, load_image_folder, to_rgb
+from patchpar.lab.datasets import fashion_mnist, load_image_folder, to_rgb
 from patchpar.measure import quality as q
+from patchpar.measure.classifier import FASHION_MNIST_CLASSES
 
 pytest.importorskip("torch")
 

@@ -42,6 +42,11 @@ def summary_columns(records: list[dict]) -> tuple[str, ...]:
 # key -> (header, format)
 FORMATS = {
     "bytes_per_device_per_step": ("MiB/device/step", lambda v: f"{v / 2**20:.3f}"),
+    # analytic: the released DistriFusion / PCPP code's pattern for the same run
+    "released_bytes_per_device_per_step": (
+        "released-code MiB/device/step (analytic)",
+        lambda v: f"{v / 2**20:.3f}",
+    ),
     "steady_bytes_per_device": ("steady MiB/device/step", lambda v: f"{v / 2**20:.3f}"),
     "warmup_bytes_per_device": ("warm-up MiB/device/step", lambda v: f"{v / 2**20:.3f}"),
     "stale_bytes_per_device": ("stale MiB/device", lambda v: f"{v / 2**20:.3f}"),
