@@ -98,6 +98,9 @@ def test_dirty_flag_counts_untracked_package_files_only():
     assert _counts_as_dirty(" M README.md")  # tracked change anywhere
     assert _counts_as_dirty("?? patchpar/lab/new_module.py")  # runs, but in no commit
     assert not _counts_as_dirty("?? results/scratch/runs.jsonl")
+    assert not _counts_as_dirty(" M results/comm/runs.jsonl")  # what runs write, not what runs
+    assert not _counts_as_dirty(" D results/fmnist_quality/table.md")
+    assert _counts_as_dirty(" M experiments/sweeps/quality.yaml")
     assert not _counts_as_dirty("?? notes.txt")
     assert not _counts_as_dirty("")
 

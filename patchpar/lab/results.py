@@ -41,9 +41,11 @@ def git_commit() -> str | None:
 @functools.cache
 def git_dirty() -> bool | None:
     """Whether the checkout had uncommitted changes when this process first asked (then the
-    commit alone does not say what ran): a changed tracked file anywhere, or an untracked file
-    under patchpar/ (a new module runs but is in no commit). Cached like the commit, so that a
-    commit made while a sweep runs cannot make its later records read clean against it."""
+    commit alone does not say what ran): a changed tracked file outside results/, or an
+    untracked file under patchpar/ (a new module runs but is in no commit). Records, tables and
+    plots under results/ are what runs write, not what runs: changing them does not count.
+    Cached like the commit, so that a commit made while a sweep runs cannot make its later
+    records read clean against it."""
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=all"],
@@ -60,13 +62,14 @@ def git_dirty() -> bool | None:
 
 
 def _counts_as_dirty(porcelain_line: str) -> bool:
-    """A `git status --porcelain` line: tracked changes count anywhere, untracked files only
-    inside the package (results and scratch files beside it do not change what runs)."""
+    """A `git status --porcelain` line: tracked changes count outside results/, untracked
+    files only inside the package (results and scratch files do not change what runs)."""
     if not porcelain_line.strip():
         return False
+    path = porcelain_line[3:].strip('"')
     if porcelain_line.startswith("??"):
-        return porcelain_line[3:].strip('"').startswith("patchpar/")
-    return True
+        return path.startswith("patchpar/")
+    return not path.startswith("results/")
 
 
 def provenance() -> dict:
