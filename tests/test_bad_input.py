@@ -106,7 +106,7 @@ def test_run_config_rejects(overrides, message):
         with_overrides(RunConfig(), overrides).validate()
 
 
-def test_invalid_sweep_point_is_a_row_and_the_sweep_goes_on(tmp_path, micro_folder):
+def test_invalid_sweep_point_is_a_row_and_the_sweep_goes_on(tmp_path, micro_folder, capsys):
     from patchpar.lab.results import read_records
     from patchpar.lab.sweep import SweepConfig, run_sweep
 
@@ -121,6 +121,17 @@ def test_invalid_sweep_point_is_a_row_and_the_sweep_goes_on(tmp_path, micro_fold
     rows = read_records(tmp_path / "bad" / "runs.jsonl")
     assert [r["status"] for r in rows] == ["error", "ok"]
     assert "invalid config: mesh.cfg=0" in rows[0]["error"]
+    # the command prints the table, then exits 1 with one line naming the failed point
+    capsys.readouterr()
+    assert main(["sweep", str(sweep)]) == 1
+    out, err = capsys.readouterr()
+    assert "| single |" in out
+    errors = [line for line in err.splitlines() if line.startswith("patchpar: error:")]
+    assert errors == [err.strip().splitlines()[-1]] == [
+        "patchpar: error: 1 of 2 sweep points did not run (error): single: invalid config: "
+        "mesh.cfg=0: must be 1 (both guidance halves on every device) or 2 (split across two "
+        "device halves)"
+    ]
 
 
 def test_invalid_yaml_sweep_file(tmp_path, capsys):

@@ -76,6 +76,13 @@ def dispatch(config) -> None:
         records = run_sweep(config)
         if records:
             print(markdown(records, summary_columns(records), sort_by=("mesh.devices", "label")))
+        failed = [r for r in records if r.get("status") != "ok"]
+        if failed:  # recorded and the sweep went on, but the command did not fully succeed
+            raise Failed(
+                f"{len(failed)} of {len(records)} sweep points did not run "
+                f"({', '.join(sorted({r['status'] for r in failed}))}): "
+                + "; ".join(f"{r.get('label')}: {r.get('error')}" for r in failed[:3])
+            )
     elif isinstance(config, TableConfig):
         from patchpar.lab.tables import run_table
 
@@ -103,6 +110,11 @@ def dispatch(config) -> None:
 
         rec = run_comm(config)
         print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
+
+
+class Failed(Exception):
+    """The command ran but did not succeed (e.g. sweep points recorded with status error);
+    the message says what, without a traceback."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -135,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(e, ValueError):  # bad input: the message names the value and what fits
             print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)
             return 2
+        if isinstance(e, Failed):
+            print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)
+            return 1
         print(
             f"patchpar: error: {type(e).__name__}: {_one_line(str(e))} (--debug shows the traceback)",
             file=sys.stderr,
