@@ -37,11 +37,16 @@ run: $(STAMP) $(FMNIST)
 	$(TEST_ENV) $(VENV)/bin/patchpar sweep experiments/sweeps/quickstart.yaml
 	$(TEST_ENV) $(VENV)/bin/patchpar plot results/quickstart
 
+# One pytest worker per core (at most 2: each worker's 8 fake devices use the cores too); a
+# file's tests stay on one worker, so the reference runs it caches are computed once.
+WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 2 ] && n=2; echo $$n)
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+
 test: $(STAMP) $(FMNIST)
-	$(TEST_ENV) $(PY) -m pytest -q
+	$(TEST_ENV) $(PYTEST)
 
 test-slow: $(STAMP) $(FMNIST)
-	$(TEST_ENV) $(PY) -m pytest -q -m slow
+	$(TEST_ENV) $(PYTEST) -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check patchpar tests experiments

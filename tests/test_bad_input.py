@@ -127,11 +127,15 @@ def test_invalid_sweep_point_is_a_row_and_the_sweep_goes_on(tmp_path, micro_fold
     out, err = capsys.readouterr()
     assert "| single |" in out
     errors = [line for line in err.splitlines() if line.startswith("patchpar: error:")]
-    assert errors == [err.strip().splitlines()[-1]] == [
-        "patchpar: error: 1 of 2 sweep points did not run (error): single: invalid config: "
-        "mesh.cfg=0: must be 1 (both guidance halves on every device) or 2 (split across two "
-        "device halves)"
-    ]
+    assert (
+        errors
+        == [err.strip().splitlines()[-1]]
+        == [
+            "patchpar: error: 1 of 2 sweep points did not run (error): single: invalid config: "
+            "mesh.cfg=0: must be 1 (both guidance halves on every device) or 2 (split across two "
+            "device halves)"
+        ]
+    )
 
 
 def test_invalid_yaml_sweep_file(tmp_path, capsys):

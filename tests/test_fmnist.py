@@ -86,6 +86,7 @@ def test_fmnist_preset_one_image_per_class_deterministic():
     assert acc >= 0.5, acc  # 10 images; the 500-sample figure is in paper_repro.md
 
 
+@pytest.mark.slow  # about 100 s: trains, exports and resumes in miniature
 def test_train_script_exports_resumes_and_refuses_another_recipe(tmp_path, capsys, monkeypatch):
     """experiments/train_fmnist.py in miniature: two steps, export (UNet and the jointly trained
     text encoder, EMA), resume to a third step, and a changed recipe refused."""
