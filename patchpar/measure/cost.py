@@ -38,14 +38,21 @@ def abstract_inputs(
     return x, sds((), jnp.float32), cond
 
 
-def analytic_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
-    """Bytes per device from the recorded site calls and the strategy's rules."""
+def _site_count(plan: Plan, log, rule: str) -> CommCount:
+    """Bytes per device from the recorded site calls by one of PatchOps' per-site rules
+    (`received_bytes`: patchpar's own; `released_bytes`: the released code's pattern)."""
     count = CommCount(plan.devices)
     for ops, kind, info in log:
         per_patch = np.array(
-            [ops.received_bytes(kind, info, p) for p in range(plan.patch)], np.int64
+            [getattr(ops, rule)(kind, info, p) for p in range(plan.patch)], np.int64
         )
         count.add(kind, np.tile(per_patch, plan.cfg))  # device id = cfg_index * patch + patch_index
+    return count
+
+
+def analytic_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
+    """Bytes per device from the recorded site calls and the strategy's rules."""
+    count = _site_count(plan, log, "received_bytes")
     if plan.cfg == 2:  # the guided output: each device gathers the other half's (B, h, W, C)
         count.add("cfg", np.full(plan.devices, int(np.prod(out_shape)) * out_itemsize, np.int64))
     return count
@@ -56,12 +63,7 @@ def released_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
     same UNet call (analytic, from the recorded site calls; `PatchOps.released_bytes`), plus
     the all-gather of the UNet output over all devices that it runs every step to hand the
     full latent to the scheduler (patchpar keeps the latent sharded instead)."""
-    count = CommCount(plan.devices)
-    for ops, kind, info in log:
-        per_patch = np.array(
-            [ops.released_bytes(kind, info, p) for p in range(plan.patch)], np.int64
-        )
-        count.add(kind, np.tile(per_patch, plan.cfg))
+    count = _site_count(plan, log, "released_bytes")
     if plan.devices > 1:  # out_shape: one device's slab of the guided output (its CFG part)
         slab = int(np.prod(out_shape)) * out_itemsize * (2 if plan.cfg == 1 else 1)
         count.add("output", np.full(plan.devices, (plan.devices - 1) * slab, np.int64))
