@@ -53,8 +53,10 @@ def _subcommands() -> dict:
     }
 
 
-def dispatch(config) -> None:
-    """Hand a parsed config to its library function and print what it returns."""
+def dispatch(config, args: list[str] | None = None) -> None:
+    """Hand a parsed config to its library function and print what it returns. `args`, the
+    command line, is what launched workers run (`patchpar generate --processes N`)."""
+    from patchpar.lab import launch
     from patchpar.lab.config import RunConfig
     from patchpar.lab.costs import CommConfig
     from patchpar.lab.generate import GenerateConfig
@@ -66,9 +68,12 @@ def dispatch(config) -> None:
         from patchpar.lab.runner import run, runs_path
         from patchpar.lab.tables import markdown, summary_columns
 
+        if not config.mesh.processes:
+            launch.request_cpu_devices(config.mesh.devices, _stderr)
         rec = run(config, raise_errors=True)
-        print(markdown([rec], summary_columns([rec])))
-        print(f"record {rec['run_id']} -> {runs_path(config)}")
+        if launch.is_writer() and not launch.launched_worker():  # the launcher prints it
+            print(markdown([rec], summary_columns([rec])))
+            print(f"record {rec['run_id']} -> {runs_path(config)}")
     elif isinstance(config, SweepConfig):
         from patchpar.lab.sweep import run_sweep
         from patchpar.lab.tables import markdown, summary_columns
@@ -93,9 +98,16 @@ def dispatch(config) -> None:
         for name, where in run_plot(config).items():
             print(f"{name}: {where}")
     elif isinstance(config, GenerateConfig):
-        from patchpar.lab.generate import generate
+        from patchpar.lab.generate import generate, launched_generate
 
-        record = generate(config)
+        if config.processes and not launch.in_worker():
+            record = launched_generate(config, args or [])
+        else:
+            if not config.processes:
+                launch.request_cpu_devices(config.devices, _stderr)
+            record = generate(config)
+        if not launch.is_writer() or launch.launched_worker():
+            return
         for path in record["images"]:
             print(path)
         print(
@@ -108,6 +120,7 @@ def dispatch(config) -> None:
 
         from patchpar.lab.costs import format_comm, run_comm
 
+        launch.request_cpu_devices(config.devices, _stderr)
         rec = run_comm(config)
         print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
 
@@ -123,11 +136,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     on the line) prints the traceback instead."""
     import tyro
 
+    from patchpar.lab import launch
+
+    launch.setup_worker()  # a launched worker: pinned to its core, one thread, before JAX starts
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     try:
-        if args and args[0] == "run":
+        args, cluster = launch.pop_cluster_flags(args)
+        if args and args[0] == "run":  # `--processes N` is `--mesh.processes N` for a run
+            args = [_processes_alias(a) for a in args]
             config = _run_config(args[1:])
         else:
             config = tyro.extras.subcommand_cli_from_dict(
@@ -137,13 +155,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "YAML config path before its flags.",
                 args=args,
             )
-        dispatch(config)
+        if cluster is not None:
+            launch.join(cluster)
+        dispatch(config, args)
     except KeyboardInterrupt:
         print("patchpar: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         if debug:
             raise
+        if isinstance(e, launch.WorkerFailed):
+            print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)
+            return e.exit_code
         if isinstance(e, ValueError):  # bad input: the message names the value and what fits
             print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)
             return 2
@@ -156,6 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _processes_alias(arg: str) -> str:
+    if arg == "--processes" or arg.startswith("--processes="):
+        return arg.replace("--processes", "--mesh.processes", 1)
+    return arg
 
 
 def _one_line(text: str) -> str:

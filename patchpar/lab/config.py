@@ -82,6 +82,10 @@ class MeshConfig:
     """Devices in all (= cfg x patch)."""
     cfg: int = 1
     """1: both guidance halves on every device; 2: split across two device halves (DistriFusion §4.3)."""
+    processes: int = 0
+    """0: run in this process on the devices it sees (on CPU, fake devices sharing the cores:
+    no speedup). N >= 1: launch N processes here (`--processes N`), one CPU device, one core
+    and one thread each, joined by jax.distributed (gloo): a real speedup; devices must be N."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,9 @@ class RunConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     results: Path = Path("results")
     """Root folder of the records; also holds the single-device baselines (.baselines/)."""
+    timeout_s: float = 7200.0
+    """mesh.processes >= 1: every worker is ended, and the run recorded as an error, after this
+    many seconds (a hung collective cannot block a sweep)."""
 
     def plan(self):
         return build_plan(
@@ -190,6 +197,12 @@ class RunConfig:
         checks = [
             (isinstance(self.mesh.devices, int) and self.mesh.devices >= 1, "mesh.devices",
              self.mesh.devices, "an integer >= 1"),
+            (isinstance(self.mesh.processes, int) and self.mesh.processes >= 0, "mesh.processes",
+             self.mesh.processes, "0 (this process) or the number of processes to launch"),
+            (self.mesh.processes in (0, self.mesh.devices), "mesh.processes",
+             self.mesh.processes, f"0 or mesh.devices={self.mesh.devices}: devices must equal "
+             "processes x local devices, and a launched process has one CPU device"),
+            (self.timeout_s > 0, "timeout_s", self.timeout_s, "a positive number of seconds"),
             (self.mesh.cfg in (1, 2), "mesh.cfg", self.mesh.cfg,
              "1 (both guidance halves on every device) or 2 (split across two device halves)"),
             (self.experiment and "/" not in self.experiment, "experiment", self.experiment,

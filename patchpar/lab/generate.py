@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from patchpar.lab.config import PlanFlags
+from patchpar.lab.launch import is_writer, launch
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class GenerateConfig(PlanFlags):
     """float32 or bfloat16."""
     out: Path = Path("results/generate")
     """Output folder."""
+    processes: int = 0
+    """0: this process, on the devices it sees. N: launch N processes here, one CPU device,
+    core and thread each, joined by jax.distributed (devices must be N)."""
+    timeout_s: float = 3600.0
+    """processes >= 1: end every worker after this many seconds."""
 
 
 DTYPES = ("float32", "bfloat16")
@@ -61,6 +67,11 @@ def generate(config: GenerateConfig) -> dict:
     if config.steps < 1:
         raise ValueError(f"steps={config.steps}: must be >= 1")
     check_seed(config.seed)
+    if config.processes not in (0, config.devices):
+        raise ValueError(
+            f"processes={config.processes}: must be 0 or devices={config.devices} (devices "
+            f"must equal processes x local devices, and a launched process has one CPU device)"
+        )
     guidance = (
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
@@ -83,6 +94,20 @@ def generate(config: GenerateConfig) -> dict:
         plan=plan,
     )
     t_gen = time.perf_counter() - t0
+    record = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "images": [],
+        "latent_shape": list(out.latents.shape),
+        "guidance_scale": guidance,
+        "strategy": plan.strategy.describe(),
+        "devices": plan.devices,
+        "processes": config.processes,
+        "stale_bytes_per_device": pipe.last_stale_bytes,
+        "load_s": round(t_load, 3),
+        "generate_s_including_compile": round(t_gen, 3),
+    }
+    if not is_writer():  # with several processes, process 0 alone writes
+        return record
     folder = Path(config.out)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -91,18 +116,24 @@ def generate(config: GenerateConfig) -> dict:
         Image.fromarray(img).save(path)
         paths.append(str(path))
     np.save(folder / "latent.npy", out.latents)
-    record = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
-        "images": paths,
-        "latent_shape": list(out.latents.shape),
-        "guidance_scale": guidance,
-        "strategy": plan.strategy.describe(),
-        "devices": plan.devices,
-        "stale_bytes_per_device": pipe.last_stale_bytes,
-        "load_s": round(t_load, 3),
-        "generate_s_including_compile": round(t_gen, 3),
-    }
+    record["images"] = paths
     tmp = folder / "generate.json.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(folder / "generate.json")
     return record
+
+
+def launched_generate(config: GenerateConfig, args: list[str]) -> dict:
+    """`patchpar generate` (the command line `args`) in `config.processes` launched processes;
+    returns the generate.json that process 0 wrote."""
+    import sys
+
+    if config.processes != config.devices:
+        raise ValueError(
+            f"processes={config.processes}: must be 0 or devices={config.devices} (a launched "
+            f"process has one CPU device)"
+        )
+    done = Path(config.out) / "generate.json"
+    done.unlink(missing_ok=True)
+    launch(args, config.processes, config.timeout_s, lambda m: print(m, file=sys.stderr))
+    return json.loads(done.read_text())

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -27,10 +29,12 @@ from patchpar.lab.baselines import (
     load_or_make_baseline,
     weights_sha256,
 )
-from patchpar.lab.config import RunConfig, build_plan, to_dict
+from patchpar.lab.config import RunConfig, build_plan, dump_config, to_dict
 from patchpar.lab.evaluate import quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
-from patchpar.lab.results import append_record, provenance
+from patchpar.lab.launch import WorkerFailed, in_worker, launch
+from patchpar.lab.results import append_record, provenance, read_records
+from patchpar.lab.speedup import speedups
 
 Log = Callable[[str], None]
 
@@ -47,6 +51,8 @@ def point_key(config: RunConfig | dict) -> str:
     """What makes two runs the same point: the whole config except where records are written."""
     d = to_dict(config) if isinstance(config, RunConfig) else dict(config)
     d.pop("results", None)
+    d.pop("timeout_s", None)
+    d["mesh"] = {"processes": 0, **d.get("mesh", {})}  # records from before processes existed
     return json.dumps(d, sort_keys=True)
 
 
@@ -80,20 +86,31 @@ def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
 
 
 def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
-    """Compile the denoising program (timed apart), run it `warmup_runs` times, then time
-    `repeats` runs. Returns (final latent, timing metrics)."""
-    from patchpar.measure.timing import time_runs
+    """Compile the denoising programs, one per phase (timed apart from running), run them
+    `warmup_runs` times, then time `repeats` runs, each phase waited for on its own so that
+    the warm-up (fresh exchange) and steady (stale exchange) step times are apart.
+    Returns (final latent, timing metrics)."""
+    import jax
+
+    from patchpar.measure.timing import time_phases
     from patchpar.parallel.engine import stale_bytes_per_device
 
     s, m = config.sampler, config.measure
     t0 = time.perf_counter()
-    lowered, args = pipe.lower_denoise(cond, x0, s.name, s.steps, s.guidance_scale, plan)
-    compiled = lowered.compile()
+    programs, args = pipe.denoise_phases(cond, x0, s.name, s.steps, s.guidance_scale, plan)
+    compiled, x, loop = [], args[3], None
+    for phase, n, fn in programs:  # each phase lowered on what the one before it returns
+        c = jax.jit(fn).lower(*args[:3], x, loop).compile()
+        x, loop = _outputs_abstract(c)
+        compiled.append((phase, n, c))
     compile_s = time.perf_counter() - t0
     log(f"  compiled in {compile_s:.1f} s; timing {m.repeats} run(s)")
-    (final, state), t = time_runs(lambda: compiled(*args), m.warmup_runs, m.repeats)
+    (final, (_, state)), t = time_phases(
+        [(phase, c) for phase, _, c in compiled], args, m.warmup_runs, m.repeats
+    )
     b = x0.shape[0]
-    return final, {
+    steps = {phase: n for phase, n, _ in compiled}
+    out = {
         "compile_s": compile_s,
         "batch": b,
         "denoise_s_median": t["median"],
@@ -104,13 +121,33 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         "images_per_s": b / t["median"],
         "stale_bytes_per_device": stale_bytes_per_device(state),
     }
+    for phase in ("sync", "steady"):  # per-step medians of each phase (null: no such step)
+        ph = t["phases"].get(phase)
+        out[f"{phase}_steps"] = steps.get(phase, 0)
+        out[f"{phase}_step_s_median"] = ph["median"] / steps[phase] if ph else None
+    return final, out
 
 
-def _execute(config: RunConfig, run_dir: Path, log: Log) -> tuple[dict, list[str]]:
+def _outputs_abstract(compiled):
+    """A compiled program's outputs as shapes, dtypes and shardings (the next phase's inputs)."""
+    import jax
+
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+        compiled.out_info,
+        compiled.output_shardings,
+    )
+
+
+def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
+    """Generate, time, count and compare; every process of a multi-process run takes part in
+    the generation, the `writer` (process 0) alone counts bytes, scores and saves images."""
+    from patchpar.parallel.mesh import to_local
+
     s, m = config.sampler, config.measure
     t0 = time.perf_counter()
     pipe = get_pipeline(config.model.name, s.dtype)
-    metrics: dict = {"load_s": time.perf_counter() - t0}
+    metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
     plan = config.plan()
     hw = image_size(pipe, config)
     pipe.check_size(*hw)
@@ -125,11 +162,15 @@ def _execute(config: RunConfig, run_dir: Path, log: Log) -> tuple[dict, list[str
         cond, x0 = inputs(pipe, config, batch, hw)
         if i == 0:  # the timed call
             final, timing = timed_denoise(pipe, config, plan, cond, x0, log)
+            final = to_local(final)
             metrics.update(timing)
         else:
             final = pipe.denoise(cond, x0, s.name, s.steps, s.guidance_scale, plan)
-        images.append(pipe.decode(final))
+        if writer:
+            images.append(pipe.decode(final))
         latents.append(np.asarray(final, np.float32))
+    if not writer:
+        return metrics, []
     images, latents = np.concatenate(images), np.concatenate(latents)
 
     if m.comm:
@@ -157,16 +198,42 @@ def _execute(config: RunConfig, run_dir: Path, log: Log) -> tuple[dict, list[str
     return metrics, paths
 
 
+def process_layout(config: RunConfig) -> dict:
+    """Where the run's devices are: processes, devices per process, cores and threads."""
+    import jax
+
+    from patchpar.lab.launch import LAYOUT_ENV, cores
+
+    launched = json.loads(os.environ.get(LAYOUT_ENV, "null"))
+    return {
+        "platform": jax.devices()[0].platform,
+        "processes": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+        "launched": launched is not None,
+        "cores": launched["cores"] if launched else cores(),
+        "threads_per_process": 1 if launched else None,
+        "cpu_count": os.cpu_count(),
+        "oversubscribed": bool(launched and launched["oversubscribed"]),
+    }
+
+
 def _status(err: BaseException) -> str:
     text = f"{type(err).__name__}: {err}"
     oom = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM")
     return "oom" if any(k in text for k in oom) or isinstance(err, MemoryError) else "error"
 
 
+RUN_ID_ENV = "PATCHPAR_RUN_ID"  # the launcher's run id, kept by the worker that writes the record
+
+
 def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> dict:
     """Run one experiment point and append its record (also when it fails); returns the record.
     With `raise_errors` (the CLI) a config that does not validate raises ValueError before
-    anything is written; without (a sweep) it becomes a record with status `error`."""
+    anything is written; without (a sweep) it becomes a record with status `error`.
+    With `mesh.processes` >= 1 the point runs in that many launched processes
+    (patchpar.lab.launch); process 0 writes the record."""
+    import jax
+
     try:
         config.validate()
         invalid = None
@@ -174,7 +241,7 @@ def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> di
         if raise_errors:
             raise
         invalid = e
-    run_id = uuid.uuid4().hex[:12]
+    run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]
     out = runs_path(config)
     if invalid is None:
         strategy = config.plan().strategy
@@ -194,9 +261,14 @@ def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> di
     if invalid is not None:
         record.update(status="error", error=f"invalid config: {invalid}", metrics={}, images=[])
         return append_record(out, record)
+    if config.mesh.processes >= 1 and not in_worker():
+        return _launched(config, record, log, raise_errors)
+    writer = jax.process_index() == 0  # with several processes, process 0 alone writes
     log(f"run {run_id}: {config.strategy.label()} on {config.mesh.devices} device(s)")
     try:
-        metrics, images = _execute(config, out.parent / "images" / run_id, log)
+        metrics, images = _execute(config, out.parent / "images" / run_id, log, writer)
+        if writer:
+            metrics.update(speedups(config, metrics, out))
         record.update(status="ok", error=None, metrics=metrics, images=images)
     except Exception as e:  # a failed point is a row with its status (docs/design.md §6)
         record.update(
@@ -207,6 +279,37 @@ def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> di
             images=[],
         )
         if raise_errors:
-            append_record(out, record)
+            if writer:
+                append_record(out, record)
             raise
-    return append_record(out, record)
+    return append_record(out, record) if writer else record
+
+
+def _launched(config: RunConfig, record: dict, log: Log, raise_errors: bool) -> dict:
+    """Run the point as `mesh.processes` workers (`patchpar run` on the config, joined by
+    jax.distributed); returns the record process 0 wrote, or writes an error record naming the
+    worker that failed (none is half-written: records are appended whole)."""
+    out = runs_path(config)
+    run_id = record["run_id"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        dump_config(config, path)
+        try:
+            launch(["run", str(path)], config.mesh.processes, config.timeout_s, log,
+                   env={RUN_ID_ENV: run_id})  # fmt: skip
+            failure = None
+        except WorkerFailed as e:
+            failure = e
+    written = [r for r in read_records(out, skip_bad=True) if r.get("run_id") == run_id]
+    if written:
+        rec = written[-1]
+    elif failure is None:
+        failure = WorkerFailed(f"the workers ended without writing record {run_id} to {out}")
+    if failure is not None and not written:
+        record.update(status="error", error=f"WorkerFailed: {failure}", metrics={}, images=[])
+        rec = append_record(out, record)
+    if failure is not None and raise_errors:
+        if failure.exit_code == 2:  # bad input, found by a worker: the CLI says so with code 2
+            raise ValueError(str(failure))
+        raise failure
+    return rec

@@ -47,9 +47,15 @@ class SweepConfig:
     """Run again the points recorded with status error or oom (a new row each)."""
     dry_run: bool = False
     """List the points and whether each is recorded; run nothing."""
+    processes: int | None = None
+    """Run every point in launched processes, one per device (one core and thread each):
+    `single` on 1, the others on this many (their mesh.devices must be it). Sets each point's
+    mesh.processes; unset keeps the sweep file's."""
 
 
-def load_sweep(path: str | Path, results: Path | None = None) -> list[RunConfig]:
+def load_sweep(
+    path: str | Path, results: Path | None = None, processes: int | None = None
+) -> list[RunConfig]:
     """The sweep's points as configs, in order; ValueError naming a bad key or value."""
     path = Path(path)
     spec = read_yaml(path, "sweep file")
@@ -81,7 +87,11 @@ def load_sweep(path: str | Path, results: Path | None = None) -> list[RunConfig]
         for combo in combos:
             overrides = {**common, **point, **combo}
             try:
-                configs.append(with_overrides(base, overrides))
+                cfg = with_overrides(base, overrides)
+                if processes is not None:
+                    n = 1 if cfg.mesh.devices == 1 else processes
+                    cfg = with_overrides(cfg, {"mesh.processes": n})
+                configs.append(cfg)
             except ValueError as e:
                 raise ValueError(f"{path}: point {overrides}: {e}") from None
     return configs
@@ -92,9 +102,15 @@ def run_sweep(config: SweepConfig) -> list[dict]:
     new, the latest per point), in sweep order."""
     from tqdm import tqdm
 
+    from patchpar.lab.launch import request_cpu_devices
     from patchpar.lab.runner import point_key, run, runs_path
 
-    points = load_sweep(config.file, config.results)
+    if config.processes is not None and config.processes < 1:
+        raise ValueError(f"processes={config.processes}: must be >= 1 (or unset)")
+    points = load_sweep(config.file, config.results, config.processes)
+    in_process = [cfg.mesh.devices for cfg in points if not cfg.mesh.processes]
+    if in_process:
+        request_cpu_devices(max(in_process), tqdm.write)
 
     def index() -> dict:  # (runs file, point) -> its latest record
         return {
@@ -114,6 +130,7 @@ def run_sweep(config: SweepConfig) -> list[dict]:
             state = "to run" if cfg in todo else "recorded"
             print(
                 f"{state:9s} {cfg.strategy.label()} | devices={cfg.mesh.devices} cfg={cfg.mesh.cfg}"
+                + (f" processes={cfg.mesh.processes}" if cfg.mesh.processes else "")
             )
         return []
     skipped = len(points) - len(todo)

@@ -29,6 +29,9 @@ DEFAULT_COLUMNS = (
 )
 # quality metrics that a summary shows when some record has them
 OPTIONAL_COLUMNS = ("lpips", "fid", "fid_gt", "clip_score", "prompt_accuracy")
+# timing columns a summary shows when some record has them (runs in launched processes)
+SPEEDUP_COLUMNS = ("mesh.processes", "steady_step_s_median", "speedup_vs_single",
+                   "speedup_vs_sync_patch")  # fmt: skip
 
 
 def summary_columns(records: list[dict]) -> tuple[str, ...]:
@@ -36,7 +39,10 @@ def summary_columns(records: list[dict]) -> tuple[str, ...]:
     extra = tuple(
         k for k in OPTIONAL_COLUMNS if any(r.get("metrics", {}).get(k) is not None for r in records)
     )
-    return DEFAULT_COLUMNS[:-1] + extra + DEFAULT_COLUMNS[-1:]
+    timing = ()
+    if any(r.get("config", {}).get("mesh", {}).get("processes") for r in records):
+        timing = SPEEDUP_COLUMNS
+    return DEFAULT_COLUMNS[:-1] + timing + extra + DEFAULT_COLUMNS[-1:]
 
 
 # key -> (header, format)
@@ -51,6 +57,12 @@ FORMATS = {
     "warmup_bytes_per_device": ("warm-up MiB/device/step", lambda v: f"{v / 2**20:.3f}"),
     "stale_bytes_per_device": ("stale MiB/device", lambda v: f"{v / 2**20:.3f}"),
     "step_s_median": ("ms/step (median)", lambda v: f"{v * 1e3:.1f}"),
+    "sync_step_s_median": ("warm-up ms/step", lambda v: f"{v * 1e3:.1f}"),
+    "steady_step_s_median": ("steady ms/step", lambda v: f"{v * 1e3:.1f}"),
+    "speedup_vs_single": ("speedup vs single", lambda v: f"{v:.2f}x"),
+    "speedup_vs_sync_patch": ("vs sync_patch", lambda v: f"{v:.2f}x"),
+    "steady_speedup_vs_single": ("steady speedup vs single", lambda v: f"{v:.2f}x"),
+    "mesh.processes": ("processes", str),
     "denoise_s_median": ("s/image batch (median)", lambda v: f"{v:.3f}"),
     "compile_s": ("compile s", lambda v: f"{v:.1f}"),
     "flops_per_device_per_step": ("GFLOP/device/step", lambda v: f"{v / 1e9:.2f}"),

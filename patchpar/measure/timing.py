@@ -35,3 +35,43 @@ def time_runs(fn: Callable[[], object], warmup: int, repeats: int) -> tuple[obje
         "max": max(times),
         "all": [round(t, 6) for t in times],
     }
+
+
+def time_phases(
+    phases: list[tuple[str, Callable]], args: tuple, warmup: int, repeats: int
+) -> tuple[object, dict]:
+    """Time a program split into phases: each `fn(*args[:-1], x, loop) -> (x, loop)`, run in
+    order from `x = args[-1]`, `loop = None`, each waited for before the next starts. Runs
+    `warmup` times untimed, then `repeats` times timed. Returns the last (x, loop) and
+    {median, min, max, all} of the whole, plus {"phases": {name: {median, all}}}."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: must be >= 1")
+
+    def once():
+        x, loop, times = args[-1], None, []
+        for _, fn in phases:
+            (x, loop), dt = timed(lambda fn=fn, x=x, loop=loop: fn(*args[:-1], x, loop))
+            times.append(dt)
+        return (x, loop), times
+
+    out = None
+    for _ in range(warmup):
+        out, _ = once()
+    runs = []
+    for _ in range(repeats):
+        out, times = once()
+        runs.append(times)
+    totals = [sum(r) for r in runs]
+    return out, {
+        "median": statistics.median(totals),
+        "min": min(totals),
+        "max": max(totals),
+        "all": [round(t, 6) for t in totals],
+        "phases": {
+            name: {
+                "median": statistics.median(r[k] for r in runs),
+                "all": [round(r[k], 6) for r in runs],
+            }
+            for k, (name, _) in enumerate(phases)
+        },
+    }

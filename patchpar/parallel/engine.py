@@ -138,6 +138,34 @@ def stale_bytes_per_device(state) -> int:
     return total
 
 
+def _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh):
+    """model_fn(x_in, t, i, state) of the run loop for one phase (both patch axes if the
+    strategy alternates them)."""
+    s = plan.strategy
+    steps = {a: make_step(unet, plan, phase, a, guidance_scale, mesh) for a in ("row", "col")}
+    row, col = steps["row"], steps["col"]
+    if s.patch_axis(0) == s.patch_axis(1):
+        one = steps[s.patch_axis(0)]
+        return lambda x_in, t, i, st: one(params, x_in, t, cond, st)
+
+    def alternate(x_in, t, i, st):  # naive_patch split=alternate
+        return lax.cond(
+            i % 2 == 0,
+            lambda: row(params, x_in, t, cond, st),
+            lambda: col(params, x_in, t, cond, st),
+        )
+
+    return alternate
+
+
+def phase_steps(plan: Plan, steps: int) -> dict[str, tuple[int, int]]:
+    """{phase: (first step, stop)} of the phases that have steps: `sync` (warm-up, fresh
+    exchanges) then `steady` (stale exchanges, if the strategy has any)."""
+    warm = plan.strategy.sync_steps(steps)
+    spans = {"sync": (0, warm), "steady": (warm, steps)}
+    return {k: v for k, v in spans.items() if v[1] > v[0]}
+
+
 @partial(jax.jit, static_argnums=(0, 1, 2, 7))
 def denoise(
     unet: UNetFn,
@@ -151,32 +179,39 @@ def denoise(
 ):
     """All steps of one image batch under `plan`: the sync phase (warm-up), then the steady phase,
     each a single compiled loop. Returns (final latent, final stale state)."""
-    mesh = plan.mesh()
-    s = plan.strategy
-    n = schedule.timesteps.shape[0]
-    warm_steps = s.sync_steps(n)
-    state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)
-
-    def phase_fn(phase):
-        steps = {a: make_step(unet, plan, phase, a, guidance_scale, mesh) for a in ("row", "col")}
-        row, col = steps["row"], steps["col"]
-        if s.patch_axis(0) == s.patch_axis(1):
-            one = steps[s.patch_axis(0)]
-            return lambda x_in, t, i, st: one(params, x_in, t, cond, st)
-
-        def alternate(x_in, t, i, st):  # naive_patch split=alternate
-            return lax.cond(
-                i % 2 == 0,
-                lambda: row(params, x_in, t, cond, st),
-                lambda: col(params, x_in, t, cond, st),
-            )
-
-        return alternate
-
-    carry = sampler.init_carry(x)
-    x, carry, state = run_steps(phase_fn("sync"), sampler, schedule, x, carry, state, 0, warm_steps)
-    if warm_steps < n:  # static: a phase with no steps is not traced at all
-        x, carry, state = run_steps(
-            phase_fn("steady"), sampler, schedule, x, carry, state, warm_steps, n
+    loop = None
+    for phase in phase_steps(plan, schedule.timesteps.shape[0]):
+        x, loop = _run_phase(
+            unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale
         )
-    return x, state
+    return x, loop[1]
+
+
+def _run_phase(unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale):
+    mesh = plan.mesh()
+    if loop is None:  # the first phase starts the solver history and the stale buffers
+        state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)
+        loop = (sampler.init_carry(x), state)
+    start, stop = phase_steps(plan, schedule.timesteps.shape[0])[phase]
+    fn = _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh)
+    x, carry, state = run_steps(fn, sampler, schedule, x, *loop, start, stop)
+    return x, (carry, state)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9))
+def denoise_phase(
+    unet: UNetFn,
+    plan: Plan,
+    sampler: Sampler,
+    phase: str,
+    params,
+    cond,
+    schedule: Schedule,
+    x,
+    loop,
+    guidance_scale: float,
+):
+    """One phase of `denoise` as its own program, so that phases can be timed apart:
+    (x, loop) -> (x after the phase, loop), where loop = (solver carry, stale state) and is
+    None before the first phase. Chaining the phases of `phase_steps` gives `denoise`."""
+    return _run_phase(unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale)

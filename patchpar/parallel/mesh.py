@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -31,3 +32,14 @@ def make_mesh(devices: int, cfg: int = 1) -> Mesh:
     grid = np.asarray(jax.devices()[:devices]).reshape(cfg, devices // cfg)
     # Auto axes: shard_map places unsharded inputs by its in_specs.
     return Mesh(grid, (CFG, PATCH), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def to_local(x: jax.Array) -> jax.Array:
+    """`x` whole on this process's default device. An array spread over devices of several
+    processes (a multi-process mesh, docs/design.md §1) is all-gathered first; every process
+    must call this for the same array."""
+    if x.is_fully_addressable:
+        return x
+    from jax.experimental import multihost_utils
+
+    return jnp.asarray(multihost_utils.process_allgather(x, tiled=True))

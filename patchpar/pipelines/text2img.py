@@ -18,8 +18,9 @@ from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, loa
 from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.presets import PRESETS, SHIPPED, preset_folder
 from patchpar.models.tokenizer import Tokenizer, load_tokenizer
-from patchpar.parallel.engine import Plan, stale_bytes_per_device
+from patchpar.parallel.engine import Plan, denoise_phase, phase_steps, stale_bytes_per_device
 from patchpar.parallel.engine import denoise as denoise_parallel
+from patchpar.parallel.mesh import to_local
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
@@ -157,6 +158,24 @@ class Pipeline:
             fn, static = denoise_parallel, (self.unet, plan, smp)
         return fn, (*static, self.unet_params, cond, schedule, x, gs)
 
+    def denoise_phases(self, cond, latents, sampler, steps, guidance_scale, plan=None):
+        """The denoising split into its phases, each its own jitted program, for timing the
+        phases apart: ([(phase, steps in it, fn)], args). Starting from `loop = None`,
+        `x, loop = fn(*args, loop)` with `args = (params, cond, schedule, x)` for each phase in
+        order, x carried from one to the next, gives `denoise`'s latent. One device: a single
+        phase `sync` with every step."""
+        fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
+        static, dynamic, gs = args[:3], args[3:7], args[7]
+        if fn is _denoise_single:
+            spans, phase_fn = {"sync": (0, steps)}, _single_phase
+        else:
+            spans, phase_fn = phase_steps(plan, steps), denoise_phase
+        programs = [
+            (phase, stop - start, partial(phase_fn, *static, phase, guidance_scale=gs))
+            for phase, (start, stop) in spans.items()
+        ]
+        return programs, dynamic
+
     def denoise(
         self,
         cond: Conditioning,
@@ -171,7 +190,7 @@ class Pipeline:
         fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
         out, state = fn(*args)
         self.last_stale_bytes = stale_bytes_per_device(state)
-        return out
+        return to_local(out)  # every process gets the whole latent when devices span processes
 
     def lower_denoise(
         self,
@@ -272,6 +291,13 @@ def _denoise_single(unet, smp, _plan, params, cond, schedule, x, guidance_scale)
     n = schedule.timesteps.shape[0]
     x, _, _ = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), (), 0, n)
     return x, {}
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9))
+def _single_phase(unet, smp, _plan, _phase, params, cond, schedule, x, loop, guidance_scale):
+    """`_denoise_single` with the phase programs' signature: (x, loop) -> (x, loop)."""
+    x, state = _denoise_single(unet, smp, None, params, cond, schedule, x, guidance_scale)
+    return x, ((), state)
 
 
 def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
