@@ -11,6 +11,7 @@ rank and ends every worker as soon as one fails, or when the timeout passes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -102,9 +103,27 @@ def setup_worker() -> None:
     if not spec:
         return
     _, core = (int(v) for v in spec.split())
+    _exit_with_launcher()
     if core >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD}".strip()
+    # one CPU device: a device count inherited from the launcher's environment is dropped
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
+    ]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, ONE_THREAD])
+    os.environ.pop("JAX_NUM_CPU_DEVICES", None)
+
+
+def _exit_with_launcher() -> None:
+    """A worker whose launcher is gone (killed) exits instead of waiting forever."""
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="patchpar-launcher-watch").start()
 
 
 def in_worker() -> bool:
@@ -248,7 +267,8 @@ def _wait(procs, tails, timeout_s: float) -> None:
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            time.sleep(0.5)  # let the failing rank's last lines arrive
+            _end(procs)  # at once: a survivor must not report the dead rank's absence as its own
+            time.sleep(0.3)  # let the failing rank's last lines arrive
             rank, code = failed[0]
             why = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
             last = next((ln for ln in reversed(tails[rank]) if ln.strip()), "")
@@ -268,17 +288,14 @@ def _wait(procs, tails, timeout_s: float) -> None:
 
 
 def _end(procs) -> None:
-    """SIGTERM every worker still running, SIGKILL after 5 s."""
+    """SIGKILL every worker still running (a joined JAX process takes SIGTERM as a preemption
+    notice and carries on; records are appended whole, so killing loses no finished row)."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 5
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.killpg(p.pid, signal.SIGKILL)
     for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        p.wait()
 
 
 def request_cpu_devices(n: int, log) -> None:
