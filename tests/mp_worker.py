@@ -1,8 +1,9 @@
 """A worker program for tests/test_processes.py, started by `patchpar.lab.launch.launch`:
 joins the others, then does what its first argument says.
 
-  denoise OUT.npz   the micro SD UNet's final latent under each strategy in STRATEGIES on a
-                    mesh over every process's device; process 0 saves them
+  denoise OUT.npz CFG NAME...   the micro SD UNet's final latent under each strategy NAME
+                    (of STRATEGIES) on a (cfg, patch) mesh over every process's device;
+                    process 0 saves them
   die RANK          process RANK exits at once with code 7; the others wait in a collective
   hang              every process sleeps (for the launcher's timeout)
 """
@@ -24,7 +25,7 @@ STRATEGIES = {
 STEPS = 4
 
 
-def final_latents(devices: int) -> dict:
+def final_latents(devices: int, cfg: int, names) -> dict:
     """{strategy: final latent} of STEPS DDIM steps under each strategy on `devices` devices."""
     import numpy as np
     from parallel_helpers import GUIDANCE, inputs, micro_unet
@@ -39,8 +40,8 @@ def final_latents(devices: int) -> dict:
     smp = get_sampler("ddim")
     sched = smp.schedule(SchedulerConfig(), STEPS)
     out = {}
-    for name, options in STRATEGIES.items():
-        plan = Plan(make_strategy(name, **options), devices, 1)
+    for name in names:
+        plan = Plan(make_strategy(name, **STRATEGIES[name]), devices, cfg)
         latent, _ = denoise(
             unet, plan, smp, params, cond, sched, x * sched.init_noise_sigma, GUIDANCE
         )
@@ -59,7 +60,7 @@ def main() -> None:
     launch.join(cluster)
     what = args[0]
     if what == "denoise":
-        latents = final_latents(jax.device_count())
+        latents = final_latents(jax.device_count(), int(args[2]), args[3:])
         if jax.process_index() == 0:
             import numpy as np
 

@@ -85,7 +85,12 @@ def plot_step_time(records, ax) -> bool:
         np.arange(len(labels)) + 0.4 - width / 2, labels, rotation=30, ha="right", fontsize=7
     )
     title = "Time per step"
-    if any(get(r, "provenance.platform") == "cpu" and get(r, "mesh.devices") > 1 for r in rs):
+    if any(
+        get(r, "provenance.platform") == "cpu"
+        and get(r, "mesh.devices") > 1
+        and not get(r, "config.mesh.processes")
+        for r in rs
+    ):
         title += "\n(fake CPU devices share the cores: not a speedup)"
     ax.set(ylabel="ms / step (median)", title=title)
     ax.legend(fontsize=7)
@@ -104,11 +109,37 @@ def plot_psnr_vs_portion(records, ax) -> bool:
     return True
 
 
+def plot_speedup(records, ax) -> bool:
+    """Measured speedup against `single` (whole run, and the steady phase alone), per strategy
+    and model, with the ideal (N devices) as a line; runs in launched processes only."""
+    rs = [
+        r for r in _ok(records, "speedup_vs_single", "mesh.devices") if get(r, "mesh.devices") > 1
+    ]
+    if not rs:
+        return False
+    keys = sorted({(get(r, "model.name"), get(r, "mesh.devices"), r["label"]) for r in rs})
+    latest = {(get(r, "model.name"), get(r, "mesh.devices"), r["label"]): r for r in rs}
+    xs = np.arange(len(keys))
+    whole = [get(latest[k], "speedup_vs_single") for k in keys]
+    steady = [get(latest[k], "steady_speedup_vs_single") or np.nan for k in keys]
+    ax.bar(xs - 0.2, whole, 0.4, label="whole run")
+    ax.bar(xs + 0.2, steady, 0.4, label="steady phase")
+    for i, k in enumerate(keys):  # the ideal: N devices do the work N times as fast
+        ax.hlines(k[1], i - 0.45, i + 0.45, colors="k", linestyles="--", lw=1)
+    ax.set_xticks(xs, [f"{m}: {lab} ({n})" for m, n, lab in keys], rotation=30, ha="right",
+                  fontsize=7)  # fmt: skip
+    ax.set(ylabel="speedup vs single on one core", title="Measured speedup (dashed: ideal)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    return True
+
+
 PLOTS = {
     "bytes_vs_devices": plot_bytes_vs_devices,
     "psnr_vs_devices": plot_psnr_vs_devices,
     "step_time_vs_strategy": plot_step_time,
     "psnr_vs_portion": plot_psnr_vs_portion,
+    "speedup_vs_strategy": plot_speedup,
 }
 
 

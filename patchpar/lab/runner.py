@@ -142,9 +142,17 @@ def _outputs_abstract(compiled):
 def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     """Generate, time, count and compare; every process of a multi-process run takes part in
     the generation, the `writer` (process 0) alone counts bytes, scores and saves images."""
+    import jax
+
     from patchpar.parallel.mesh import to_local
 
     s, m = config.sampler, config.measure
+    if jax.process_count() > 1 and config.mesh.devices != jax.device_count():
+        raise ValueError(
+            f"mesh.devices={config.mesh.devices}: the {jax.process_count()} joined processes have "
+            f"{jax.device_count()} devices in all, and a mesh across processes must use every one "
+            f"(devices = processes x local devices)"
+        )
     t0 = time.perf_counter()
     pipe = get_pipeline(config.model.name, s.dtype)
     metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
