@@ -115,7 +115,11 @@ def fit_rows(rows: list[dict]) -> dict:
             continue
         b, s = np.array(pts, float).T
         slope, latency = np.polyfit(b, s, 1)
-        out[kind] = {"latency_s": float(max(latency, 0.0)), "bytes_per_s": float(1 / slope)}
+        # a size-independent time (slope <= 0: too few or too small sizes) has no bandwidth term
+        out[kind] = {
+            "latency_s": float(max(latency, 0.0)),
+            "bytes_per_s": float(1 / slope) if slope > 0 else None,
+        }
     return out
 
 

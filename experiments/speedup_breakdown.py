@@ -95,7 +95,8 @@ def main(folder: Path) -> None:
                     continue
                 flops, counts, nbytes = step_cost(pipe, plan, phase, c, batch)
                 comm = sum(
-                    counts[op] * fit[op]["latency_s"] + nbytes[op] / fit[op]["bytes_per_s"]
+                    counts[op] * fit[op]["latency_s"]
+                    + (nbytes[op] / fit[op]["bytes_per_s"] if fit[op]["bytes_per_s"] else 0.0)
                     for op in counts
                 )
                 compute = flops / rate
@@ -141,7 +142,8 @@ def markdown(rows: list[dict], fit: dict) -> str:
         "`collectives_fit.json`.\n\n"
         "Gloo fit (seconds = latency + bytes / bandwidth): "
         + "; ".join(
-            f"{op} {f['latency_s'] * 1e3:.2f} ms + {f['bytes_per_s'] / 1e9:.2f} GB/s"
+            f"{op} {f['latency_s'] * 1e3:.2f} ms"
+            + (f" + bytes at {f['bytes_per_s'] / 1e9:.2f} GB/s" if f["bytes_per_s"] else "")
             for op, f in fit.items()
         )
         + "\n\n"
