@@ -33,6 +33,8 @@ if [ -n "${MINI:-}" ]; then  # a few seconds' version of the same path, for the 
   EXTRA=(--sizes 64 4096 --chain 4 --repeats 2 --processes 2)
 fi
 RES=$(mktemp -d)
+# copy the records out as they come, so a run stopped at its time limit keeps its finished points
+(while sleep 15; do cp "$RES"/speedup_cpu_cores/runs.jsonl "$OUT/runs.jsonl" 2>/dev/null; done) &
 $PY -m patchpar.lab.cli sweep "$SWEEP" --results "$RES" 2>&1 | grep -v Gloo | tee "$OUT/sweep.log" || true
 cp "$RES"/speedup_cpu_cores/runs.jsonl "$OUT/runs.jsonl" || true
 $PY experiments/bench_collectives.py --processes 8 --out "$RES/bench" "${EXTRA[@]}" 2>&1 \
