@@ -56,7 +56,7 @@ def step_cost(pipe, plan, phase: str, config: dict, batch: int) -> tuple[float, 
     counts, nbytes = Counter(), Counter()
     for c in parse_collectives(compiled.as_text(), plan.devices):
         counts[c.op] += 1
-        nbytes[c.op] += c.operand_bytes
+        nbytes[c.op] += c.operand_bytes()
     return flops, counts, nbytes
 
 

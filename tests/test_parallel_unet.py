@@ -174,3 +174,46 @@ def test_each_phase_is_one_compiled_loop(strategy, options, loops):
     for text in texts:
         assert text.count("stablehlo.while") == loops
     assert texts[0].count("stablehlo.convolution") == texts[1].count("stablehlo.convolution")
+
+
+def test_phases_chained_equal_the_whole_denoising():
+    """`denoise_phase` programs run one after the other (as the runner times them) give
+    `denoise`'s latent and state exactly: a dpmpp_2m history crosses the phase boundary."""
+    from patchpar.parallel.engine import denoise_phase, phase_steps
+
+    unet, params = micro_unet("sd")
+    x, _, cond = inputs("sd")
+    smp = get_sampler("dpmpp_2m")
+    sched = smp.schedule(SchedulerConfig(), 4)
+    plan = Plan(make_strategy("distrifusion", warmup_steps=0), 2, 1)
+    whole, state = denoise(unet, plan, smp, params, cond, sched, x, GUIDANCE)
+    assert list(phase_steps(plan, 4)) == ["sync", "steady"]
+    y, loop = x, None
+    for phase in phase_steps(plan, 4):
+        y, loop = denoise_phase(unet, plan, smp, phase, params, cond, sched, y, loop, GUIDANCE)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(whole))
+    for a, b in zip(jax.tree.leaves(loop[1]), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("strategy, phase, cfg", [("sync_patch", "sync", 2), ("pcpp", "steady", 1)])
+def test_compute_only_plan_has_no_collectives_and_the_same_shapes(strategy, phase, cfg):
+    """`Plan(comm=False)`: every collective is a local stand-in (no collective in the HLO), and
+    the step's outputs and stale state keep their shapes."""
+    from patchpar.measure.comm import parse_collectives
+
+    unet, params = micro_unet("sd")
+    x, t, cond = inputs("sd")
+    real, alone = (Plan(make_strategy(strategy), 4, cfg, comm=c) for c in (True, False))
+    warm = make_step(unet, real, "sync", "row", GUIDANCE, real.mesh())
+    _, state = jax.eval_shape(warm, params, x, t, cond, None)
+    state = state if phase == "steady" else None
+    shapes, texts = [], []
+    for plan in (real, alone):
+        step = make_step(unet, plan, phase, "row", GUIDANCE, plan.mesh())
+        shapes.append(jax.eval_shape(step, params, x, t, cond, state))
+        texts.append(jax.jit(step).lower(params, x, t, cond, state).as_text(dialect="hlo"))
+    assert parse_collectives(texts[0], 4) and not parse_collectives(texts[1], 4)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), shapes[0]) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), shapes[1]
+    )

@@ -242,6 +242,14 @@ def test_record_schema(swept):
         (2 * m["warmup_bytes_per_device"] + m["steady_bytes_per_device"]) / 3
     )
     assert by["pcpp warmup_steps=1 portion=1.0"]["strategy"]["send"] == "full"  # default filled in
+    # the phases timed apart: 2 warm-up steps, 1 stale step, adding up to the whole
+    assert (m["sync_steps"], m["steady_steps"]) == (2, 1)
+    assert m["denoise_s_median"] == pytest.approx(
+        2 * m["sync_step_s_median"] + m["steady_step_s_median"]
+    )
+    # fake devices in one process: no speedup, and the record says why
+    assert m["speedup_vs_single"] is None and "fake CPU devices" in m["speedup_note"]
+    assert m["layout"]["processes"] == 1 and not m["layout"]["launched"]
     # single is its own baseline; naive_patch moves no bytes and differs from it
     single, naive = by["single"]["metrics"], by["naive_patch"]["metrics"]
     assert single["identical"] and single["psnr"] is None and single["ssim"] == pytest.approx(1.0)
@@ -322,7 +330,7 @@ def test_plot_skips_what_the_records_lack(tmp_path, capsys):
     )
     assert main(["plot", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("skipped") == 5
+    assert out.count("skipped") == 6
     assert main(["table", str(tmp_path / "nothing")]) == 2
     assert "no records at" in capsys.readouterr().err
 

@@ -26,8 +26,8 @@ EXTRA=()
 if [ -n "${MINI:-}" ]; then  # a few seconds' version of the same path, for the tests here
   SWEEP=$(mktemp --suffix=.yaml)
   sed -e 's/height: 512/height: 64/; s/width: 512/width: 64/; s/steps: 8/steps: 2/' \
-      -e 's/repeats: 2/repeats: 1/; s/mesh.devices: \[4, 8\]/mesh.devices: [2]/' \
-      -e 's/mesh.processes: \[4, 8\]/mesh.processes: [2]/; s/{name: distrifusion}/{name: distrifusion, warmup_steps: 0}/' \
+      -e 's/repeats: 2/repeats: 1/; s/mesh: \[{devices: 4, processes: 4}, {devices: 8, processes: 8}\]/mesh: [{devices: 2, processes: 2}]/' \
+      -e 's/{name: distrifusion}/{name: distrifusion, warmup_steps: 0}/' \
       -e "s#base: ../configs/tiny.yaml#base: $PWD/experiments/configs/tiny.yaml#" \
       experiments/sweeps/speedup_cpu_cores.yaml > "$SWEEP"
   EXTRA=(--sizes 64 4096 --chain 4 --repeats 2 --processes 2)

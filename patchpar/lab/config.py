@@ -19,13 +19,13 @@ DTYPES = ("float32", "bfloat16")
 STRATEGY_OPTIONS = ("warmup_steps", "gn", "no_sync", "portion", "send", "split")
 
 
-def build_plan(name: str, options: dict, devices: int, cfg: int):
+def build_plan(name: str, options: dict, devices: int, cfg: int, comm: bool = True):
     """The strategy `name` with the options given (None = the strategy's default), on devices."""
     from patchpar.parallel.engine import Plan
     from patchpar.parallel.strategies import make_strategy
 
     options = {k: v for k, v in options.items() if v is not None}
-    return Plan(make_strategy(name, **options), devices, cfg)
+    return Plan(make_strategy(name, **options), devices, cfg, comm)
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,10 @@ class MeasureConfig:
     """LPIPS backbone: alex, vgg or squeeze (its torchvision weights must be on disk)."""
     save_images: bool = True
     """Write the images next to the record (git-ignored)."""
+    compute_only: bool = False
+    """Replace every collective by a local stand-in of the same shape: the images are wrong
+    (quality and bytes are not measured), the time is each device's compute alone
+    (DistriFusion Table 2's "no communication (ideal)" row; experiments/speedup_breakdown.py)."""
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,11 @@ class RunConfig:
 
     def plan(self):
         return build_plan(
-            self.strategy.name, self.strategy.options(), self.mesh.devices, self.mesh.cfg
+            self.strategy.name,
+            self.strategy.options(),
+            self.mesh.devices,
+            self.mesh.cfg,
+            comm=not self.measure.compute_only,
         )
 
     def validate(self) -> RunConfig:

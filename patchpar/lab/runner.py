@@ -181,6 +181,8 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
         return metrics, []
     images, latents = np.concatenate(images), np.concatenate(latents)
 
+    if m.compute_only:  # stand-in collectives: no bytes to count, images not the model's
+        return metrics, []
     if m.comm:
         log("  counting communication and FLOPs")
         metrics.update(comm_metrics(pipe, plan, config, hw, metrics["batch"]))

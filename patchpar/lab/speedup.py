@@ -33,6 +33,7 @@ def _reference(records: list[dict], config: dict, strategy: str, mesh: dict) -> 
         m = {"processes": 0, **c.get("mesh", {})}
         if (
             r.get("status") == "ok"
+            and not c.get("measure", {}).get("compute_only")
             and c["strategy"]["name"] == strategy
             and m == mesh
             and same_work(c) == same_work(config)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models import UNetFn
 from patchpar.parallel.mesh import CFG, PATCH, make_mesh
-from patchpar.parallel.sites import STALE
+from patchpar.parallel.sites import STALE, local_stand_ins
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.guidance import call_on_stack
 from patchpar.sampling.loop import guided, run_steps
@@ -34,6 +34,10 @@ class Plan:
     strategy: Strategy
     devices: int = 1
     cfg: int = 1
+    comm: bool = True
+    """False: every collective is a local stand-in of the same shape (`sites.local_stand_ins`):
+    wrong images, but the time is each device's compute alone (DistriFusion Table 2's
+    "no communication (ideal)" row). Static, so such programs never share a jit cache entry."""
 
     @property
     def patch(self) -> int:
@@ -91,8 +95,11 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         if reads_state:
             variables[STALE] = jax.tree.map(lambda a: a[0, 0], state)  # drop the (cfg, patch) axes
         apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=[STALE])  # noqa: E731
-        out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
-        if cfg == 2:
+        with local_stand_ins(not plan.comm):
+            out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+        if cfg == 2 and not plan.comm:
+            out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below
+        elif cfg == 2:
             with jax.named_scope("pp_cfg"):
                 out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
         new_state = jax.tree.map(lambda a: a[None, None], mutated.get(STALE, {}))

@@ -54,6 +54,25 @@ def record_sites():
         _LOG.reset(token)
 
 
+_LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("patchpar_local", default=False)
+
+
+@contextlib.contextmanager
+def local_stand_ins(active: bool = True):
+    """Inside the block (at trace time) every collective of the sites is replaced by a local
+    stand-in of the same shape: no communication, wrong values, each device's own compute
+    only. For timing DistriFusion Table 2's "no communication (ideal)" row (`Plan.comm`)."""
+    token = _LOCAL.set(active)
+    try:
+        yield
+    finally:
+        _LOCAL.reset(token)
+
+
+def stand_ins_active() -> bool:
+    return _LOCAL.get()
+
+
 def _note(ops, kind: str, **info) -> None:
     log = _LOG.get()
     if log is not None:
@@ -67,23 +86,31 @@ def band_tokens(tokens: int, portion: float) -> int:
 
 
 def _pmean(x: jax.Array) -> jax.Array:
+    if _LOCAL.get():
+        return x
     with jax.named_scope("pp_gn"):
         return lax.pmean(x, PATCH)
 
 
 def _gather(kv: jax.Array) -> jax.Array:
     """(2, B, L, D) on each device -> (2, B, n*L, D), patches in order."""
+    if _LOCAL.get():
+        return jnp.concatenate([kv] * lax.axis_size(PATCH), axis=2)
     with jax.named_scope("pp_kv"):
         return lax.all_gather(kv, PATCH, axis=2, tiled=True)
 
 
 def _down(x: jax.Array, n: int) -> jax.Array:
     """Device i receives device i-1's x; device 0 receives zeros."""
+    if _LOCAL.get():
+        return x
     return lax.ppermute(x, PATCH, [(i, i + 1) for i in range(n - 1)])
 
 
 def _up(x: jax.Array, n: int) -> jax.Array:
     """Device i receives device i+1's x; the last device receives zeros."""
+    if _LOCAL.get():
+        return x
     return lax.ppermute(x, PATCH, [(i + 1, i) for i in range(n - 1)])
 
 
