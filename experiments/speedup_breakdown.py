@@ -1,18 +1,19 @@
 """Where the time of a multi-process run goes: each phase's measured step time split into
 compute, communication and everything else, beside the ideal (single / N).
 
-    .venv/bin/python experiments/speedup_breakdown.py [results/speedup_cpu]
+    .venv/bin/python experiments/speedup_breakdown.py [results/speedup_cpu [results/speedup_cpu_compute]]
 
-Reads the sweep's records (runs.jsonl) and the collective benchmark's fit
-(collectives_fit.json, from experiments/bench_collectives.py), then for every run in launched
-processes and each of its phases:
-- compute = FLOPs per device of one step (the compiled step's cost analysis) / the FLOP rate
-  of `single` on one core (its FLOPs / its measured step time): the time the device's own
-  arithmetic takes at the rate one core reaches on the whole image;
+Reads the sweep's records (runs.jsonl), the same points run with every collective replaced by
+a local stand-in (`measure.compute_only`, experiments/sweeps/speedup_cpu_compute.yaml) and the
+collective benchmark's fit (collectives_fit.json, experiments/bench_collectives.py), then for
+every run in launched processes and each of its phases:
+- compute = that phase's step time measured with stand-in collectives: each device's own work
+  alone, in the same processes on the same cores (DistriFusion Table 2's "no communication");
+  also, for comparison, FLOPs per device (cost analysis) / the FLOP rate of `single`;
 - communication = sum over the collectives of the compiled step (as XLA runs them, after its
   combiners) of latency + operand bytes / bandwidth of that kind, from the gloo benchmark;
-- other = measured - compute - communication (dispatch, the smaller slabs' lower efficiency,
-  waiting on the slower device).
+- other = measured - compute - communication (what the benchmark's collectives in a loop do
+  not show: waiting on the other process, copies around each collective).
 Writes breakdown.md and breakdown.json next to the records.
 """
 
@@ -60,13 +61,21 @@ def step_cost(pipe, plan, phase: str, config: dict, batch: int) -> tuple[float, 
     return flops, counts, nbytes
 
 
-def main(folder: Path) -> None:
+def main(folder: Path, alone_folder: Path) -> None:
     from patchpar.lab.config import build_plan
     from patchpar.lab.generation import get_pipeline
     from patchpar.lab.results import read_records
 
     fit = json.loads((folder / "collectives_fit.json").read_text())["fit"]
     records = [r for r in read_records(folder / "runs.jsonl", skip_bad=True) if r["status"] == "ok"]
+    alone = {}  # (model, label, phase) -> step seconds with stand-in collectives
+    if (alone_folder / "runs.jsonl").is_file():
+        for r in read_records(alone_folder / "runs.jsonl", skip_bad=True):
+            if r["status"] == "ok" and r["config"]["measure"].get("compute_only"):
+                for phase in ("sync", "steady"):
+                    t = r["metrics"].get(f"{phase}_step_s_median")
+                    if t:
+                        alone[(r["config"]["model"]["name"], r["label"], phase)] = t
     rows = []
     for model in sorted({r["config"]["model"]["name"] for r in records}):
         mine = [r for r in records if r["config"]["model"]["name"] == model]
@@ -99,12 +108,14 @@ def main(folder: Path) -> None:
                     + (nbytes[op] / fit[op]["bytes_per_s"] if fit[op]["bytes_per_s"] else 0.0)
                     for op in counts
                 )
-                compute = flops / rate
+                flops_s = flops / rate
+                compute = alone.get((model, label, phase))
                 rows.append({
                     "model": model, "label": label, "devices": n, "phase": phase,
                     "steps": m[f"{phase}_steps"], "measured_s": measured,
-                    "ideal_s": t_single / n, "compute_s": compute, "comm_s": comm,
-                    "other_s": measured - compute - comm,
+                    "ideal_s": t_single / n, "compute_s": compute, "compute_flops_s": flops_s,
+                    "comm_s": comm,
+                    "other_s": None if compute is None else measured - compute - comm,
                     "collectives": dict(counts), "collective_bytes": dict(nbytes),
                     "flops_per_device": flops, "single_step_s": t_single,
                     "speedup_vs_single": m.get("speedup_vs_single"),
@@ -124,22 +135,28 @@ def _options(strategy: dict) -> dict:
     return {k: strategy[k] for k in STRATEGY_OPTIONS if strategy.get(k) is not None}
 
 
+def _ms(v) -> str:
+    return "—" if v is None else f"{v * 1e3:.1f}"
+
+
 def _line(r: dict) -> str:
     return (
-        f"{r['model']:6s} {r['label']:28s} {r['phase']:6s} measured {r['measured_s'] * 1e3:8.1f} ms"
-        f" = compute {r['compute_s'] * 1e3:8.1f} + comm {r['comm_s'] * 1e3:7.1f}"
-        f" ({sum(r['collectives'].values())} collectives) + other {r['other_s'] * 1e3:7.1f};"
-        f" ideal {r['ideal_s'] * 1e3:8.1f}"
+        f"{r['model']:6s} {r['label']:28s} {r['phase']:6s} measured {_ms(r['measured_s'])} ms"
+        f" = compute {_ms(r['compute_s'])} + comm {_ms(r['comm_s'])}"
+        f" ({sum(r['collectives'].values())} collectives) + other {_ms(r['other_s'])};"
+        f" ideal {_ms(r['ideal_s'])}; FLOPs-based compute {_ms(r['compute_flops_s'])}"
     )
 
 
 def markdown(rows: list[dict], fit: dict) -> str:
     head = (
-        "Per-step time of each phase, measured in launched processes (one core each), split "
-        "into compute (FLOPs per device / single's FLOP rate on one core), communication (each "
-        "compiled collective priced by the gloo benchmark's fit) and other (the rest). Ideal = "
-        "single's step / N. Written by `experiments/speedup_breakdown.py` from `runs.jsonl` and "
-        "`collectives_fit.json`.\n\n"
+        "Per-step time of each phase, measured in 2 launched processes (one core each), split "
+        "into compute (the same phase timed with every collective replaced by a local stand-in, "
+        "`measure.compute_only`), communication (each compiled collective priced by the gloo "
+        "benchmark's fit) and other (the rest). Ideal = single's step / N. FLOPs-based = FLOPs "
+        "per device / single's FLOP rate on one core, for comparison. Written by "
+        "`experiments/speedup_breakdown.py` from `runs.jsonl`, `../speedup_cpu_compute/runs.jsonl` "
+        "and `collectives_fit.json`.\n\n"
         "Gloo fit (seconds = latency + bytes / bandwidth): "
         + "; ".join(
             f"{op} {f['latency_s'] * 1e3:.2f} ms"
@@ -147,13 +164,14 @@ def markdown(rows: list[dict], fit: dict) -> str:
             for op, f in fit.items()
         )
         + "\n\n"
-        "| model | strategy | phase | steps | measured ms | ideal ms | compute ms | collectives "
-        "| comm ms | other ms | measured / ideal |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| model | strategy | phase | measured ms | ideal ms | compute ms | collectives | comm ms "
+        "| other ms | FLOPs-based compute ms | measured / ideal |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
-        f"| {r['model']} | {r['label']} | {r['phase']} | {r['steps']} | {r['measured_s'] * 1e3:.1f} "
-        f"| {r['ideal_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
-        f"{sum(r['collectives'].values())} | {r['comm_s'] * 1e3:.1f} | {r['other_s'] * 1e3:.1f} "
+        f"| {r['model']} | {r['label']} | {r['phase']} | {_ms(r['measured_s'])} "
+        f"| {_ms(r['ideal_s'])} | {_ms(r['compute_s'])} | {sum(r['collectives'].values())} "
+        f"| {_ms(r['comm_s'])} | {_ms(r['other_s'])} | {_ms(r['compute_flops_s'])} "
         f"| {r['measured_s'] / r['ideal_s']:.2f} |\n"
         for r in rows
     )
@@ -161,4 +179,8 @@ def markdown(rows: list[dict], fit: dict) -> str:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/speedup_cpu"))
+    args = sys.argv[1:]
+    main(
+        Path(args[0] if args else "results/speedup_cpu"),
+        Path(args[1] if len(args) > 1 else "results/speedup_cpu_compute"),
+    )
