@@ -17,6 +17,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+WORKER_PROGRAM = (str(Path(__file__).resolve()),)  # `launch(..., program=WORKER_PROGRAM)`
+
+
+def can_bind_localhost() -> bool:
+    """The process tests need a localhost port (they are skipped where none can be bound)."""
+    from patchpar.lab.launch import free_port
+
+    try:
+        free_port()
+        return True
+    except OSError:
+        return False
+
+
+def quiet(msg: str) -> None:
+    """The launcher's log, on stderr (pytest shows it for a failing test)."""
+    print(msg, file=sys.stderr)
+
+
 STRATEGIES = {
     "sync_patch": {},
     "distrifusion": {"warmup_steps": 1},

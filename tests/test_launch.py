@@ -14,40 +14,25 @@ import time
 from pathlib import Path
 
 import pytest
+from mp_worker import WORKER_PROGRAM, can_bind_localhost, quiet
 
 from patchpar.lab import launch
 from patchpar.lab.launch import WorkerFailed
 
-HERE = Path(__file__).resolve().parent
-WORKER = (str(HERE / "mp_worker.py"),)
-
-
-def _can_bind() -> bool:
-    try:
-        launch.free_port()
-        return True
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _can_bind(), reason="localhost cannot be bound")
-
-
-def _quiet(msg: str) -> None:
-    print(msg, file=sys.stderr)
+pytestmark = pytest.mark.skipif(not can_bind_localhost(), reason="localhost cannot be bound")
 
 
 def test_a_dead_worker_ends_the_launch_naming_its_rank():
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed, match=r"worker rank 1 of 2 exited with code 7"):
-        launch.launch(["die", "1"], 2, timeout_s=120, log=_quiet, program=WORKER)
+        launch.launch(["die", "1"], 2, timeout_s=120, log=quiet, program=WORKER_PROGRAM)
     assert time.monotonic() - t0 < 120
 
 
 def test_a_hung_launch_is_ended_at_its_timeout():
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed, match=r"timeout: worker rank\(s\) \[0, 1\] of 2"):
-        launch.launch(["hang"], 2, timeout_s=8, log=_quiet, program=WORKER)
+        launch.launch(["hang"], 2, timeout_s=8, log=quiet, program=WORKER_PROGRAM)
     assert time.monotonic() - t0 < 60
 
 

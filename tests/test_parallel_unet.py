@@ -196,7 +196,10 @@ def test_phases_chained_equal_the_whole_denoising():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("strategy, phase, cfg", [("sync_patch", "sync", 2), ("pcpp", "steady", 1)])
+@pytest.mark.parametrize(
+    "strategy, phase, cfg",
+    [pytest.param("sync_patch", "sync", 2, marks=pytest.mark.slow), ("pcpp", "steady", 1)],
+)
 def test_compute_only_plan_has_no_collectives_and_the_same_shapes(strategy, phase, cfg):
     """`Plan(comm=False)`: every collective is a local stand-in (no collective in the HLO), and
     the step's outputs and stale state keep their shapes."""

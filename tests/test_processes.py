@@ -7,30 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from mp_worker import WORKER_PROGRAM, can_bind_localhost, quiet
 
 from patchpar.lab import launch
 
-HERE = Path(__file__).resolve().parent
-WORKER = (str(HERE / "mp_worker.py"),)
-
-
-def _can_bind() -> bool:
-    try:
-        launch.free_port()
-        return True
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _can_bind(), reason="localhost cannot be bound")
-
-
-def _quiet(msg: str) -> None:
-    print(msg, file=sys.stderr)
+pytestmark = pytest.mark.skipif(not can_bind_localhost(), reason="localhost cannot be bound")
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -64,9 +48,10 @@ def _check(processes: int, cfg: int, names: list[str], tmp_path) -> None:
     process (<= 1e-5)."""
     from mp_worker import final_latents
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "latents.npz"
     args = ["denoise", str(out), str(cfg), *names]
-    launch.launch(args, processes, timeout_s=400, log=_quiet, program=WORKER)
+    launch.launch(args, processes, timeout_s=400, log=quiet, program=WORKER_PROGRAM)
     got = dict(np.load(out))
     assert _rel(got["sync_patch"], _single_latent()) <= 1e-4
     stale = [n for n in names if n != "sync_patch"]
@@ -87,6 +72,7 @@ def test_two_processes_pcpp_and_four_processes_with_cfg_split(tmp_path):
     _check(4, 2, ["sync_patch", "distrifusion"], tmp_path / "cfg2")
 
 
+@pytest.mark.slow
 def test_a_run_in_two_processes_writes_one_record_with_layout_and_phases(micro_folder, tmp_path):
     cmd = [sys.executable, "-m", "patchpar.lab.cli", "run", "--model.name", str(micro_folder),
            "--strategy.name", "distrifusion", "--strategy.warmup_steps", "1",
