@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 STRATEGY_OPTIONS = ("warmup_steps", "gn", "no_sync", "portion", "send", "split")
 
 
@@ -74,6 +74,18 @@ class PlanFlags(StrategyOptions):
 class ModelConfig:
     name: str = "tiny"
     """A preset with weights (tiny, tiny-xl) or a local diffusers-format folder."""
+    attention: str = "auto"
+    """Attention kernel: auto (chunked on CPU, cudnn on GPU for bf16, splash on TPU), xla
+    (whole logits: the reference), chunked (blockwise, online softmax), cudnn or splash."""
+    block_q: int = 256
+    """Chunked/splash attention: queries per block (MaxDiffusion's flash block_q)."""
+    block_kv: int = 512
+    """Chunked/splash attention: keys/values per block (MaxDiffusion's flash block_kv)."""
+
+    def attention_spec(self):
+        from patchpar.models.attention import AttentionSpec
+
+        return AttentionSpec(self.attention, self.block_q, self.block_kv)
 
 
 @dataclass(frozen=True)
@@ -112,8 +124,9 @@ class SamplerConfig:
     """Image height in pixels (default: the UNet's sample size x the VAE factor)."""
     width: int | None = None
     """Image width in pixels (default: as height)."""
-    dtype: str = "float32"
-    """float32 or bfloat16."""
+    dtype: str = "auto"
+    """auto, float32 or bfloat16. auto: bfloat16 for the full-size models (sd15, sd21, sdxl and
+    folders whose UNet starts at >= 320 channels), float32 for the small ones."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,7 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Everything checkable without a model; ValueError naming the field and what fits."""
+        from patchpar.models.attention import IMPLEMENTATIONS
         from patchpar.parallel.strategies import STRATEGIES
         from patchpar.sampling.schedulers import SAMPLERS
 
@@ -220,6 +234,12 @@ class RunConfig:
             (s.name in SAMPLERS, "sampler.name", s.name, f"one of {list(SAMPLERS)}"),
             (s.steps >= 1, "sampler.steps", s.steps, "an integer >= 1"),
             (s.dtype in DTYPES, "sampler.dtype", s.dtype, f"one of {list(DTYPES)}"),
+            (self.model.attention in IMPLEMENTATIONS, "model.attention", self.model.attention,
+             f"one of {list(IMPLEMENTATIONS)}"),
+            (isinstance(self.model.block_q, int) and self.model.block_q >= 1, "model.block_q",
+             self.model.block_q, "a positive integer (e.g. 256)"),
+            (isinstance(self.model.block_kv, int) and self.model.block_kv >= 1, "model.block_kv",
+             self.model.block_kv, "a positive integer (e.g. 512)"),
             (s.height is None or s.height > 0, "sampler.height", s.height, "a positive integer"),
             (s.width is None or s.width > 0, "sampler.width", s.width, "a positive integer"),
             (len(self.prompts.prompts) > 0, "prompts.prompts", self.prompts.prompts,

@@ -22,6 +22,15 @@ class CommConfig(PlanFlags):
     """Images per call; with cfg=1 the UNet batch is 2 x batch (the CFG pair)."""
     dtype: str = "bfloat16"
     """float32 or bfloat16."""
+    attention: str = "auto"
+    """Attention kernel the program is compiled with: auto, xla, chunked, cudnn or splash
+    (auto: chunked on CPU; memory depends on it, bytes do not)."""
+    block_q: int = 256
+    """Chunked/splash attention: queries per block."""
+    block_kv: int = 512
+    """Chunked/splash attention: keys/values per block."""
+    memory: bool = True
+    """Compile each phase and report memory per device (`--no-memory`: lower only, faster)."""
     json: bool = False
     """Print one JSON record instead of the table."""
 
@@ -42,10 +51,22 @@ def run_comm(config: CommConfig) -> dict:
             f"resolution={config.resolution}: must be a positive multiple of {f} (the VAE factor)"
         )
     plan = config.plan()
-    unet = abstract_unet(config.model, getattr(jnp, config.dtype))
+    from patchpar.models.attention import AttentionSpec, resolve
+
+    dtype = getattr(jnp, config.dtype)
+    spec = resolve(AttentionSpec(config.attention, config.block_q, config.block_kv), dtype)
+    unet = abstract_unet(config.model, dtype, spec)
     latent = config.resolution // f
-    r = measure(unet, plan, (latent, latent), batch=config.batch)
+    r = measure(unet, plan, (latent, latent), batch=config.batch, memory=config.memory)
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
+    memory = {}
+    if config.memory:
+        peak = max(r["phases"].values(), key=lambda e: e["memory"]["total"] or 0)
+        memory = {
+            "memory_per_device_bytes": peak["memory"]["total"],
+            "memory_per_device": {k: e["memory"] for k, e in r["phases"].items()},
+            "memory_backend": jax_backend(),
+        }
     return {
         "model": config.model,
         "resolution": config.resolution,
@@ -70,7 +91,16 @@ def run_comm(config: CommConfig) -> dict:
         "released_warmup_bytes_per_device": wu["released"]["all"]["max"],
         "released_steady_by_site": {k: v for k, v in st["released"].items() if k != "all"},
         "released_warmup_by_site": {k: v for k, v in wu["released"].items() if k != "all"},
+        "attention": spec.impl,
+        "attention_blocks": [spec.block_q, spec.block_kv],
+        **memory,
     }
+
+
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def format_comm(rec: dict) -> str:
@@ -104,6 +134,20 @@ def format_comm(rec: dict) -> str:
         "",
         f"FLOPs per device (steady step): {rec['flops_per_device'] / 1e9:.2f} G",
         f"stale buffers per device: {rec['stale_bytes_per_device'] / 2**20:.2f} MiB",
+    ]
+    if rec.get("memory_per_device_bytes") is not None:
+        parts = rec["memory_per_device"]
+        lines.append(
+            f"memory per device ({rec['attention']} attention, compiled for "
+            f"{rec['memory_backend']}): {rec['memory_per_device_bytes'] / 2**30:.3f} GiB"
+        )
+        for phase, m in parts.items():
+            lines.append(
+                f"  {phase:8s} arguments {m['arguments'] / 2**30:.3f}  outputs "
+                f"{m['outputs'] / 2**30:.3f}  temporaries {m['temporaries'] / 2**30:.3f}  "
+                f"aliased {m['aliased'] / 2**30:.3f} GiB"
+            )
+    lines += [
         f"HLO count equals the analytic model: {'yes' if rec['analytic_matches_hlo'] else 'NO'}",
     ]
     return "\n".join(lines)

@@ -35,8 +35,10 @@ class GenerateConfig(PlanFlags):
     """Image width in pixels (default: as height)."""
     seed: int = 0
     """Seed of the initial latent, in [0, 2^32)."""
-    dtype: str = "float32"
-    """float32 or bfloat16."""
+    dtype: str = "auto"
+    """auto, float32 or bfloat16 (auto: bfloat16 for sd15/sd21/sdxl-size models, else float32)."""
+    attention: str = "auto"
+    """Attention kernel: auto, xla, chunked, cudnn or splash (patchpar/models/attention.py)."""
     out: Path = Path("results/generate")
     """Output folder."""
     processes: int = 0
@@ -46,7 +48,7 @@ class GenerateConfig(PlanFlags):
     """processes >= 1: end every worker after this many seconds."""
 
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def generate(config: GenerateConfig) -> dict:
@@ -54,7 +56,8 @@ def generate(config: GenerateConfig) -> dict:
     import jax.numpy as jnp
     from PIL import Image
 
-    from patchpar.models.presets import default_guidance
+    from patchpar.models.attention import AttentionSpec, resolve
+    from patchpar.models.presets import default_guidance, resolve_dtype
     from patchpar.pipelines import load_pipeline
     from patchpar.pipelines.text2img import check_guidance, check_seed
 
@@ -78,7 +81,11 @@ def generate(config: GenerateConfig) -> dict:
     check_guidance(guidance)
     plan = config.plan()  # unknown strategy or option: error before loading anything
     t0 = time.perf_counter()
-    pipe = load_pipeline(config.model, dtype=getattr(jnp, config.dtype))
+    pipe = load_pipeline(
+        config.model,
+        getattr(jnp, resolve_dtype(config.dtype, config.model)),
+        resolve(AttentionSpec(config.attention)),
+    )
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     negative = [config.negative_prompt] * len(config.prompt) if config.negative_prompt else None

@@ -10,15 +10,19 @@ from patchpar.lab.config import RunConfig
 _PIPELINES: dict = {}
 
 
-def get_pipeline(model: str, dtype: str):
-    """One loaded pipeline per (model, dtype) per process (a sweep loads each model once)."""
+def get_pipeline(model: str, dtype: str, attention=None):
+    """One loaded pipeline per (model, dtype, attention) per process (a sweep loads each model
+    once). dtype `auto`: see `presets.default_dtype`."""
     import jax.numpy as jnp
 
+    from patchpar.models.attention import AUTO
+    from patchpar.models.presets import resolve_dtype
     from patchpar.pipelines import load_pipeline
 
-    key = (model, dtype)
+    dtype = resolve_dtype(dtype, model)
+    key = (model, dtype, attention or AUTO)
     if key not in _PIPELINES:
-        _PIPELINES[key] = load_pipeline(model, dtype=getattr(jnp, dtype))
+        _PIPELINES[key] = load_pipeline(model, getattr(jnp, dtype), attention or AUTO)
     return _PIPELINES[key]
 
 

@@ -53,6 +53,10 @@ def point_key(config: RunConfig | dict) -> str:
     d.pop("results", None)
     d.pop("timeout_s", None)
     d["mesh"] = {"processes": 0, **d.get("mesh", {})}  # records from before processes existed
+    # records from before attention kernels existed ran the whole-logits (xla) kernel in float32
+    d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}
+    d["sampler"] = {**d.get("sampler", {})}
+    d["sampler"].setdefault("dtype", "float32")
     return json.dumps(d, sort_keys=True)
 
 
@@ -92,6 +96,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     Returns (final latent, timing metrics)."""
     import jax
 
+    from patchpar.measure.cost import memory_per_device
     from patchpar.measure.timing import time_phases
     from patchpar.parallel.engine import stale_bytes_per_device
 
@@ -121,6 +126,9 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         "images_per_s": b / t["median"],
         "stale_bytes_per_device": stale_bytes_per_device(state),
     }
+    memory = {phase: memory_per_device(c) for phase, _, c in compiled}
+    out["memory_per_device"] = memory
+    out["memory_per_device_bytes"] = max((v["total"] or 0 for v in memory.values()), default=None)
     for phase in ("sync", "steady"):  # per-step medians of each phase (null: no such step)
         ph = t["phases"].get(phase)
         out[f"{phase}_steps"] = steps.get(phase, 0)
@@ -144,6 +152,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     the generation, the `writer` (process 0) alone counts bytes, scores and saves images."""
     import jax
 
+    from patchpar.models.attention import resolve
     from patchpar.parallel.mesh import to_local
 
     s, m = config.sampler, config.measure
@@ -154,8 +163,10 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
             f"(devices = processes x local devices)"
         )
     t0 = time.perf_counter()
-    pipe = get_pipeline(config.model.name, s.dtype)
+    pipe = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
     metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
+    metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
+    metrics["attention"] = resolve(pipe.unet.module.attn, pipe.unet.module.dtype).impl
     plan = config.plan()
     hw = image_size(pipe, config)
     pipe.check_size(*hw)

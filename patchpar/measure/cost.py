@@ -78,9 +78,11 @@ def measure(
     params=None,
     guidance_scale: float = 5.0,
     flops: bool = True,
+    memory: bool = False,
 ) -> dict:
     """One UNet call per phase under `plan`: HLO-counted and analytic bytes per device, FLOPs per
-    device (pre-optimisation HLO cost analysis), stale-buffer bytes per device."""
+    device (pre-optimisation HLO cost analysis), stale-buffer bytes per device, and with
+    `memory` the compiled program's memory per device (`memory_per_device`; compiles)."""
     plan.validate(unet, latent_hw, 1_000_000, guidance_scale)
     mesh = plan.mesh()
     params = unet.abstract_params() if params is None else params
@@ -114,8 +116,30 @@ def measure(
         if flops:
             cost = lowered.cost_analysis()
             entry["flops_per_device"] = float((cost or {}).get("flops", float("nan")))
+        if memory:
+            t0 = time.perf_counter()
+            entry["memory"] = memory_per_device(lowered.compile())
+            entry["compile_s"] = round(time.perf_counter() - t0, 2)
         record["phases"][name] = entry
     return record
+
+
+def memory_per_device(compiled) -> dict:
+    """Bytes one device holds for a compiled program (XLA's buffer assignment for the backend
+    it was compiled for): arguments (weights, inputs, stale buffers in), outputs, temporaries
+    (activations, attention blocks), minus outputs aliased onto arguments; `total` is their sum,
+    the peak the program needs resident."""
+    ma = compiled.memory_analysis()
+    if ma is None:  # a backend without buffer statistics
+        return {"total": None}
+    parts = {
+        "arguments": int(ma.argument_size_in_bytes),
+        "outputs": int(ma.output_size_in_bytes),
+        "temporaries": int(ma.temp_size_in_bytes),
+        "aliased": int(ma.alias_size_in_bytes),
+    }
+    parts["total"] = parts["arguments"] + parts["outputs"] + parts["temporaries"] - parts["aliased"]
+    return parts
 
 
 def _same(a: CommCount, b: CommCount) -> bool:

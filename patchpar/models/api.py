@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
 from patchpar.models.loading import (
     CheckpointError,
@@ -40,6 +41,9 @@ class UNetFn:
 
     def with_ops(self, ops: SiteOps) -> UNetFn:
         return replace(self, module=self.module.clone(ops=ops))
+
+    def with_attention(self, spec: AttentionSpec) -> UNetFn:
+        return replace(self, module=self.module.clone(attn=spec))
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 77
@@ -89,6 +93,9 @@ class VAEFn:
 
     def with_ops(self, ops: SiteOps) -> VAEFn:
         return replace(self, module=self.module.clone(ops=ops))
+
+    def with_attention(self, spec: AttentionSpec) -> VAEFn:
+        return replace(self, module=self.module.clone(attn=spec))
 
     def abstract_params(self):
         x = jax.ShapeDtypeStruct(
@@ -163,21 +170,31 @@ def _load(fn, path: Path, where: str, state_map=None):
     return state_dict_to_params(state, fn.abstract_params(), where, dtype=fn.module.dtype)
 
 
-def load_unet(path: str | Path, dtype=jnp.float32) -> tuple[UNetFn, dict]:
+def load_unet(
+    path: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
+) -> tuple[UNetFn, dict]:
     """UNet from a diffusers folder (`.../unet` or a pipeline folder holding `unet/`)."""
     path = _component(path, "unet")
     fn = UNetFn(
         UNet2DConditionModel(
-            UNetConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype
+            UNetConfig.from_diffusers(read_config(path), f"{path}/config.json"),
+            dtype,
+            attn=attention,
         )
     )
     return fn, _load(fn, path, str(path))
 
 
-def load_vae(path: str | Path, dtype=jnp.float32) -> tuple[VAEFn, dict]:
+def load_vae(
+    path: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
+) -> tuple[VAEFn, dict]:
     path = _component(path, "vae")
     fn = VAEFn(
-        AutoencoderKL(VAEConfig.from_diffusers(read_config(path), f"{path}/config.json"), dtype)
+        AutoencoderKL(
+            VAEConfig.from_diffusers(read_config(path), f"{path}/config.json"),
+            dtype,
+            attn=attention,
+        )
     )
     return fn, _load(fn, path, str(path))
 

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from patchpar.models.attention import AUTO, AttentionSpec, attend
 from patchpar.models.sites import IDENTITY, SiteOps
 
 
@@ -89,22 +90,6 @@ def dense(features: int, name: str, dtype, use_bias: bool = True) -> nn.Dense:
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
-def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, heads: int, mask: jax.Array | None = None
-) -> jax.Array:
-    """Softmax attention. q: (B, Tq, H*D), k/v: (B, Tk, H*D), mask: (Tk,) bool keys that exist
-    -> (B, Tq, H*D); logits and softmax in float32."""
-    b, tq, inner = q.shape
-    d = inner // heads
-    split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, d)  # noqa: E731
-    logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32)
-    if mask is not None:
-        logits = jnp.where(mask[None, None, None, :], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits / math.sqrt(d), axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, split(v))
-    return out.reshape(b, tq, inner)
-
-
 class Attention(nn.Module):
     """diffusers `Attention`: to_q/to_k/to_v/to_out.0. Self-attention K/V go through the site."""
 
@@ -114,6 +99,7 @@ class Attention(nn.Module):
     qkv_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:  # (B, T, C)
@@ -125,7 +111,7 @@ class Attention(nn.Module):
         mask = None
         if context is None:
             k, v, mask = self.ops.self_attn_kv(self, k, v)  # (B, T_keys, inner)
-        out = attention(q, k, v, self.heads, mask)
+        out = attend(self.attn, q, k, v, self.heads, mask)
         return dense(self.out_dim, "to_out_0", self.dtype)(out)
 
 

@@ -236,7 +236,7 @@ def get_preset(name: str) -> dict[str, dict]:
         raise ValueError(f"unknown preset {name!r}; known: {preset_names()}") from None
 
 
-def abstract_unet(model: str | Path, dtype=jnp.bfloat16):
+def abstract_unet(model: str | Path, dtype=jnp.bfloat16, attention=None):
     """A UNet (no weights) from a preset name or a diffusers folder's unet/config.json: enough to
     lower its programs with abstract parameters."""
     from patchpar.models import api
@@ -252,7 +252,40 @@ def abstract_unet(model: str | Path, dtype=jnp.bfloat16):
         folder = Path(model)
         folder = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
         cfg, where = read_config(folder), str(folder / "config.json")
-    return api.UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(cfg, where), dtype))
+    from patchpar.models.attention import AttentionSpec
+
+    return api.UNetFn(
+        UNet2DConditionModel(
+            UNetConfig.from_diffusers(cfg, where), dtype, attn=attention or AttentionSpec()
+        )
+    )
+
+
+FULL_SIZE = ("sd15", "sd21", "sdxl")
+
+
+def default_dtype(model: str | Path) -> str:
+    """The compute dtype `auto` means: bfloat16 for the full-size presets and for folders whose
+    UNet starts at >= 320 channels (SD 1.x/2.x/XL sizes), float32 for the small models (parity
+    tests, tiny, fmnist)."""
+    from patchpar.models.loading import read_config
+
+    name = str(model)
+    if name in FULL_SIZE:
+        return "bfloat16"
+    if name in PRESETS or name in SHIPPED:
+        return "float32"
+    folder = Path(model)
+    folder = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
+    try:
+        channels = read_config(folder)["block_out_channels"][0]
+    except Exception:  # not readable here: the loader will say why
+        return "float32"
+    return "bfloat16" if channels >= 320 else "float32"
+
+
+def resolve_dtype(dtype: str, model: str | Path) -> str:
+    return default_dtype(model) if dtype == "auto" else dtype
 
 
 def latent_factor(model: str | Path) -> int:

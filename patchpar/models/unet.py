@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
     Attention,
     Conv,
@@ -185,6 +186,7 @@ class BasicTransformerBlock(nn.Module):
     heads: int
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, T, C)
@@ -193,13 +195,19 @@ class BasicTransformerBlock(nn.Module):
 
         dh = self.dim // self.heads
         x = (
-            Attention(self.heads, dh, self.dim, dtype=self.dtype, ops=self.ops, name="attn1")(
-                ln("norm1")(x)
-            )
+            Attention(
+                self.heads,
+                dh,
+                self.dim,
+                dtype=self.dtype,
+                ops=self.ops,
+                attn=self.attn,
+                name="attn1",
+            )(ln("norm1")(x))
             + x
         )
         x = (
-            Attention(self.heads, dh, self.dim, dtype=self.dtype, name="attn2")(
+            Attention(self.heads, dh, self.dim, dtype=self.dtype, attn=self.attn, name="attn2")(
                 ln("norm2")(x), context
             )
             + x
@@ -215,6 +223,7 @@ class Transformer2DModel(nn.Module):
     groups: int = 32
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, h, W, C)
@@ -227,7 +236,7 @@ class Transformer2DModel(nn.Module):
             x = Conv(c, 1, padding=0, dtype=self.dtype, name="proj_in")(x).reshape(b, h * w, c)
         for i in range(self.num_layers):
             x = BasicTransformerBlock(
-                c, self.heads, self.dtype, self.ops, name=f"transformer_blocks_{i}"
+                c, self.heads, self.dtype, self.ops, self.attn, name=f"transformer_blocks_{i}"
             )(x, context)
         if self.use_linear_projection:
             x = dense(c, "proj_out", self.dtype)(x).reshape(b, h, w, c)
@@ -240,7 +249,7 @@ def _resnet(cfg: UNetConfig, channels: int, dtype, ops, name: str) -> ResnetBloc
     return ResnetBlock2D(channels, cfg.norm_num_groups, cfg.norm_eps, True, dtype, ops, name=name)
 
 
-def _transformer(cfg: UNetConfig, level: int, dtype, ops, name: str) -> Transformer2DModel:
+def _transformer(cfg: UNetConfig, level: int, dtype, ops, attn, name: str) -> Transformer2DModel:
     """The transformer of resolution level `level` (heads and depth are per level)."""
     return Transformer2DModel(
         cfg.block_out_channels[level],
@@ -250,6 +259,7 @@ def _transformer(cfg: UNetConfig, level: int, dtype, ops, name: str) -> Transfor
         cfg.norm_num_groups,
         dtype,
         ops,
+        attn,
         name=name,
     )
 
@@ -261,6 +271,7 @@ class DownBlock(nn.Module):
     index: int
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x, emb, ctx) -> tuple[jax.Array, list[jax.Array]]:
@@ -270,7 +281,7 @@ class DownBlock(nn.Module):
         for j in range(cfg.layers_per_block):
             x = _resnet(cfg, c, dt, ops, f"resnets_{j}")(x, emb)
             if cfg.down_block_types[i] == "CrossAttnDownBlock2D":
-                x = _transformer(cfg, i, dt, ops, f"attentions_{j}")(x, ctx)
+                x = _transformer(cfg, i, dt, ops, self.attn, f"attentions_{j}")(x, ctx)
             skips.append(x)
         if i < len(cfg.block_out_channels) - 1:
             x = Downsample2D(c, cfg.downsample_padding, dt, ops, name="downsamplers_0")(x)
@@ -284,13 +295,16 @@ class MidBlock(nn.Module):
     cfg: UNetConfig
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x, emb, ctx) -> jax.Array:
         cfg, dt, ops = self.cfg, self.dtype, self.ops
         c = cfg.block_out_channels[-1]
         x = _resnet(cfg, c, dt, ops, "resnets_0")(x, emb)
-        x = _transformer(cfg, len(cfg.block_out_channels) - 1, dt, ops, "attentions_0")(x, ctx)
+        x = _transformer(cfg, len(cfg.block_out_channels) - 1, dt, ops, self.attn, "attentions_0")(
+            x, ctx
+        )
         return _resnet(cfg, c, dt, ops, "resnets_1")(x, emb)
 
 
@@ -301,6 +315,7 @@ class UpBlock(nn.Module):
     index: int
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x, skips: list[jax.Array], emb, ctx) -> jax.Array:
@@ -312,7 +327,7 @@ class UpBlock(nn.Module):
             x = jnp.concatenate([x, skips.pop()], axis=-1)  # (B, h, W, C + Cskip)
             x = _resnet(cfg, c, dt, ops, f"resnets_{j}")(x, emb)
             if cfg.up_block_types[i] == "CrossAttnUpBlock2D":
-                x = _transformer(cfg, bi, dt, ops, f"attentions_{j}")(x, ctx)
+                x = _transformer(cfg, bi, dt, ops, self.attn, f"attentions_{j}")(x, ctx)
         if i < n - 1:
             x = Upsample2D(c, dt, ops, name="upsamplers_0")(x)
         return x
@@ -324,6 +339,7 @@ class UNet2DConditionModel(nn.Module):
     config: UNetConfig
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(
@@ -359,12 +375,14 @@ class UNet2DConditionModel(nn.Module):
         x = Conv(boc[0], dtype=dt, ops=ops.input_layer(), name="conv_in")(sample.astype(dt))
         skips = [x]
         for i in range(len(boc)):
-            x, s = DownBlock(cfg, i, dt, ops, name=f"down_blocks_{i}")(x, emb, ctx)
+            x, s = DownBlock(cfg, i, dt, ops, self.attn, name=f"down_blocks_{i}")(x, emb, ctx)
             skips += s
-        x = MidBlock(cfg, dt, ops, name="mid_block")(x, emb, ctx)
+        x = MidBlock(cfg, dt, ops, self.attn, name="mid_block")(x, emb, ctx)
         for i in range(len(boc)):
             take = cfg.layers_per_block + 1
-            x = UpBlock(cfg, i, dt, ops, name=f"up_blocks_{i}")(x, skips[-take:], emb, ctx)
+            x = UpBlock(cfg, i, dt, ops, self.attn, name=f"up_blocks_{i}")(
+                x, skips[-take:], emb, ctx
+            )
             skips = skips[:-take]
         x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dt, ops, name="conv_norm_out")(x))
         return Conv(cfg.out_channels, dtype=dt, ops=ops, name="conv_out")(x)

@@ -8,13 +8,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from patchpar.models.attention import AUTO, AttentionSpec, attend
 from patchpar.models.layers import (
     Conv,
     Downsample2D,
     GroupNorm,
     ResnetBlock2D,
     Upsample2D,
-    attention,
     dense,
 )
 from patchpar.models.sites import IDENTITY, SiteOps
@@ -76,6 +76,7 @@ class SpatialSelfAttention(nn.Module):
     groups: int
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, C)
@@ -87,7 +88,7 @@ class SpatialSelfAttention(nn.Module):
         k, v, mask = self.ops.self_attn_kv(
             self, dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y)
         )
-        y = dense(c, "to_out_0", self.dtype)(attention(q, k, v, 1, mask))
+        y = dense(c, "to_out_0", self.dtype)(attend(self.attn, q, k, v, 1, mask))
         return x + y.reshape(b, h, w, c)
 
 
@@ -96,12 +97,15 @@ class VAEMidBlock(nn.Module):
     groups: int
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(groups=self.groups, eps=1e-6, use_temb=False, dtype=self.dtype, ops=self.ops)
         x = ResnetBlock2D(self.channels, name="resnets_0", **kw)(x)
-        x = SpatialSelfAttention(self.groups, self.dtype, self.ops, name="attentions_0")(x)
+        x = SpatialSelfAttention(self.groups, self.dtype, self.ops, self.attn, name="attentions_0")(
+            x
+        )
         return ResnetBlock2D(self.channels, name="resnets_1", **kw)(x)
 
 
@@ -132,6 +136,7 @@ class Encoder(nn.Module):
     config: VAEConfig
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, H, W, 3) -> (B, H/f, W/f, 2*latent)
@@ -143,7 +148,7 @@ class Encoder(nn.Module):
             x = VAEBlock(
                 c, cfg.layers_per_block, cfg.norm_num_groups, down, dt, ops, name=f"down_blocks_{i}"
             )(x)
-        x = VAEMidBlock(boc[-1], cfg.norm_num_groups, dt, ops, name="mid_block")(x)
+        x = VAEMidBlock(boc[-1], cfg.norm_num_groups, dt, ops, self.attn, name="mid_block")(x)
         x = nn.silu(GroupNorm(cfg.norm_num_groups, 1e-6, dt, ops, name="conv_norm_out")(x))
         return Conv(2 * cfg.latent_channels, dtype=dt, ops=ops, name="conv_out")(x)
 
@@ -152,13 +157,14 @@ class Decoder(nn.Module):
     config: VAEConfig
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     @nn.compact
     def __call__(self, z: jax.Array) -> jax.Array:  # (B, h, w, latent) -> (B, h*f, w*f, 3)
         cfg, dt, ops = self.config, self.dtype, self.ops
         boc = cfg.block_out_channels[::-1]
         x = Conv(boc[0], dtype=dt, ops=ops, name="conv_in")(z.astype(dt))
-        x = VAEMidBlock(boc[0], cfg.norm_num_groups, dt, ops, name="mid_block")(x)
+        x = VAEMidBlock(boc[0], cfg.norm_num_groups, dt, ops, self.attn, name="mid_block")(x)
         for i, c in enumerate(boc):
             up = "up" if i < len(boc) - 1 else None
             x = VAEBlock(
@@ -175,11 +181,12 @@ class AutoencoderKL(nn.Module):
     config: VAEConfig
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
 
     def setup(self):
         lc = self.config.latent_channels
-        self.encoder = Encoder(self.config, self.dtype, self.ops)
-        self.decoder = Decoder(self.config, self.dtype, self.ops)
+        self.encoder = Encoder(self.config, self.dtype, self.ops, self.attn)
+        self.decoder = Decoder(self.config, self.dtype, self.ops, self.attn)
         self.quant_conv = Conv(2 * lc, 1, padding=0, dtype=self.dtype)
         self.post_quant_conv = Conv(lc, 1, padding=0, dtype=self.dtype)
 

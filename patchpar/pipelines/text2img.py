@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, load_unet, load_vae
+from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.presets import PRESETS, SHIPPED, preset_folder
 from patchpar.models.tokenizer import Tokenizer, load_tokenizer
@@ -300,9 +301,12 @@ def _single_phase(unet, smp, _plan, _phase, params, cond, schedule, x, loop, gui
     return x, ((), state)
 
 
-def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
+def load_pipeline(
+    path_or_preset: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
+) -> Pipeline:
     """A pipeline from a local diffusers folder, or a preset name with weights (`fmnist`,
-    `tiny`, `tiny-xl`). A folder without `vae/` is a pixel-space model."""
+    `tiny`, `tiny-xl`). A folder without `vae/` is a pixel-space model. `attention` picks the
+    attention kernel of the UNet and the VAE (default `auto`: patchpar/models/attention.py)."""
     name = str(path_or_preset)
     if name in PRESETS or name in SHIPPED:
         folder = preset_folder(name)
@@ -314,8 +318,8 @@ def load_pipeline(path_or_preset: str | Path, dtype=jnp.float32) -> Pipeline:
                 f"diffusers folder"
             )
     index = _model_index(folder)
-    unet = load_unet(folder / "unet", dtype)
-    vae = load_vae(folder / "vae", dtype) if (folder / "vae").is_dir() else (None, None)
+    unet = load_unet(folder / "unet", dtype, attention)
+    vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
     encoders, tokenizers = [], []
     for sub in ("text_encoder", "text_encoder_2"):
         if (folder / sub).is_dir():

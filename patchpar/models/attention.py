@@ -1,0 +1,263 @@
+"""Softmax attention kernels, chosen by a small static spec (`model.attention` in a run config).
+
+Every kernel takes the same arguments: q (B, Tq, H*D), k/v (B, Tk, H*D), an optional (Tk,) bool
+mask of the keys that exist (PCPP's band on an edge device, padding), and returns (B, Tq, H*D).
+Scores, softmax statistics and accumulators are float32 whatever the compute dtype.
+
+- `xla`: the whole (B, H, Tq, Tk) logits at once (`einsum` + `softmax`): the reference. Memory
+  grows with Tq x Tk: SDXL at 3840x3840 needs 265 GB of logits in one call.
+- `chunked`: blockwise attention with an online softmax (flash attention's recurrence written
+  in JAX): a `lax.map` over query blocks, a `lax.scan` over key/value blocks carrying the row
+  maximum, the row sum and a float32 accumulator. Memory O(block_q x block_kv) per (batch, head);
+  pure JAX, every backend. Token counts that are not multiples of the blocks are padded (padded
+  keys masked, padded queries dropped).
+- `cudnn`: `jax.nn.dot_product_attention(..., implementation="cudnn")`, NVIDIA GPUs, bf16/fp16.
+- `splash`: the Pallas TPU splash-attention kernel (block sizes as MaxDiffusion's
+  `flash_block_sizes`), TPUs; masked and padded keys through segment ids.
+- `auto`: cudnn on a GPU for bf16/fp16 (chunked for float32), splash on a TPU, chunked on CPU.
+  `resolve` says which, and run records carry it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash")
+_NEEDS = {"cudnn": ("gpu",), "splash": ("tpu",)}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Which kernel and its block sizes. Static and hashable: it is part of the compiled program."""
+
+    impl: str = "auto"
+    """auto, xla, chunked, cudnn or splash."""
+    block_q: int = 256
+    """Queries per block (chunked, splash)."""
+    block_kv: int = 512
+    """Keys/values per block (chunked, splash)."""
+    interpret: bool = False
+    """splash only: run the Pallas kernel in interpret mode (any backend; for tests)."""
+
+    def __post_init__(self):
+        if self.impl not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"model.attention={self.impl!r} is not an attention implementation; "
+                f"known: {list(IMPLEMENTATIONS)}"
+            )
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"attention {name}={value!r}: must be a positive int (e.g. 512)")
+        if self.impl == "splash" and (self.block_q % 128 or self.block_kv % 128):
+            raise ValueError(
+                f"splash attention: block_q={self.block_q}, block_kv={self.block_kv} must be "
+                f"multiples of 128 (the TPU lane width); nearest: "
+                f"{_round128(self.block_q)}, {_round128(self.block_kv)}"
+            )
+
+
+def _round128(n: int) -> int:
+    return max(128, round(n / 128) * 128)
+
+
+XLA = AttentionSpec("xla")
+AUTO = AttentionSpec()
+
+
+def available(backend: str | None = None) -> list[str]:
+    """Implementations this backend can run (`auto` always)."""
+    backend = backend or jax.default_backend()
+    return [i for i in IMPLEMENTATIONS if backend in _NEEDS.get(i, (backend,))]
+
+
+def resolve(spec: AttentionSpec, dtype=jnp.float32, backend: str | None = None) -> AttentionSpec:
+    """`auto` made concrete for this backend and compute dtype; an implementation the backend
+    lacks is a ValueError naming the backend and what it has."""
+    backend = backend or jax.default_backend()
+    impl = spec.impl
+    if impl == "auto":
+        low = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        impl = {"gpu": "cudnn" if low else "chunked", "tpu": "splash"}.get(backend, "chunked")
+        if impl == "splash" and (spec.block_q % 128 or spec.block_kv % 128):
+            spec = AttentionSpec(spec.impl, _round128(spec.block_q), _round128(spec.block_kv))
+    elif backend not in _NEEDS.get(impl, (backend,)) and not (impl == "splash" and spec.interpret):
+        raise ValueError(
+            f"model.attention={impl!r} needs a {' or '.join(_NEEDS[impl]).upper()} backend; this "
+            f"one is {backend!r}, which has {available(backend)}"
+        )
+    if impl == "cudnn" and jnp.dtype(dtype) not in (
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    ):
+        raise ValueError(
+            f"model.attention='cudnn' needs bfloat16 or float16 compute; the dtype is "
+            f"{jnp.dtype(dtype).name} (use chunked or xla, or sampler.dtype=bfloat16)"
+        )
+    return AttentionSpec(impl, spec.block_q, spec.block_kv, spec.interpret)
+
+
+def attend(
+    spec: AttentionSpec,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    heads: int,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """Softmax attention with `spec`'s kernel. q: (B, Tq, H*D), k/v: (B, Tk, H*D), mask: (Tk,)
+    bool keys that exist -> (B, Tq, H*D) in v's dtype."""
+    impl = spec.impl if spec.impl != "auto" else resolve(spec, q.dtype).impl
+    if impl == "xla":
+        return xla_attention(q, k, v, heads, mask)
+    if impl == "chunked":
+        return chunked_attention(q, k, v, heads, mask, spec.block_q, spec.block_kv)
+    if impl == "cudnn":
+        return _cudnn_attention(q, k, v, heads, mask)
+    return _splash_attention(q, k, v, heads, mask, spec)
+
+
+def _split(t: jax.Array, heads: int) -> jax.Array:  # (B, T, H*D) -> (B, H, T, D)
+    b, n, inner = t.shape
+    return t.reshape(b, n, heads, inner // heads).transpose(0, 2, 1, 3)
+
+
+def _merge(t: jax.Array) -> jax.Array:  # (B, H, T, D) -> (B, T, H*D)
+    b, h, n, d = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(b, n, h * d)
+
+
+def xla_attention(q, k, v, heads: int, mask=None) -> jax.Array:
+    """The whole logits at once; softmax in float32."""
+    b, tq, inner = q.shape
+    d = inner // heads
+    split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, d)  # noqa: E731
+    logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32)
+    if mask is not None:
+        logits = jnp.where(mask[None, None, None, :], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits / math.sqrt(d), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, split(v))
+    return out.reshape(b, tq, inner)
+
+
+def _blocks(n: int, block: int) -> tuple[int, int]:
+    """(blocks, block size) covering n tokens with the least padding for at most `block`."""
+    count = -(-n // block)
+    return count, -(-n // count)
+
+
+def chunked_attention(q, k, v, heads: int, mask=None, block_q: int = 512, block_kv: int = 1024):
+    """Blockwise attention with an online softmax; memory O(block_q x block_kv) per head."""
+    b, tq, inner = q.shape
+    tk = k.shape[1]
+    d = inner // heads
+    nq, bq = _blocks(tq, block_q)
+    nk, bk = _blocks(tk, block_kv)
+    qh, kh, vh = _split(q, heads), _split(k, heads), _split(v, heads)  # (B, H, T, D)
+    keep = jnp.ones((tk,), bool) if mask is None else mask
+    if nk * bk != tk:
+        pad = ((0, 0), (0, 0), (0, nk * bk - tk), (0, 0))
+        kh, vh = jnp.pad(kh, pad), jnp.pad(vh, pad)
+        keep = jnp.pad(keep, (0, nk * bk - tk))
+    if nq * bq != tq:
+        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, nq * bq - tq), (0, 0)))
+    # blocks first: (n, B, H, block, D)
+    kb = kh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
+    vb = vh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
+    keepb = keep.reshape(nk, 1, 1, 1, bk)
+    qb = qh.reshape(b, heads, nq, bq, d).transpose(2, 0, 1, 3, 4)
+    masked = mask is not None or nk * bk != tk
+    out = lax.map(
+        partial(_query_block, kb=kb, vb=vb, keepb=keepb if masked else None, scale=d**-0.5), qb
+    )  # (nq, B, H, bq, D)
+    out = out.transpose(1, 2, 0, 3, 4).reshape(b, heads, nq * bq, d)[:, :, :tq]
+    return _merge(out).astype(v.dtype)
+
+
+_BATCHED = (((3,), (3,)), ((0, 1), (0, 1)))  # contract D, batch (B, H)
+_PV = (((3,), (2,)), ((0, 1), (0, 1)))  # contract keys, batch (B, H)
+
+
+def _query_block(qi, kb, vb, keepb, scale):
+    """One query block (B, H, bq, D) against every key block: flash attention's recurrence."""
+
+    def step(carry, blk):
+        m, acc = carry
+        kk, vv, keep = blk
+        # unscaled scores: the scale (> 0) commutes with the max and folds into the exp, which
+        # saves a pass over the (bq, bk) block
+        s = lax.dot_general(qi, kk, _BATCHED, preferred_element_type=jnp.float32)
+        if keep is not None:
+            s = jnp.where(keep, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1, keepdims=True))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a block with no key at all
+        p = jnp.exp((s - m_safe) * scale)
+        alpha = jnp.exp((m - m_safe) * scale)
+        # v carries a column of ones: the matmul also gives the row sums of p (no reduce pass)
+        pv = lax.dot_general(p.astype(vv.dtype), vv, _PV, preferred_element_type=jnp.float32)
+        return (m_new, alpha * acc + pv), None
+
+    d = qi.shape[-1]
+    init = (
+        jnp.full(qi.shape[:3] + (1,), -jnp.inf, jnp.float32),
+        jnp.zeros(qi.shape[:3] + (d + 1,), jnp.float32),
+    )
+    ones = jnp.ones(vb.shape[:-1] + (1,), vb.dtype)
+    (_, acc), _ = lax.scan(step, init, (kb, jnp.concatenate([vb, ones], -1), keepb))
+    return acc[..., :d] / acc[..., d:]
+
+
+def _cudnn_attention(q, k, v, heads: int, mask=None):
+    b, tq, inner = q.shape
+    split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, inner // heads)  # noqa: E731
+    full = (
+        None
+        if mask is None
+        else jnp.broadcast_to(mask[None, None, None, :], (b, 1, tq, k.shape[1]))
+    )
+    out = jax.nn.dot_product_attention(
+        split(q), split(k), split(v), mask=full, implementation="cudnn"
+    )
+    return out.reshape(b, tq, inner)
+
+
+def _splash_attention(q, k, v, heads: int, mask, spec: AttentionSpec):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
+
+    b, tq, inner = q.shape
+    tk = k.shape[1]
+    d = inner // heads
+    # pad both sequences to whole blocks; padded or masked keys get another segment id
+    bq, bk = min(spec.block_q, _ceil(tq, 128)), min(spec.block_kv, _ceil(tk, 128))
+    pq, pk = _ceil(tq, bq), _ceil(tk, bk)
+    qh = jnp.pad(_split(q, heads) * jnp.asarray(d**-0.5, q.dtype), _pad_t(pq - tq))
+    kh, vh = jnp.pad(_split(k, heads), _pad_t(pk - tk)), jnp.pad(_split(v, heads), _pad_t(pk - tk))
+    keep = jnp.ones((tk,), bool) if mask is None else mask
+    kv_ids = jnp.where(jnp.pad(keep, (0, pk - tk)), 0, 1).astype(jnp.int32)
+    ids = splash.SegmentIds(q=jnp.zeros((pq,), jnp.int32), kv=kv_ids)
+    kernel = splash.make_splash_mha_single_device(
+        masks.MultiHeadMask([masks.FullMask((pq, pk))] * heads),
+        block_sizes=splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk),
+        interpret=spec.interpret,
+    )
+    out = jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=ids))(qh, kh, vh)
+    return _merge(out[:, :, :tq]).astype(v.dtype)
+
+
+def _ceil(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _pad_t(extra: int):
+    return ((0, 0), (0, 0), (0, extra), (0, 0))
