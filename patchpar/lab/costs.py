@@ -61,10 +61,9 @@ def run_comm(config: CommConfig) -> dict:
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
     memory = {}
     if config.memory:
-        peak = max(r["phases"].values(), key=lambda e: e["memory"]["total"] or 0)
         memory = {
-            "memory_per_device_bytes": peak["memory"]["total"],
-            "memory_per_device": {k: e["memory"] for k, e in r["phases"].items()},
+            "memory_per_device_bytes": st["memory"]["total"],
+            "memory_per_device": st["memory"],
             "memory_backend": jax_backend(),
         }
     return {
@@ -136,17 +135,13 @@ def format_comm(rec: dict) -> str:
         f"stale buffers per device: {rec['stale_bytes_per_device'] / 2**20:.2f} MiB",
     ]
     if rec.get("memory_per_device_bytes") is not None:
-        parts = rec["memory_per_device"]
-        lines.append(
-            f"memory per device ({rec['attention']} attention, compiled for "
-            f"{rec['memory_backend']}): {rec['memory_per_device_bytes'] / 2**30:.3f} GiB"
-        )
-        for phase, m in parts.items():
-            lines.append(
-                f"  {phase:8s} arguments {m['arguments'] / 2**30:.3f}  outputs "
-                f"{m['outputs'] / 2**30:.3f}  temporaries {m['temporaries'] / 2**30:.3f}  "
-                f"aliased {m['aliased'] / 2**30:.3f} GiB"
-            )
+        m = rec["memory_per_device"]
+        lines += [
+            f"memory per device, steady step ({rec['attention']} attention, compiled for "
+            f"{rec['memory_backend']}): {rec['memory_per_device_bytes'] / 2**30:.3f} GiB",
+            f"  arguments {m['arguments'] / 2**30:.3f}  outputs {m['outputs'] / 2**30:.3f}  "
+            f"temporaries {m['temporaries'] / 2**30:.3f}  aliased {m['aliased'] / 2**30:.3f} GiB",
+        ]
     lines += [
         f"HLO count equals the analytic model: {'yes' if rec['analytic_matches_hlo'] else 'NO'}",
     ]
