@@ -144,10 +144,10 @@ def child_torch(args, kind: str, size: int) -> dict:
 
 
 def child_jax(args, kind: str, size: int) -> dict:
-    import patchpar  # noqa: F401  (XLA:CPU defaults before the backend starts)
-    import jax
+    import jax  # importing jax does not start a backend
     import jax.numpy as jnp
 
+    import patchpar  # noqa: F401  (XLA:CPU defaults before the backend starts)
     from patchpar.models.api import load_unet
     from patchpar.models.attention import AttentionSpec, resolve
     from patchpar.xla_flags import in_effect
@@ -190,7 +190,8 @@ def profile(run, hlo: str, calls: int = 3) -> list[tuple[str, float, float]]:
             run()
         jax.profiler.stop_trace()
         trace = sorted(Path(tmp).rglob("*.trace.json.gz"))[-1]
-        events = json.load(gzip.open(trace))["traceEvents"]
+        with gzip.open(trace) as fh:
+            events = json.load(fh)["traceEvents"]
     # a fusion's kind: what its body computes (convolution, dot) or its XLA name without number
     bodies = dict(re.findall(r"^%(\S+) [^\n]*?\{\n(.*?)\n\}", hlo, re.M | re.S))
     calls_of = dict(re.findall(r"%(\S+) = \S+ fusion\(.*?calls=%([\w.\-]+)", hlo))
