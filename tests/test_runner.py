@@ -250,6 +250,11 @@ def test_record_schema(swept):
     # fake devices in one process: no speedup, and the record says why
     assert m["speedup_vs_single"] is None and "fake CPU devices" in m["speedup_note"]
     assert m["layout"]["processes"] == 1 and not m["layout"]["launched"]
+    # the kernel and dtype `auto` resolved to, and the compiled programs' memory per device
+    assert (m["attention"], m["compute_dtype"]) == ("chunked", "float32")
+    mem = m["memory_per_device"]
+    assert set(mem) == {"sync", "steady"} and mem["steady"]["aliased"] >= 0
+    assert m["memory_per_device_bytes"] == max(v["total"] for v in mem.values()) > 0
     # single is its own baseline; naive_patch moves no bytes and differs from it
     single, naive = by["single"]["metrics"], by["naive_patch"]["metrics"]
     assert single["identical"] and single["psnr"] is None and single["ssim"] == pytest.approx(1.0)

@@ -106,6 +106,8 @@ def generate(config: GenerateConfig) -> dict:
         "images": [],
         "latent_shape": list(out.latents.shape),
         "guidance_scale": guidance,
+        "compute_dtype": jnp.dtype(pipe.unet.module.dtype).name,
+        "attention": pipe.unet.module.attn.impl,
         "strategy": plan.strategy.describe(),
         "devices": plan.devices,
         "processes": config.processes,

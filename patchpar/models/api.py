@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from patchpar.models.attention import AUTO, AttentionSpec
+from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
 from patchpar.models.loading import (
     CheckpointError,
@@ -173,7 +173,9 @@ def _load(fn, path: Path, where: str, state_map=None):
 def load_unet(
     path: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
 ) -> tuple[UNetFn, dict]:
-    """UNet from a diffusers folder (`.../unet` or a pipeline folder holding `unet/`)."""
+    """UNet from a diffusers folder (`.../unet` or a pipeline folder holding `unet/`).
+    `attention` is resolved for this backend and dtype first (an unavailable kernel raises)."""
+    attention = resolve(attention, dtype)
     path = _component(path, "unet")
     fn = UNetFn(
         UNet2DConditionModel(
@@ -188,6 +190,7 @@ def load_unet(
 def load_vae(
     path: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
 ) -> tuple[VAEFn, dict]:
+    attention = resolve(attention, dtype)
     path = _component(path, "vae")
     fn = VAEFn(
         AutoencoderKL(
