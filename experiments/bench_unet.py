@@ -61,6 +61,8 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--attention", default="auto", help="patchpar's model.attention")
+    p.add_argument("--block-q", type=int, default=None, help="default: AttentionSpec's")
+    p.add_argument("--block-kv", type=int, default=None, help="default: AttentionSpec's")
     p.add_argument("--out", type=Path, default=Path("results/bench_unet"))
     p.add_argument("--work", type=Path, default=Path(".bench_unet"))
     p.add_argument("--profile", action="store_true")
@@ -152,7 +154,8 @@ def child_jax(args, kind: str, size: int) -> dict:
     from patchpar.models.attention import AttentionSpec, resolve
     from patchpar.xla_flags import in_effect
 
-    spec = AttentionSpec(args.attention)
+    blocks = {k: v for k, v in (("block_q", args.block_q), ("block_kv", args.block_kv)) if v}
+    spec = AttentionSpec(args.attention, **blocks)
     fn, params = load_unet(write_folder(kind, args.work), jnp.float32, spec)
     x, t, ctx, added = inputs(kind, size)
     xs = jnp.asarray(x.transpose(0, 2, 3, 1))
