@@ -121,6 +121,7 @@ def test_run_config_names_bad_attention():
         RunConfig(model=ModelConfig(block_kv=-1)).validate()
 
 
+@pytest.mark.slow  # ~40 s; test_comm's CLI record checks the memory fields on every run
 def test_memory_per_device_chunked_below_xla(micro_folder):
     """Compiled memory per device: the chunked kernel does not hold the whole logits."""
     from patchpar.lab.costs import CommConfig, run_comm

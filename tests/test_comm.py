@@ -231,6 +231,11 @@ def test_comm_cli_json_record(capsys):
     )
     assert rec["steady_bytes_mean"] <= rec["steady_bytes_per_device"]
     assert rec["steady_bytes_total"] == pytest.approx(rec["steady_bytes_mean"] * 4)
+    # memory per device of the compiled steady program; PCPP's stale buffers donated (aliased)
+    mem = rec["memory_per_device"]
+    assert rec["memory_per_device_bytes"] == mem["total"] > mem["arguments"] > 0
+    assert mem["aliased"] == rec["stale_bytes_per_device"] > 0
+    assert (rec["attention"], rec["memory_backend"]) == ("chunked", "cpu")
 
 
 def test_comm_cli_bad_resolution(capsys):

@@ -167,7 +167,8 @@ def test_devices_beyond_those_present_start_fake_cpu_devices_and_say_so():
     """`--devices N` on CPU without XLA_FLAGS: patchpar sets the device count itself."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "patchpar.lab.cli", "comm", "--model", "tiny", "--resolution",
-           "128", "--strategy", "sync_patch", "--devices", "4", "--dtype", "float32", "--json"]  # fmt: skip
+           "128", "--strategy", "sync_patch", "--devices", "4", "--dtype", "float32", "--json",
+           "--no-memory"]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "starting JAX with 4 CPU devices" in res.stderr and "--processes 4" in res.stderr

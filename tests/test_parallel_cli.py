@@ -10,11 +10,12 @@ from patchpar.lab.generate import GenerateConfig, generate
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
 
+SLOW = pytest.mark.slow  # test_sync_patch_cli_latent_equals_single runs sync_patch too
 STRATEGIES = [
-    ("single", [], 1, 1),
+    pytest.param("single", [], 1, 1, marks=SLOW),
     ("naive_patch", ["--split", "alternate"], 4, 1),
-    ("sync_patch", [], 8, 1),
-    ("distrifusion", ["--warmup-steps", "1", "--gn", "stale"], 4, 2),
+    pytest.param("sync_patch", [], 8, 1, marks=SLOW),
+    pytest.param("distrifusion", ["--warmup-steps", "1", "--gn", "stale"], 4, 2, marks=SLOW),
     ("pcpp", ["--portion", "0.3", "--send", "band", "--warmup-steps", "1"], 8, 1),
 ]
 

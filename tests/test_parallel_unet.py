@@ -21,8 +21,18 @@ def max_diff(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
-@pytest.mark.parametrize("kind", ["sd", "sdxl"])
-@pytest.mark.parametrize("patch, cfg", LAYOUTS)
+# The default tier: four layouts of the SD-like UNet and three of the SDXL-like one (every patch
+# count and both cfg values among them; the sampling-run tests below add more); `make test-slow`
+# runs the other seven.
+DEFAULT_LAYOUTS = {"sd": ((2, 1), (8, 1), (2, 2), (4, 2)), "sdxl": ((1, 2), (4, 1), (8, 1))}
+FORWARD_CASES = [
+    (kind, p, c) if (p, c) in DEFAULT_LAYOUTS[kind] else
+    pytest.param(kind, p, c, marks=pytest.mark.slow)
+    for kind in ("sd", "sdxl") for p, c in LAYOUTS
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, patch, cfg", FORWARD_CASES)
 def test_sync_patch_forward_equals_single(kind, patch, cfg):
     unet, params = micro_unet(kind)
     x, t, cond = inputs(kind)
@@ -94,20 +104,21 @@ def test_warmup_covering_all_steps_equals_sync_patch(strategy, options, patch, c
 
 
 @pytest.mark.parametrize(
-    "gn",
+    "kind, gn",
     [
-        "corrected",
-        pytest.param("separate", marks=pytest.mark.slow),
-        pytest.param("stale", marks=pytest.mark.slow),
-        pytest.param("sync", marks=pytest.mark.slow),
+        ("sd", "corrected"),
+        pytest.param("sdxl", "corrected", marks=pytest.mark.slow),
+        pytest.param("sdxl", "separate", marks=pytest.mark.slow),
+        pytest.param("sdxl", "stale", marks=pytest.mark.slow),
+        pytest.param("sdxl", "sync", marks=pytest.mark.slow),
     ],
 )
-def test_pcpp_whole_neighbour_band_on_2_devices_equals_distrifusion(gn):
+def test_pcpp_whole_neighbour_band_on_2_devices_equals_distrifusion(kind, gn):
     kw = dict(steps=4, warmup_steps=1, gn=gn)
-    d, _ = run("sdxl", "distrifusion", 2, 1, **kw)
-    p_full, _ = run("sdxl", "pcpp", 2, 1, portion=1.0, send="full", **kw)
-    p_band, _ = run("sdxl", "pcpp", 2, 1, portion=1.0, send="band", **kw)
-    s, _ = run("sdxl", "sync_patch", 2, 1, steps=4)
+    d, _ = run(kind, "distrifusion", 2, 1, **kw)
+    p_full, _ = run(kind, "pcpp", 2, 1, portion=1.0, send="full", **kw)
+    p_band, _ = run(kind, "pcpp", 2, 1, portion=1.0, send="band", **kw)
+    s, _ = run(kind, "sync_patch", 2, 1, steps=4)
     assert max_diff(p_full, d) <= 1e-4 and max_diff(p_band, d) <= 1e-4
     if gn != "sync":
         assert max_diff(d, s) > 1e-3, "the steady phase should differ from sync_patch"
@@ -179,6 +190,7 @@ def test_each_phase_is_one_compiled_loop(strategy, options, loops):
     assert texts[0].count("stablehlo.convolution") == texts[1].count("stablehlo.convolution")
 
 
+@pytest.mark.slow  # ~60 s; the runner's phase timing checks the chaining on every run
 def test_phases_chained_equal_the_whole_denoising():
     """`denoise_phase` programs run one after the other (as the runner times them) give
     `denoise`'s latent and state exactly: a dpmpp_2m history crosses the phase boundary."""

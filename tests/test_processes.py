@@ -62,12 +62,13 @@ def _check(processes: int, cfg: int, names: list[str], tmp_path) -> None:
         assert _rel(got[name], got["sync_patch"]) > 1e-5, name
 
 
-def test_two_processes_equal_one_device_and_two_fake_devices(tmp_path):
-    _check(2, 1, ["sync_patch", "distrifusion"], tmp_path)
+def test_two_processes_equal_one_device(tmp_path):
+    _check(2, 1, ["sync_patch"], tmp_path)
 
 
 @pytest.mark.slow
-def test_two_processes_pcpp_and_four_processes_with_cfg_split(tmp_path):
+def test_two_processes_stale_strategies_and_four_processes_with_cfg_split(tmp_path):
+    _check(2, 1, ["sync_patch", "distrifusion"], tmp_path / "distrifusion")
     _check(2, 1, ["sync_patch", "pcpp"], tmp_path / "pcpp")
     _check(4, 2, ["sync_patch", "distrifusion"], tmp_path / "cfg2")
 

@@ -184,6 +184,7 @@ def test_lpips_unavailable_without_weights(tmp_path, monkeypatch):
     assert out["psnr"] == pytest.approx(-10 * np.log10((1 / 255) ** 2))
 
 
+@pytest.mark.slow  # ~80 s: every metric's model (Inception, LPIPS, CLIP) in one run
 def test_runner_records_every_metric(tmp_path, micro_folder, monkeypatch):
     """One run with every metric: FID against the single-device set and against a folder of
     ground-truth images, CLIP score from a local checkpoint, LPIPS unavailable (no weights)."""
