@@ -71,8 +71,15 @@ def test_chunked_bfloat16_close_to_float32():
     assert _rel(out.astype(jnp.float32), ref) <= 2e-2  # bf16 inputs: 8 mantissa bits
 
 
-@pytest.mark.parametrize("impl", ["chunked", "splash"])
-@pytest.mark.parametrize("kind", ["sd", "sdxl"])
+@pytest.mark.parametrize(
+    "kind, impl",
+    [
+        ("sd", "chunked"),
+        ("sdxl", "splash"),
+        pytest.param("sdxl", "chunked", marks=pytest.mark.slow),
+        pytest.param("sd", "splash", marks=pytest.mark.slow),
+    ],
+)
 def test_micro_unet_with_each_kernel_equals_xla(kind, impl):
     """The whole (guided) micro UNet: self-, cross-attention and the rest, 1e-5 relative."""
     unet, params = micro_unet(kind)

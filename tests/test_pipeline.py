@@ -87,7 +87,10 @@ def test_sd_prompt_embeddings_match(sd_folder):
     assert rel_err(cond.context[0], neg.numpy()) <= 1e-4
 
 
-@pytest.mark.parametrize("sampler", sorted(SCHEDULERS))
+@pytest.mark.parametrize(  # each scheduler alone: test_schedulers; the other two: test-slow
+    "sampler",
+    [s if s == "ddim" else pytest.param(s, marks=pytest.mark.slow) for s in sorted(SCHEDULERS)],
+)
 def test_sd_final_latent_matches_diffusers(sd_folder, sampler):
     path, ref = sd_folder
     # both sides read the folder's scheduler_config.json (DDIM's, explicit leading spacing)
