@@ -152,7 +152,6 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     the generation, the `writer` (process 0) alone counts bytes, scores and saves images."""
     import jax
 
-    from patchpar.models.attention import resolve
     from patchpar.parallel.mesh import to_local
 
     s, m = config.sampler, config.measure
@@ -166,7 +165,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     pipe = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
     metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
     metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
-    metrics["attention"] = resolve(pipe.unet.module.attn, pipe.unet.module.dtype).impl
+    metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded
     plan = config.plan()
     hw = image_size(pipe, config)
     pipe.check_size(*hw)
