@@ -6,6 +6,7 @@ patchpar table RESULTS...                             markdown table of records
 patchpar plot RESULTS...                              PNG plots of records
 patchpar generate ...                                 images from prompts, no record
 patchpar comm ...                                     bytes and FLOPs of one UNet call
+patchpar project ...                                  latency projected on hardware profiles
 
 `--debug` anywhere on the line shows a failure's traceback instead of its one-line message.
 """
@@ -40,6 +41,7 @@ def _subcommands() -> dict:
     from patchpar.lab.costs import CommConfig
     from patchpar.lab.generate import GenerateConfig
     from patchpar.lab.plots import PlotConfig
+    from patchpar.lab.project import ProjectConfig
     from patchpar.lab.sweep import SweepConfig
     from patchpar.lab.tables import TableConfig
 
@@ -50,6 +52,7 @@ def _subcommands() -> dict:
         "plot": PlotConfig,
         "generate": GenerateConfig,
         "comm": CommConfig,
+        "project": ProjectConfig,
     }
 
 
@@ -61,6 +64,7 @@ def dispatch(config, args: list[str] | None = None) -> None:
     from patchpar.lab.costs import CommConfig
     from patchpar.lab.generate import GenerateConfig
     from patchpar.lab.plots import PlotConfig
+    from patchpar.lab.project import ProjectConfig
     from patchpar.lab.sweep import SweepConfig
     from patchpar.lab.tables import TableConfig
 
@@ -123,6 +127,18 @@ def dispatch(config, args: list[str] | None = None) -> None:
         launch.request_cpu_devices(config.devices, _stderr)
         rec = run_comm(config)
         print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
+    elif isinstance(config, ProjectConfig):
+        import json
+
+        from patchpar.lab.project import format_project, run_project
+
+        launch.request_cpu_devices(config.devices, _stderr)
+        rows = run_project(config)
+        if config.json:
+            for row in rows:
+                print(json.dumps(row, sort_keys=True))
+        else:
+            print(format_project(rows))
 
 
 class Failed(Exception):

@@ -236,6 +236,23 @@ def count_hlo(hlo_text: str, num_devices: int) -> CommCount:
     return count
 
 
+def collective_groups(collectives: list[Collective], num_devices: int) -> list[dict]:
+    """Collectives grouped by (op, group size, site): how many, and the bytes the busiest device
+    receives summed over them; what a latency model needs (patchpar/measure/projection.py)."""
+    groups: dict[tuple[str, int, str], dict] = {}
+    for c in collectives:
+        n = max(len(g) for g in c.group_list(num_devices))
+        if c.op == "collective-permute":  # the devices a permute connects
+            n = len({d for pair in c.pairs for d in pair}) or 1
+        g = groups.setdefault(
+            (c.op, n, c.site),
+            {"op": c.op, "group": n, "site": c.site, "count": 0, "received_bytes": 0},
+        )
+        g["count"] += 1
+        g["received_bytes"] += int(c.received(num_devices).max())
+    return [groups[k] for k in sorted(groups)]
+
+
 def hlo_text_with_metadata(lowered) -> str:
     """Pre-optimisation HLO of a `jax.jit(...).lower(...)` result, with op_name metadata."""
     from jaxlib import _hlo

@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from patchpar.measure.comm import CommCount, count_hlo, hlo_text_with_metadata
+from patchpar.measure.comm import (
+    CommCount,
+    collective_groups,
+    count_hlo,
+    hlo_text_with_metadata,
+    parse_collectives,
+)
 from patchpar.models import UNetFn
 from patchpar.parallel.engine import Plan, make_step, stale_bytes_per_device
 from patchpar.parallel.sites import record_sites
@@ -109,7 +115,8 @@ def measure(
             lowered = jax.jit(step, donate_argnums=donate).lower(
                 params, x, t, cond, state if phase == "steady" else None
             )
-        hlo = count_hlo(hlo_text_with_metadata(lowered), plan.devices)
+        text = hlo_text_with_metadata(lowered)
+        hlo = count_hlo(text, plan.devices)
         model = analytic_count(plan, log, local_out, out_shape.dtype.itemsize)
         entry = {
             "hlo": hlo.summary(),
@@ -117,6 +124,9 @@ def measure(
             "lower_s": round(time.perf_counter() - t0, 2),
         }
         entry["analytic_matches_hlo"] = _same(hlo, model)
+        entry["collectives"] = collective_groups(
+            parse_collectives(text, plan.devices), plan.devices
+        )
         entry["released"] = released_count(plan, log, local_out, out_shape.dtype.itemsize).summary()
         if flops:
             cost = lowered.cost_analysis()

@@ -92,10 +92,12 @@ def _pmean(x: jax.Array) -> jax.Array:
         return lax.pmean(x, PATCH)
 
 
-def _gather(kv: jax.Array) -> jax.Array:
-    """(2, B, L, D) on each device -> (2, B, n*L, D), patches in order."""
+def _gather(kv: jax.Array, n: int) -> jax.Array:
+    """(2, B, L, D) on each device -> (2, B, n*L, D), patches in order. The stand-in repeats
+    the local part n times (n, not the mesh's axis size: experiments/device/shard_timing.py
+    runs one device's program of an n-way plan on a one-device mesh)."""
     if _LOCAL.get():
-        return jnp.concatenate([kv] * lax.axis_size(PATCH), axis=2)
+        return jnp.concatenate([kv] * n, axis=2)
     with jax.named_scope("pp_kv"):
         return lax.all_gather(kv, PATCH, axis=2, tiled=True)
 
@@ -223,7 +225,7 @@ class PatchOps(SiteOps):
             return k, v, None
         kv = jnp.stack([k, v])  # (2, B, L, D): one collective for both
         if self.sync or self.kv == "all":
-            full = _gather(kv)  # (2, B, n*L, D)
+            full = _gather(kv, self.n)  # (2, B, n*L, D)
             if self.kv == "stale":
                 mod.variable(STALE, "kv", lambda: full)
             elif self.kv == "band":
@@ -244,7 +246,7 @@ class PatchOps(SiteOps):
             buf.value, kv, idx * length, axis=2
         )  # own slot fresh
         if self.exchange:
-            buf.value = _gather(kv)
+            buf.value = _gather(kv, self.n)
         return full[0], full[1], None
 
     def _stale_band(self, mod, kv):

@@ -1,0 +1,146 @@
+"""Issue 15 on a lent GPU: one device's program of an N-way patch-parallel SDXL step, timed
+alone (random weights, bf16, CFG batch 2), for N = 1, 2, 4, 8 patches at 1024 and 2048 (3840
+if memory and time allow). The projection (`patchpar project --timings`) then uses these
+seconds as the measured compute instead of the fitted efficiency curve.
+
+    device run: python experiments/device/shard_timing.py              (under 8 minutes)
+    here, in miniature: python experiments/device/shard_timing.py --model tiny \
+        --resolutions 128 --patches 1 2 --repeats 2 --hardware cpu-gloo --out /tmp/shard
+
+Each point runs the per-device program of `--strategy` (default distrifusion's steady step:
+1/N of the rows, attention over all N patches' keys from the stale buffer) on one device with
+every collective replaced by a local stand-in of the same shape (`Plan(comm=False)`; the stand-in
+K/V gather repeats the local part N times), on a one-device mesh; N = 1 is `single`. Points run
+1024 first, then 2048, then 3840; a point is skipped (recorded as such) once `--budget-s` has
+passed. Records: <out>/records.jsonl (hardware = the profile name given, device kind, model,
+resolution, patches, strategy, phase, seconds per UNet call); table: <out>/table.md. Needs only
+jax, flax, numpy and pyyaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="sdxl")
+    p.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048, 3840])
+    p.add_argument("--patches", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--strategy", default="distrifusion")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--hardware", default="h200-sxm", help="the profile these timings belong to")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no point after this")
+    p.add_argument("--out", type=Path, default=Path("results/shard_timing"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import patchpar  # noqa: F401
+    from patchpar.lab.config import build_plan
+    from patchpar.lab.results import append_record, provenance
+    from patchpar.measure.cost import abstract_inputs
+    from patchpar.models.presets import abstract_unet, latent_factor
+    from patchpar.parallel.engine import make_step
+    from patchpar.parallel.mesh import make_mesh
+
+    start = time.perf_counter()
+    dtype = getattr(jnp, a.dtype)
+    unet = abstract_unet(a.model, dtype)
+    params = unet.init(0)  # NumPy draws, then one transfer
+    mesh = make_mesh(1, 1)
+    dev = jax.devices()[0]
+    a.out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.RandomState(0)
+    rows = []
+    for r in a.resolutions:
+        latent = r // latent_factor(a.model)
+        for n in a.patches:
+            name = "single" if n == 1 else a.strategy
+            plan = build_plan(name, {}, n, 1, comm=False)
+            phase = (
+                "steady" if name != "single" and plan.strategy.sync_steps(10**6) < 10**6 else "sync"
+            )
+            rec = {
+                "hardware": a.hardware,
+                "device_kind": dev.device_kind,
+                "model": a.model,
+                "resolution": r,
+                "patches": n,
+                "strategy": plan.strategy.describe(),
+                "phase": phase,
+                "dtype": a.dtype,
+                "unet_batch": 2,
+            }
+            if time.perf_counter() - start > a.budget_s:
+                rec.update(status="skipped", error=f"time budget {a.budget_s:.0f} s spent")
+                _emit(a, rec, rows, append_record, provenance)
+                continue
+            try:
+                if latent % (n * 2**unet.config.num_downsamples):
+                    raise ValueError(f"latent {latent} rows do not split into {n} patches")
+                x_abs, t_abs, cond_abs = abstract_inputs(unet, (latent // n, latent), 1)
+                fill = lambda s: jnp.asarray(rng.rand(*s.shape), s.dtype)  # noqa: E731
+                x, cond = fill(x_abs), jax.tree.map(fill, cond_abs)
+                t = jnp.asarray(500.0, jnp.float32)
+                axis = plan.strategy.patch_axis(0)
+                state = None
+                if phase == "steady":
+                    warm = make_step(unet, plan, "sync", axis, 5.0, mesh)
+                    _, shapes = jax.eval_shape(warm, params, x, t, cond, None)
+                    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+                step = jax.jit(make_step(unet, plan, phase, axis, 5.0, mesh))
+                t0 = time.perf_counter()
+                compiled = step.lower(params, x, t, cond, state).compile()
+                rec["compile_s"] = time.perf_counter() - t0
+                jax.block_until_ready(compiled(params, x, t, cond, state))
+                times = []
+                for _ in range(a.repeats):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(compiled(params, x, t, cond, state))
+                    times.append(time.perf_counter() - t0)
+                rec["unet_call_s_median"] = statistics.median(times)
+                rec["unet_call_s_all"] = times
+                rec["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 - every point gets a record, also a failed one
+                rec["status"] = "error"
+                rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            _emit(a, rec, rows, append_record, provenance)
+    lines = [
+        f"{a.model} per-device program, {a.dtype}, CFG batch 2, {dev.device_kind} "
+        f"(profile {a.hardware}), collectives replaced by stand-ins",
+        "",
+        "| resolution | patches | strategy | ms per UNet call | status |",
+        "|---|---|---|---|---|",
+    ]
+    for rec in rows:
+        ms = rec.get("unet_call_s_median")
+        lines.append(
+            f"| {rec['resolution']} | {rec['patches']} | {rec['strategy']} | "
+            f"{'-' if ms is None else f'{ms * 1e3:.1f}'} | {rec['status']} |"
+        )
+    (a.out / "table.md").write_text("\n".join(lines) + "\n")
+    print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s -> {a.out}")
+
+
+def _emit(a, rec, rows, append_record, provenance) -> None:
+    append_record(a.out / "records.jsonl", {**rec, **provenance()})
+    rows.append(rec)
+    print(json.dumps({k: v for k, v in rec.items() if k != "unet_call_s_all"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

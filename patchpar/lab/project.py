@@ -1,0 +1,117 @@
+"""`patchpar project`: the latency a strategy would take on real hardware, projected from the
+exact per-device FLOPs and collectives of its programs (patchpar/measure/projection.py) and a
+hardware profile (patchpar/hardware/*.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from patchpar.lab.config import PlanFlags
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ProjectConfig(PlanFlags):
+    """Projected latency of one generation and speedup over one device, split into compute,
+    exposed communication and other (text encoding, VAE decode), per hardware profile."""
+
+    model: str = "sdxl"
+    """A preset (sd15, sd21, sdxl, tiny, tiny-xl) or a local diffusers folder."""
+    resolution: int = 1024
+    """Square image size in pixels."""
+    batch: int = 1
+    """Images per generation (the UNet batch is 2 x batch with cfg=1)."""
+    steps: int = 50
+    """Denoising steps (DistriFusion's figures: 50-step DDIM)."""
+    dtype: str = "bfloat16"
+    """float32 or bfloat16 (bytes per element of the exchanged activations)."""
+    hardware: str = "a100-sxm"
+    """A profile name (see `--hardware all`), a profile YAML path, or `all`: one row each."""
+    overlap: str = "auto"
+    """How long a stale collective may run: auto (next-step where the profile's collectives
+    are asynchronous, else none), none, step (patchpar's compiled loop: within the step's
+    iteration) or next-step (the released DistriFusion code: until the layer's next use)."""
+    cache: Path | None = None
+    """Workload cache (JSON lines); default ~/.cache/patchpar/workloads.jsonl. A new point is
+    lowered with abstract weights once (SDXL: about 40 s here)."""
+    timings: Path | None = None
+    """Records of experiments/device/shard_timing.py: where one matches a profile and this
+    point, its timed per-device program replaces the fitted compute curve."""
+    json: bool = False
+    """Print one JSON object per profile instead of the table."""
+
+
+def run_project(config: ProjectConfig) -> list[dict]:
+    from patchpar import hardware
+    from patchpar.lab.config import build_plan
+    from patchpar.lab.results import read_records
+    from patchpar.measure.projection import OVERLAPS, WorkloadCache, project, timed_compute
+
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    if config.overlap not in OVERLAPS:
+        raise ValueError(f"overlap={config.overlap!r}; known: {list(OVERLAPS)}")
+    if not isinstance(config.steps, int) or config.steps < 1:
+        raise ValueError(f"steps={config.steps!r}: must be a positive integer")
+    if config.batch < 1:
+        raise ValueError(f"batch={config.batch!r}: must be >= 1")
+    profiles = hardware.load_all() if config.hardware == "all" else [hardware.load(config.hardware)]
+    timings = []
+    if config.timings is not None:
+        if not Path(config.timings).is_file():
+            raise ValueError(f"timings={str(config.timings)!r}: no such file")
+        timings = read_records(Path(config.timings), skip_bad=True)
+    plan = config.plan()
+    plan.strategy.validate(config.steps, plan.patch, plan.cfg)
+    cache = WorkloadCache(config.cache)
+    w = cache.get(config.model, config.resolution, plan, config.batch, config.dtype)
+    single = cache.get(
+        config.model, config.resolution, build_plan("single", {}, 1, 1), config.batch, config.dtype
+    )
+    rows = []
+    for hw in profiles:
+        measured = timed_compute(timings, hw.name, w) if timings else None
+        p = project(w, single, hw, config.steps, overlap=config.overlap, measured=measured)
+        rows.append(
+            {
+                "model": config.model,
+                "resolution": config.resolution,
+                "strategy": w.strategy,
+                "devices": w.devices,
+                "cfg": w.cfg,
+                "batch": config.batch,
+                "steps": config.steps,
+                "dtype": config.dtype,
+                **p.to_json(),
+            }
+        )
+    return rows
+
+
+def format_project(rows: list[dict]) -> str:
+    r0 = rows[0]
+    head = (
+        f"{r0['strategy']} | {r0['model']} {r0['resolution']}px {r0['dtype']}, batch {r0['batch']}, "
+        f"{r0['steps']} steps ({r0['sync_steps']} synchronous) | {r0['devices']} devices "
+        f"(cfg={r0['cfg']})"
+    )
+    lines = [
+        head,
+        "",
+        "| hardware | latency s | 1 device s | speedup | compute s | exposed comm s | other s | overlap | compute constants |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['hardware']} | {r['latency_s']:.3f} | {r['single_latency_s']:.3f} | "
+            f"{r['speedup']:.2f}x | {r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} | "
+            f"{r['other_s']:.3f} | {r['overlap']} | {r['compute_source']} |"
+        )
+    lines += [
+        "",
+        "compute: FLOPs per device priced by the profile (plus stale-buffer traffic); exposed "
+        "comm: collectives the step waits for; other: text encoding and VAE decode on one device.",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,383 @@
+"""Latency projected from exact costs onto hardware profiles (docs/design.md §5).
+
+A `Workload` is what one image's generation costs per device, read from the programs XLA is
+given: FLOPs per device per UNet call and every collective (op, group, site, bytes the busiest
+device receives) for the warm-up (synchronous) and the steady phase, the stale buffers, and the
+one-device text encoding and VAE decode. `project` turns it into seconds on a `Profile`:
+
+    step = compute + stale-buffer traffic + exposed communication
+    compute = FLOPs / (peak x e) + c           (e, c fitted per profile; or a timed program)
+    communication = sum over collectives of latency(op, n) + received bytes / collective rate
+    latency = sync steps x warm-up step + steady steps x steady step + encode + decode
+
+Synchronous collectives (every warm-up one, every one of `sync_patch`, the CFG output gather,
+GroupNorm with `gn=sync`) are exposed in full. A stale collective's result is needed only at
+step t+1, so it can overlap compute; how much is the `overlap` window:
+- `none`: the runtime runs collectives synchronously (XLA's CPU backend: all exposed);
+- `step`: patchpar's compiled loop: a collective issued in step t must finish within step t's
+  loop iteration; collectives are issued evenly over the step's compute and queue on the link,
+  and what runs past the end of the compute is exposed;
+- `next-step`: the released DistriFusion code: a collective may run until the same layer of
+  step t+1, so only communication beyond one whole step's compute is exposed.
+Each issued collective's host cost (`launch_s`) is exposed whatever the window.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from patchpar.hardware import Profile
+
+OVERLAPS = ("auto", "none", "step", "next-step")
+PHASES = ("warmup", "steady")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Costs of one generation under a plan, per device (JSON-able; one cache line)."""
+
+    model: str
+    resolution: int
+    strategy: str  # Strategy.describe()
+    devices: int
+    cfg: int
+    batch: int
+    dtype: str
+    unet_batch: int  # images per UNet call on one device (2 x batch with cfg=1)
+    phases: dict  # warmup / steady -> {"flops_per_device": float, "collectives": [group, ...]}
+    synchronous_sites: dict  # phase -> sites whose collectives the step waits for
+    stale_bytes_per_device: int
+    warmup_steps: int | None  # a stale strategy's warm-up (warmup_steps + 1 synchronous steps)
+    encode_flops: float  # text encoders, the CFG pair, one device
+    decode_flops: float  # VAE decode of the batch, one device
+
+    def key(self) -> tuple:
+        return workload_key(
+            self.model,
+            self.resolution,
+            self.strategy,
+            self.devices,
+            self.cfg,
+            self.batch,
+            self.dtype,
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Workload:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def workload_key(model, resolution, strategy, devices, cfg, batch, dtype) -> tuple:
+    return (
+        str(model),
+        int(resolution),
+        str(strategy),
+        int(devices),
+        int(cfg),
+        int(batch),
+        str(dtype),
+    )
+
+
+def synchronous_sites(plan, phase: str) -> list[str]:
+    """Sites whose collectives a step waits for: all in the warm-up phase (and in every phase of
+    a strategy without stale state); in the steady phase the CFG output gather, anything outside
+    a site, and GroupNorm statistics with `gn=sync`."""
+    from patchpar.parallel.strategies.base import StaleStrategy
+
+    if phase == "warmup" or not isinstance(plan.strategy, StaleStrategy):
+        return ["halo", "gn", "kv", "cfg", "other"]
+    sites = ["cfg", "other"]
+    if getattr(plan.strategy, "gn", None) == "sync":
+        sites.append("gn")
+    return sites
+
+
+def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16"):
+    """Lower one UNet call per phase with abstract parameters (no weights) and read its FLOPs
+    and collectives, plus the text encoders' and the VAE decoder's FLOPs. The attention kernel
+    is `xla` here: XLA's cost analysis counts a loop body once, so the chunked kernel's FLOPs
+    would be under-counted (the bytes are the same for every kernel). Validates like `run`."""
+    import jax.numpy as jnp
+
+    from patchpar.measure.cost import measure
+    from patchpar.models.attention import XLA
+    from patchpar.models.presets import abstract_unet, latent_factor
+
+    f = latent_factor(model)
+    if resolution <= 0 or resolution % f:
+        raise ValueError(
+            f"resolution={resolution}: must be a positive multiple of {f} (the VAE factor)"
+        )
+    jdtype = getattr(jnp, dtype)
+    unet = abstract_unet(model, jdtype, XLA)
+    latent = resolution // f
+    r = measure(unet, plan, (latent, latent), batch=batch, flops=True, memory=False)
+    phases = {
+        name: {
+            "flops_per_device": r["phases"][name]["flops_per_device"],
+            "collectives": r["phases"][name]["collectives"],
+        }
+        for name in PHASES
+    }
+    encode, decode = _encode_decode_flops(model, resolution, batch, jdtype)
+    return Workload(
+        model=str(model),
+        resolution=resolution,
+        strategy=plan.strategy.describe(),
+        devices=plan.devices,
+        cfg=plan.cfg,
+        batch=batch,
+        dtype=dtype,
+        unet_batch=batch * (2 // plan.cfg),
+        phases=phases,
+        synchronous_sites={p: synchronous_sites(plan, p) for p in PHASES},
+        stale_bytes_per_device=int(r["stale_bytes_per_device"]),
+        warmup_steps=getattr(plan.strategy, "warmup_steps", None),
+        encode_flops=encode,
+        decode_flops=decode,
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tuple[float, float]:
+    """FLOPs of the text encoders (2 x batch prompts of 77 tokens) and of the VAE decoder on the
+    batch, from the lowered programs of a preset's configs; 0 where the preset has none."""
+    import jax
+
+    from patchpar.models.attention import XLA
+    from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
+    from patchpar.models.presets import PRESETS
+    from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+    preset = PRESETS.get(str(model), {})
+    sds = jax.ShapeDtypeStruct
+    encode = 0.0
+    for name in ("text_encoder", "text_encoder_2"):
+        if name in preset:
+            module = CLIPTextModel(CLIPTextConfig.from_transformers(preset[name], name), dtype)
+            ids = sds((2 * batch, 77), np.int32)
+            params = jax.eval_shape(lambda i, m=module: m.init(jax.random.key(0), i)["params"], ids)
+            lowered = jax.jit(lambda p, i, m=module: m.apply({"params": p}, i)).lower(params, ids)
+            encode += float(lowered.cost_analysis()["flops"])
+    decode = 0.0
+    if "vae" in preset:
+        cfg = VAEConfig.from_diffusers(preset["vae"], "vae")
+        vae = AutoencoderKL(cfg, dtype, attn=XLA)
+        side = resolution // cfg.downsample_factor
+        z = sds((batch, side, side, cfg.latent_channels), dtype)
+        small = sds((1, 1, 1, cfg.latent_channels), dtype)
+        params = jax.eval_shape(
+            lambda x: vae.init(jax.random.key(0), x, method=AutoencoderKL.decode)["params"], small
+        )
+        lowered = jax.jit(
+            lambda p, x: vae.apply({"params": p}, x, method=AutoencoderKL.decode)
+        ).lower(params, z)
+        decode = float(lowered.cost_analysis()["flops"])
+    return encode, decode
+
+
+class WorkloadCache:
+    """Workloads in a JSON-lines file, one per (model, resolution, strategy, devices, cfg,
+    batch, dtype); appended line by line, so an interrupted sweep keeps what it computed."""
+
+    def __init__(self, path: str | Path | None = None):
+        if path is None:
+            root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+            path = root / "patchpar" / "workloads.jsonl"
+        self.path = Path(path)
+        self._items: dict[tuple, Workload] = {}
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    w = Workload.from_json(json.loads(line))
+                    self._items[w.key()] = w
+
+    def get(self, model, resolution, plan, batch=1, dtype="bfloat16") -> Workload:
+        key = workload_key(
+            model, resolution, plan.strategy.describe(), plan.devices, plan.cfg, batch, dtype
+        )
+        if key not in self._items:
+            w = compute_workload(model, resolution, plan, batch, dtype)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(w.to_json(), sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._items[key] = w
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items.values())
+
+
+def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | None:
+    """Measured seconds per UNet call for `w` on `hardware` from experiments/device/
+    shard_timing.py records: {"warmup", "steady", "single"}, or None where they lack this
+    point (same model, resolution, dtype, patches = devices with cfg=1, strategy, and the
+    one-patch `single` run). The script times one phase (the steady program of a stale
+    strategy); it stands for both phases (they differ by the stale buffers' writes)."""
+    ok = [
+        r
+        for r in records
+        if r.get("status") == "ok"
+        and r.get("hardware") == hardware
+        and str(r.get("model")) == w.model
+        and r.get("resolution") == w.resolution
+        and r.get("dtype") == w.dtype
+        and r.get("unet_batch") == w.unet_batch
+    ]
+    if w.cfg != 1:
+        return None
+    mine = [r for r in ok if r["patches"] == w.devices and r["strategy"] == w.strategy]
+    single = [r for r in ok if r["patches"] == 1]
+    if not mine or not single:
+        return None
+    s = mine[-1]["unet_call_s_median"]
+    return {"warmup": s, "steady": s, "single": single[-1]["unet_call_s_median"]}
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    compute_s: float  # FLOPs priced by the profile, or the timed program
+    stale_traffic_s: float  # reading and writing the stale buffers at HBM bandwidth
+    comm_s: float  # every collective's time, exposed or not
+    exposed_comm_s: float
+    collectives: int
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.stale_traffic_s + self.exposed_comm_s
+
+
+@dataclass(frozen=True)
+class Projection:
+    hardware: str
+    latency_s: float
+    single_latency_s: float
+    speedup: float
+    compute_s: float  # all steps, compute and stale-buffer traffic
+    exposed_comm_s: float  # all steps
+    other_s: float  # text encoding and VAE decode (one device)
+    sync_steps: int
+    steady_steps: int
+    overlap: str
+    compute_source: str
+    phases: dict = field(default_factory=dict)  # phase -> PhaseTime as a dict
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def phase_time(
+    w: Workload, phase: str, hw: Profile, overlap: str, compute_s: float | None = None
+) -> PhaseTime:
+    """One denoising step of `phase` on the busiest device."""
+    p = w.phases[phase]
+    compute = hw.compute_s(p["flops_per_device"]) if compute_s is None else compute_s
+    stale = 0.0
+    if compute_s is None and w.stale_bytes_per_device:  # a timed program already holds it
+        stale = (2 if phase == "steady" else 1) * w.stale_bytes_per_device / hw.hbm_bytes_per_s
+    sync_sites = set(w.synchronous_sites[phase])
+    exposed, total, count, async_parts = 0.0, 0.0, 0, []
+    for g in p["collectives"]:
+        t = hw.collective_s(g["op"], g["group"], g["count"], g["received_bytes"])
+        total += t
+        count += g["count"]
+        if g["site"] in sync_sites or overlap == "none":
+            exposed += t
+        else:
+            exposed += g["count"] * hw.launch_s
+            async_parts.append((g["count"], t / g["count"]))
+    if async_parts and overlap == "next-step":
+        exposed += max(0.0, sum(n * d for n, d in async_parts) - compute)
+    elif async_parts and overlap == "step":
+        exposed += _queue_overrun(async_parts, compute)
+    return PhaseTime(compute, stale, total, exposed, count)
+
+
+def _queue_overrun(parts: list[tuple[int, float]], compute: float) -> float:
+    """Collectives issued evenly over `compute` seconds (each group's spread over the whole
+    step), run one at a time on the link: how long the last one finishes after the compute."""
+    issue = []
+    for n, d in parts:
+        issue += [((j + 0.5) / n, d) for j in range(n)]
+    issue.sort()
+    finish = 0.0
+    for frac, d in issue:
+        finish = max(finish, frac * compute) + d
+    return max(0.0, finish - compute)
+
+
+def sync_steps(w: Workload, steps: int) -> int:
+    """Steps run as the warm-up program: all of a strategy without stale state, else DistriFusion's
+    `warmup_steps + 1` (its counter runs synchronously while counter <= warmup_steps)."""
+    return steps if w.warmup_steps is None else min(steps, w.warmup_steps + 1)
+
+
+def project(
+    w: Workload,
+    single: Workload,
+    hw: Profile,
+    steps: int = 50,
+    overlap: str = "auto",
+    measured: dict | None = None,
+) -> Projection:
+    """Latency of one generation under `w` on `hw`, and of the one-device run `single`.
+    `measured` (optional) gives timed per-device compute in seconds per UNet call:
+    {"warmup": s, "steady": s, "single": s}, used instead of the fitted curve."""
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap={overlap!r}; known: {list(OVERLAPS)}")
+    if steps < 1:
+        raise ValueError(f"steps={steps}: must be >= 1")
+    if overlap == "auto":
+        overlap = "next-step" if hw.async_collectives else "none"
+    m = measured or {}
+    n_sync = sync_steps(w, steps)
+    times = {ph: phase_time(w, ph, hw, overlap, m.get(ph)) for ph in PHASES}
+    other = hw.compute_s(w.encode_flops) + hw.compute_s(w.decode_flops)
+    steady = steps - n_sync
+    latency = n_sync * times["warmup"].step_s + steady * times["steady"].step_s + other
+    single_step = m.get("single", hw.compute_s(single.phases["warmup"]["flops_per_device"]))
+    single_latency = steps * single_step + other
+    compute = sum(
+        k * (times[ph].compute_s + times[ph].stale_traffic_s)
+        for k, ph in ((n_sync, "warmup"), (steady, "steady"))
+    )
+    exposed = n_sync * times["warmup"].exposed_comm_s + steady * times["steady"].exposed_comm_s
+    return Projection(
+        hardware=hw.name,
+        latency_s=latency,
+        single_latency_s=single_latency,
+        speedup=single_latency / latency,
+        compute_s=compute,
+        exposed_comm_s=exposed,
+        other_s=other,
+        sync_steps=n_sync,
+        steady_steps=steady,
+        overlap=overlap,
+        compute_source="measured" if measured else hw.compute_note,
+        phases={ph: {**asdict(t), "step_s": t.step_s} for ph, t in times.items()},
+    )
+
+
+def fit_compute(points: list[tuple[float, float, float]], peak_flops: float) -> tuple[float, float]:
+    """Fit (flop_efficiency, call_overhead_s) of `Profile.compute_s` to points (flops in
+    UNet calls, number of calls, measured seconds of those calls), minimising the relative
+    error: seconds = flops / (peak x e) + calls x c, linear in (1/e, c)."""
+    a = np.array([[f / peak_flops, n] for f, n, _ in points], float)
+    y = np.array([s for _, _, s in points], float)
+    wgt = 1.0 / y
+    (inv_e, c), *_ = np.linalg.lstsq(a * wgt[:, None], y * wgt, rcond=None)
+    if inv_e <= 0:
+        raise ValueError(f"fit gave a non-positive 1/efficiency ({inv_e}); points: {points}")
+    return float(1.0 / inv_e), float(max(c, 0.0))

@@ -1,0 +1,376 @@
+"""Latency projection (issue 15): hardware profiles as data, the model's arithmetic on
+hand-built workloads, workloads read from lowered programs, `patchpar project`, the GPU timing
+script in miniature, and the committed paper and CPU checks re-derived from their records."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from test_comm import SYNTHETIC
+
+from patchpar import hardware
+from patchpar.lab.cli import main
+from patchpar.lab.config import build_plan
+from patchpar.measure.comm import collective_groups, parse_collectives
+from patchpar.measure.projection import (
+    Workload,
+    WorkloadCache,
+    compute_workload,
+    fit_compute,
+    project,
+    timed_compute,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+LATENCY = REPO / "results" / "latency"
+
+
+# ------------------------------------------------------------------ profiles
+
+
+def test_every_profile_loads_with_a_source_for_every_figure():
+    names = hardware.names()
+    for want in ("a100-sxm", "a100-pcie", "h100-sxm", "h200-sxm", "l40s", "rtx4090"):
+        assert want in names
+    for want in ("tpu-v5e", "tpu-v5p", "tpu-v6e", "cpu-gloo"):
+        assert want in names
+    for p in hardware.load_all():
+        assert p.peak_flops > 0 and p.bytes_per_s("all-gather") > 0
+        assert all(p.sources[k].strip() for k in hardware.SOURCED), p.name
+        assert 0 < p.flop_efficiency <= 1 and p.call_overhead_s >= 0
+
+
+def test_profile_arithmetic():
+    p = hardware.load("a100-sxm")
+    # ring-free log2 growth for reductions, one hop for a permute
+    assert p.latency_s("all-reduce", 8) == pytest.approx(3 * p.latency_s("all-reduce", 2))
+    assert p.latency_s("collective-permute", 8) == p.latency_s("collective-permute", 2)
+    assert p.bytes_per_s("all-gather") == pytest.approx(300e9 * 0.8)
+    assert hardware.load("rtx4090").bytes_per_s("all-gather") == pytest.approx(31.5e9 * 0.8 / 2)
+    assert p.collective_s("all-gather", 2, 3, 2.4e9) == pytest.approx(
+        3 * p.latency_s("all-gather", 2) + 0.01
+    )
+    # efficiency rises with the work per call and tends to flop_efficiency
+    p = dataclasses.replace(p, call_overhead_s=0.01)
+    assert p.efficiency(1e12) < p.efficiency(1e14) < p.flop_efficiency
+
+
+def test_unknown_hardware_lists_the_known():
+    with pytest.raises(ValueError, match="unknown hardware 'b200'.*a100-sxm"):
+        hardware.load("b200")
+
+
+def _profile_text(**drop_or_set):
+    raw = (hardware.FOLDER / "a100-sxm.yaml").read_text()
+    import yaml
+
+    d = yaml.safe_load(raw)
+    for k, v in drop_or_set.items():
+        if v is None:
+            d.pop(k)
+        else:
+            d[k] = v
+    return yaml.safe_dump(d)
+
+
+def test_profile_missing_a_field_names_field_and_file(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text(_profile_text(launch_s=None))
+    with pytest.raises(ValueError, match=f"{f}.*missing field 'launch_s'"):
+        hardware.load(f)
+    f.write_text(_profile_text(topology="infiniband"))
+    with pytest.raises(ValueError, match="topology='infiniband'; known"):
+        hardware.load(f)
+    f.write_text(_profile_text(sources={"peak_flops": "x"}))
+    with pytest.raises(ValueError, match="no source given for .*hbm_bytes_per_s"):
+        hardware.load(f)
+    f.write_text(_profile_text(compute={"flop_efficiency": 0.5, "fitted_on": "x"}))
+    with pytest.raises(ValueError, match="missing field 'compute.call_overhead_s'"):
+        hardware.load(f)
+    four = {"flop_efficiency": 0.5, "call_overhead_s": 0, "a": 1, "b": 2, "fitted_on": "x"}
+    f.write_text(_profile_text(compute=four))
+    with pytest.raises(ValueError, match="4 fitted constants"):
+        hardware.load(f)
+    f.write_text(_profile_text(compute={"borrow": "h100-sxm"}))  # h100 borrows in turn
+    with pytest.raises(ValueError, match="borrows in turn"):
+        hardware.load(f)
+
+
+# ------------------------------------------------------------------ collectives grouped
+
+
+def test_collective_groups_on_synthetic_hlo():
+    groups = collective_groups(parse_collectives(SYNTHETIC, 8), 8)
+    by = {(g["op"], g["group"], g["site"]): (g["count"], g["received_bytes"]) for g in groups}
+    assert by == {
+        ("collective-permute", 4, "halo"): (1, 2 * 8 * 16 * 2),
+        ("all-gather", 4, "kv"): (1, 3 * 4 * 8 * 2),
+        ("all-reduce", 4, "gn"): (1, 2 * 3 * 6 * 4 // 4),
+        ("all-gather", 2, "cfg"): (1, 24 * 4),
+        ("reduce-scatter", 8, "other"): (1, 7 * 16 * 4 // 8),
+        ("all-to-all", 8, "other"): (1, 7 * 16 * 2 // 8),
+    }
+
+
+# ------------------------------------------------------------------ the model on hand-built workloads
+
+
+def _workload(collectives, flops=1e12, stale=0, warmup_steps=4, sync_sites=("cfg", "other")):
+    everything = ["halo", "gn", "kv", "cfg", "other"]
+    return Workload(
+        model="m",
+        resolution=64,
+        strategy="s",
+        devices=2,
+        cfg=1,
+        batch=1,
+        dtype="bfloat16",
+        unet_batch=2,
+        phases={
+            ph: {"flops_per_device": flops, "collectives": collectives}
+            for ph in ("warmup", "steady")
+        },
+        synchronous_sites={"warmup": everything, "steady": list(sync_sites)},
+        stale_bytes_per_device=stale,
+        warmup_steps=warmup_steps,
+        encode_flops=0.0,
+        decode_flops=0.0,
+    )
+
+
+def _hw(**kw):
+    base = hardware.load("a100-sxm")
+    fields = dict(
+        peak_flops=1e12,
+        flop_efficiency=1.0,
+        call_overhead_s=0.0,
+        collective_latency_s={"all-gather": 0.0},
+        link_bytes_per_s=1e9,
+        link_efficiency=1.0,
+        topology="nvswitch",
+        launch_s=0.0,
+        hbm_bytes_per_s=1e12,
+        async_collectives=True,
+        name="toy",
+    )
+    fields.update(kw)
+    return dataclasses.replace(base, **fields)
+
+
+def test_sync_phase_exposes_and_stale_phase_hides_communication():
+    kv = [{"op": "all-gather", "group": 2, "site": "kv", "count": 4, "received_bytes": 0.4e9}]
+    w = _workload(kv)  # compute 1 s per step, communication 0.4 s per step
+    single = _workload([], flops=2e12, warmup_steps=None)
+    hw = _hw()
+    p = project(w, single, hw, steps=10, overlap="next-step")
+    assert p.sync_steps == 5 and p.steady_steps == 5
+    assert p.phases["warmup"]["exposed_comm_s"] == pytest.approx(0.4)
+    assert p.phases["steady"]["exposed_comm_s"] == pytest.approx(0.0)
+    assert p.latency_s == pytest.approx(5 * 1.4 + 5 * 1.0)
+    assert p.single_latency_s == pytest.approx(20.0)
+    assert p.speedup == pytest.approx(20.0 / 12.0)
+    # no overlap: everything exposed; a sync strategy: every step is the warm-up program
+    assert project(w, single, hw, 10, overlap="none").latency_s == pytest.approx(14.0)
+    sync = dataclasses.replace(w, warmup_steps=None)
+    assert project(sync, single, hw, 10).latency_s == pytest.approx(14.0)
+    # communication longer than a step shows its excess even with the released code's window
+    big = _workload([{**kv[0], "received_bytes": 1.5e9}])
+    assert project(big, single, hw, 10).phases["steady"]["exposed_comm_s"] == pytest.approx(0.5)
+    # a site the step waits for stays exposed in the steady phase (gn=sync)
+    gn = [{"op": "all-gather", "group": 2, "site": "gn", "count": 1, "received_bytes": 0.1e9}]
+    w2 = _workload(kv + gn, sync_sites=("cfg", "other", "gn"))
+    assert project(w2, single, hw, 10).phases["steady"]["exposed_comm_s"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="overlap='sometimes'; known"):
+        project(w, single, hw, 10, overlap="sometimes")
+
+
+def test_patchpars_window_exposes_the_tail_of_the_queue():
+    # 4 collectives of 0.1 s issued at 1/8, 3/8, 5/8, 7/8 of a 1 s step: the last one
+    # starts at 0.875 s and ends at 0.975 s: nothing exposed; at 0.3 s each the queue ends
+    # at max(0.125+0.3, 0.375)+0.3 = 0.725 -> max(0.725, 0.625)+0.3 = 1.025 -> max(1.025, 0.875)+0.3
+    # = 1.325 s: 0.325 s exposed. With the next-step window the same 1.2 s of comm shows 0.2 s.
+    single = _workload([], warmup_steps=None)
+    for each, want_step, want_next in ((0.1e9, 0.0, 0.0), (0.3e9, 0.325, 0.2)):
+        kv = [
+            {"op": "all-gather", "group": 2, "site": "kv", "count": 4, "received_bytes": 4 * each}
+        ]
+        w = _workload(kv)
+        step = project(w, single, _hw(), 10, overlap="step").phases["steady"]["exposed_comm_s"]
+        nxt = project(w, single, _hw(), 10, overlap="next-step").phases["steady"]["exposed_comm_s"]
+        assert step == pytest.approx(want_step) and nxt == pytest.approx(want_next)
+
+
+def test_launch_cost_and_stale_traffic_are_charged():
+    kv = [{"op": "all-gather", "group": 2, "site": "kv", "count": 10, "received_bytes": 0.0}]
+    w = _workload(kv, stale=int(1e9))
+    p = project(w, _workload([], warmup_steps=None), _hw(launch_s=0.001), 10)
+    assert p.phases["steady"]["exposed_comm_s"] == pytest.approx(0.01)
+    assert p.phases["steady"]["stale_traffic_s"] == pytest.approx(2e-3)  # read + write at 1 TB/s
+    assert p.phases["warmup"]["stale_traffic_s"] == pytest.approx(1e-3)  # written only
+    timed = project(
+        w,
+        _workload([], warmup_steps=None),
+        _hw(),
+        10,
+        measured={"warmup": 2.0, "steady": 3.0, "single": 4.0},
+    )
+    assert timed.compute_source == "measured" and timed.phases["steady"]["stale_traffic_s"] == 0
+    assert timed.latency_s == pytest.approx(5 * 2.0 + 5 * 3.0)
+    assert timed.single_latency_s == pytest.approx(40.0)
+
+
+def test_fit_compute_recovers_its_constants():
+    peak, eff, call = 312e12, 0.42, 0.017
+    pts = [
+        (f, n, f / (peak * eff) + n * call)
+        for f, n in ((7e14, 52), (3e15, 52), (1e14, 52), (5e13, 10))
+    ]
+    e, c = fit_compute(pts, peak)
+    assert e == pytest.approx(eff, rel=1e-9) and c == pytest.approx(call, rel=1e-9)
+
+
+# ------------------------------------------------------------------ workloads from programs
+
+
+def test_workload_matches_the_hlo_count(micro_folder, tmp_path):
+    plan = build_plan("sync_patch", {}, 2, 1)
+    w = compute_workload(str(micro_folder), 64, plan, 1, "float32")
+    from patchpar.lab.costs import CommConfig, run_comm
+
+    rec = run_comm(
+        CommConfig(
+            model=str(micro_folder),
+            resolution=64,
+            devices=2,
+            strategy="sync_patch",
+            dtype="float32",
+            memory=False,
+        )
+    )
+    for phase, key in (("warmup", "warmup_by_site"), ("steady", "steady_by_site")):
+        got = {}
+        for g in w.phases[phase]["collectives"]:
+            got[g["site"]] = got.get(g["site"], 0) + g["received_bytes"]
+        want = {k: v["max"] for k, v in rec[key].items()}
+        # a conv's halo is two permutes (from above, from below); at 2 devices each reaches one
+        # device, so the per-collective busiest receivers add up to twice a device's total
+        want["halo"] *= 2
+        assert got == want
+    assert w.warmup_steps is None and w.stale_bytes_per_device == 0
+    assert w.encode_flops == 0 and w.decode_flops == 0  # a folder: no preset configs
+    # cached: a second lookup lowers nothing and survives a reload
+    cache = WorkloadCache(tmp_path / "w.jsonl")
+    a = cache.get(str(micro_folder), 64, plan, 1, "float32")
+    b = WorkloadCache(tmp_path / "w.jsonl").get(str(micro_folder), 64, plan, 1, "float32")
+    assert a == b and len((tmp_path / "w.jsonl").read_text().splitlines()) == 1
+
+
+def test_project_cli_every_profile_and_bad_input(micro_folder, tmp_path, capsys):
+    args = ["project", "--model", str(micro_folder), "--resolution", "64", "--devices", "2"]
+    args += ["--strategy", "distrifusion", "--dtype", "float32", "--steps", "10"]
+    args += ["--cache", str(tmp_path / "w.jsonl")]
+    assert main([*args, "--hardware", "all", "--json"]) == 0
+    rows = [
+        json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
+    ]
+    assert [r["hardware"] for r in rows] == hardware.names()
+    for r in rows:
+        assert r["sync_steps"] == 5 and r["steady_steps"] == 5
+        assert math.isclose(r["speedup"], r["single_latency_s"] / r["latency_s"])
+    assert main([*args, "--hardware", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "| h100-sxm |" in out and "borrowed from a100-sxm" in out
+    assert main([*args, "--hardware", "b200"]) == 2
+    assert "unknown hardware 'b200'" in capsys.readouterr().err
+    bad = [a if a != "64" else "66" for a in args]  # 33 latent rows: no 2-way split
+    assert main([*bad, "--hardware", "a100-sxm"]) == 2
+    assert "not divisible by patch=2" in capsys.readouterr().err
+    assert main([*args[:-2], "--steps", "3", "--hardware", "a100-sxm"]) == 2
+    assert "warmup_steps=4 must be < steps=3" in capsys.readouterr().err
+
+
+def test_device_script_in_miniature_feeds_the_projection(micro_folder, tmp_path, capsys):
+    """experiments/device/shard_timing.py as a lent GPU would run it, on the micro model; its
+    records then replace the fitted compute in `patchpar project --timings`."""
+    import importlib.util
+
+    path = REPO / "experiments" / "device" / "shard_timing.py"
+    spec = importlib.util.spec_from_file_location("shard_timing", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "timing"
+    script.main(
+        [
+            "--model", str(micro_folder), "--resolutions", "64", "--patches", "1", "2",
+            "--repeats", "1", "--dtype", "float32", "--hardware", "cpu-gloo", "--out", str(out),
+        ]
+    )  # fmt: skip
+    recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [(r["patches"], r["phase"], r["status"]) for r in recs] == [
+        (1, "sync", "ok"),
+        (2, "steady", "ok"),
+    ]
+    assert all(r["unet_call_s_median"] > 0 for r in recs)
+    args = ["project", "--model", str(micro_folder), "--resolution", "64", "--devices", "2"]
+    args += ["--strategy", "distrifusion", "--dtype", "float32", "--steps", "10", "--json"]
+    args += ["--cache", str(tmp_path / "w.jsonl"), "--timings", str(out / "records.jsonl")]
+    capsys.readouterr()
+    assert main([*args, "--hardware", "cpu-gloo"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["compute_source"] == "measured"
+    assert row["compute_s"] == pytest.approx(10 * recs[1]["unet_call_s_median"])
+    w = WorkloadCache(tmp_path / "w.jsonl")
+    wl = [x for x in w if x.devices == 2][0]
+    assert timed_compute(recs, "a100-sxm", wl) is None  # other hardware: the fitted curve
+
+
+# ------------------------------------------------------------------ the committed checks
+
+
+def _experiment(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(not (LATENCY / "paper.jsonl").is_file(), reason="no paper check committed")
+def test_paper_check_rederived_from_its_records():
+    """a100-sxm's stored constants are the fit of the committed workloads on the declared
+    points, and every published point's projection follows from them."""
+    paper = _experiment("latency_paper")
+    cache = WorkloadCache(LATENCY / "workloads.jsonl")
+    wl = {}
+    for w in cache:
+        label = next(
+            (
+                k
+                for k, (name, opts) in paper.STRATEGIES.items()
+                if w.strategy == build_plan(name, opts, w.devices, 1).strategy.describe()
+            ),
+            "single",
+        )
+        wl[(label, w.resolution, w.devices)] = w
+    hw = hardware.load("a100-sxm")
+    pts = paper.fit_points(wl, hw.peak_flops, hw.hbm_bytes_per_s)
+    assert len(pts) == 6 and {p[3][1] for p in pts} == set(paper.FIT_METHODS)
+    eff, call = fit_compute([p[:3] for p in pts], hw.peak_flops)
+    assert hw.flop_efficiency == pytest.approx(eff, abs=1e-4)
+    assert hw.call_overhead_s == pytest.approx(call, abs=1e-6)
+    rows = [json.loads(line) for line in (LATENCY / "paper.jsonl").read_text().splitlines()]
+    assert len(rows) == len(paper.PUBLISHED)
+    for r in rows:
+        single = wl[("single", r["resolution"], 1)]
+        if r["method"] == "original":
+            w = single
+        elif r["method"] == "no communication":
+            w = paper.no_comm(wl[("distrifusion", r["resolution"], r["gpus"])])
+        else:
+            w = wl[(r["method"], r["resolution"], r["gpus"])]
+        p = project(w, single, hw, paper.STEPS)
+        assert p.latency_s == pytest.approx(r["projected_s"], rel=1e-3), r
+        assert r["error"] == pytest.approx(r["projected_s"] / r["published_s"] - 1)
