@@ -104,7 +104,7 @@ def write_profile_fit(eff: float, call: float, fitted_on: str) -> None:
         f'  fitted_on: "{fitted_on}"\n'
         '  command: "python experiments/latency_cpu.py"\n'
     )
-    new, n = re.subn(r"(?ms)^compute:\n(?:  .*\n)+", block, path.read_text())
+    new, n = re.subn(r"(?m)^compute:\n(?:  .*\n)+", block, path.read_text())
     if n != 1:
         raise SystemExit(f"{path}: no compute block to replace")
     path.write_text(new)

@@ -122,7 +122,7 @@ def write_profile_fit(eff: float, call: float, fitted_on: str, command: str) -> 
         f'  fitted_on: "{fitted_on}"\n'
         f'  command: "{command}"\n'
     )
-    new, n = re.subn(r"(?ms)^compute:\n(?:  .*\n)+", block, text)
+    new, n = re.subn(r"(?m)^compute:\n(?:  .*\n)+", block, text)
     if n != 1:
         raise SystemExit(f"{path}: no compute block to replace")
     path.write_text(new)
