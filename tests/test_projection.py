@@ -229,6 +229,9 @@ def test_fit_compute_recovers_its_constants():
     ]
     e, c = fit_compute(pts, peak)
     assert e == pytest.approx(eff, rel=1e-9) and c == pytest.approx(call, rel=1e-9)
+    # points that want a negative overhead get the best efficiency with none
+    e, c = fit_compute([(1e12, 1, 1.0), (2e12, 1, 3.0)], 1e12)
+    assert c == 0.0 and 1 / e == pytest.approx(15 / 13)  # least squares of x = 1, 2x/3 = 1
 
 
 # ------------------------------------------------------------------ workloads from programs

@@ -378,6 +378,9 @@ def fit_compute(points: list[tuple[float, float, float]], peak_flops: float) -> 
     y = np.array([s for _, _, s in points], float)
     wgt = 1.0 / y
     (inv_e, c), *_ = np.linalg.lstsq(a * wgt[:, None], y * wgt, rcond=None)
+    if c < 0:  # no negative overhead: the best fit with c = 0
+        (inv_e,), *_ = np.linalg.lstsq(a[:, :1] * wgt[:, None], y * wgt, rcond=None)
+        c = 0.0
     if inv_e <= 0:
         raise ValueError(f"fit gave a non-positive 1/efficiency ({inv_e}); points: {points}")
-    return float(1.0 / inv_e), float(max(c, 0.0))
+    return float(1.0 / inv_e), float(c)
