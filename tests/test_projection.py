@@ -377,3 +377,26 @@ def test_paper_check_rederived_from_its_records():
         p = project(w, single, hw, paper.STEPS)
         assert p.latency_s == pytest.approx(r["projected_s"], rel=1e-3), r
         assert r["error"] == pytest.approx(r["projected_s"] / r["published_s"] - 1)
+
+
+@pytest.mark.skipif(not (LATENCY / "paper.jsonl").is_file(), reason="no paper check committed")
+def test_latency_notebook_executes(tmp_path, monkeypatch):
+    """experiments/notebooks/latency.ipynb reads the committed records only and draws its plots
+    (into a copy of the records folder here, so the committed figures stay as they are)."""
+    import shutil
+
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    for name in ("paper.jsonl", "predictions.jsonl", "cpu.jsonl"):
+        shutil.copy(LATENCY / name, tmp_path / name)
+    monkeypatch.setenv("PATCHPAR_LATENCY", str(tmp_path))
+    path = REPO / "experiments" / "notebooks" / "latency.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "18 published points (12 checks)" in text and "cpu: 10 points" in text
+    for png in ("paper_vs_projected", "projected_speedup_by_hardware", "cpu_projected_vs_measured"):
+        assert (tmp_path / "plots" / f"{png}.png").stat().st_size > 0
