@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -95,21 +94,6 @@ def load(folder: Path, experiment_ok) -> dict:
     return out
 
 
-def write_profile_fit(eff: float, call: float, fitted_on: str) -> None:
-    path = REPO / "patchpar" / "hardware" / "cpu-gloo.yaml"
-    block = (
-        "compute:\n"
-        f"  flop_efficiency: {eff:.4f}\n"
-        f"  call_overhead_s: {call:.6f}\n"
-        f'  fitted_on: "{fitted_on}"\n'
-        '  command: "python experiments/latency_cpu.py"\n'
-    )
-    new, n = re.subn(r"(?m)^compute:\n(?:  .*\n)+", block, path.read_text())
-    if n != 1:
-        raise SystemExit(f"{path}: no compute block to replace")
-    path.write_text(new)
-
-
 def main(argv=None) -> None:
     args = parse(argv)
     if args.measure_peak:
@@ -146,7 +130,7 @@ def main(argv=None) -> None:
         "the one-core single-device step of tiny 512x512 and fmnist 32x32 (results/speedup_cpu)"
     )
     if not args.no_write_profile:
-        write_profile_fit(eff, call, fitted_on)
+        hardware.write_fit("cpu-gloo", eff, call, fitted_on, "python experiments/latency_cpu.py")
     fitted = dataclasses.replace(hw, flop_efficiency=eff, call_overhead_s=call)
     print(f"cpu-gloo fit: flop_efficiency {eff:.4f}, call_overhead_s {call * 1e3:.2f} ms")
 

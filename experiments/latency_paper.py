@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -112,22 +111,6 @@ def fit_points(wl: dict, peak: float, hbm: float) -> list[tuple]:
     return pts
 
 
-def write_profile_fit(eff: float, call: float, fitted_on: str, command: str) -> None:
-    path = REPO / "patchpar" / "hardware" / "a100-sxm.yaml"
-    text = path.read_text()
-    block = (
-        "compute:\n"
-        f"  flop_efficiency: {eff:.4f}\n"
-        f"  call_overhead_s: {call:.6f}\n"
-        f'  fitted_on: "{fitted_on}"\n'
-        f'  command: "{command}"\n'
-    )
-    new, n = re.subn(r"(?m)^compute:\n(?:  .*\n)+", block, text)
-    if n != 1:
-        raise SystemExit(f"{path}: no compute block to replace")
-    path.write_text(new)
-
-
 def main(argv=None) -> None:
     from patchpar import hardware
     from patchpar.lab.results import provenance
@@ -149,7 +132,7 @@ def main(argv=None) -> None:
     fitted_on = "DistriFusion Fig. 6 one-GPU rows and Table 2 no-communication rows (SDXL, 1024/2048/3840, 50-step DDIM)"
     command = "python experiments/latency_paper.py"
     if not args.no_write_profile:
-        write_profile_fit(eff, call, fitted_on, command)
+        hardware.write_fit("a100-sxm", eff, call, fitted_on, command)
     a100 = dataclasses.replace(a100, flop_efficiency=eff, call_overhead_s=call)
     fit = {
         "hardware": "a100-sxm",

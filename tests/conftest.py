@@ -42,3 +42,30 @@ def micro_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("micro")
     write_random_folder(folder, micro, seed=0)
     return folder
+
+
+# Files with the most work first. `make test` runs pytest-xdist with `--dist loadfile`, which
+# hands out whole files in collection order, so a heavy file collected late (test_runner.py's
+# killed-and-resumed sweep alone takes ~150 s) ran by itself at the end while the other worker
+# idled. Measured on this 2-core machine, same 250 tests: 766 s in alphabetical order, 495 s
+# with this order. Within a file the order is unchanged.
+HEAVY_FIRST = (
+    "test_runner.py",
+    "test_parallel_unet.py",
+    "test_parallel_cli.py",
+    "test_parallel_forward.py",
+    "test_attention.py",
+    "test_models_parity.py",
+    "test_fmnist.py",
+    "test_cli.py",
+    "test_projection.py",
+    "test_quality.py",
+    "test_comm.py",
+    "test_pipeline.py",
+    "test_processes.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file

@@ -98,6 +98,21 @@ def test_profile_missing_a_field_names_field_and_file(tmp_path):
         hardware.load(f)
 
 
+def test_write_fit_replaces_only_the_compute_block(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copy(hardware.FOLDER / "a100-sxm.yaml", tmp_path / "a100-sxm.yaml")
+    before = (tmp_path / "a100-sxm.yaml").read_text()
+    monkeypatch.setattr(hardware, "FOLDER", tmp_path)
+    hardware.write_fit("a100-sxm", 0.25, 0.002, "two points", "python fit.py")
+    p = hardware.load("a100-sxm")
+    assert (p.flop_efficiency, p.call_overhead_s) == (0.25, 0.002)
+    assert p.compute_note == "fitted on two points"
+    after = (tmp_path / "a100-sxm.yaml").read_text()
+    assert before.split("compute:")[0] == after.split("compute:")[0]
+    assert before.split("sources:")[1] == after.split("sources:")[1]
+
+
 # ------------------------------------------------------------------ collectives grouped
 
 

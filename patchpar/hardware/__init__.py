@@ -10,6 +10,7 @@ fitted them, or `borrow: <profile>` to use another profile's constants (said in 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,20 +26,6 @@ TOPOLOGIES = {
     "tcp": 1.0,  # processes over loopback TCP (gloo): measured per collective kind instead
 }
 OPS = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
-REQUIRED = (
-    "name",
-    "description",
-    "peak_flops",
-    "hbm_bytes_per_s",
-    "link_bytes_per_s",
-    "topology",
-    "link_efficiency",
-    "collective_latency_s",
-    "launch_s",
-    "async_collectives",
-    "compute",
-    "sources",
-)
 SOURCED = (  # figures that must name their source in `sources`
     "peak_flops",
     "hbm_bytes_per_s",
@@ -49,6 +36,7 @@ SOURCED = (  # figures that must name their source in `sources`
     "launch_s",
     "async_collectives",
 )
+REQUIRED = ("name", "description", *SOURCED, "compute", "sources")
 MAX_FITTED = 3
 
 
@@ -118,6 +106,23 @@ def load(name_or_path: str | Path) -> Profile:
 
 def load_all() -> list[Profile]:
     return [load(n) for n in names()]
+
+
+def write_fit(name: str, efficiency: float, call_overhead_s: float, fitted_on: str, command: str):
+    """Replace the `compute` block of this folder's profile `name` with fitted constants (the
+    experiments that fit them call this; the rest of the file, comments included, stays)."""
+    path = FOLDER / f"{name}.yaml"
+    block = (
+        "compute:\n"
+        f"  flop_efficiency: {efficiency:.4f}\n"
+        f"  call_overhead_s: {call_overhead_s:.6f}\n"
+        f'  fitted_on: "{fitted_on}"\n'
+        f'  command: "{command}"\n'
+    )
+    new, n = re.subn(r"(?m)^compute:\n(?:  .*\n)+", block, path.read_text())
+    if n != 1:
+        raise ValueError(f"hardware profile {path}: no compute block to replace")
+    path.write_text(new)
 
 
 def _parse(raw: dict, path: Path) -> Profile:
