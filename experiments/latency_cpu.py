@@ -32,8 +32,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-RESOLUTION = {"tiny": 512, "fmnist": 32}
-
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -80,10 +78,6 @@ def label_of(rec: dict) -> str:
     return rec.get("label") or rec["config"]["strategy"]["name"]
 
 
-def options(strategy: dict) -> dict:
-    return {k: v for k, v in strategy.items() if k != "name" and v is not None}
-
-
 def load(folder: Path, experiment_ok) -> dict:
     from patchpar.lab.results import read_records
 
@@ -102,7 +96,7 @@ def main(argv=None) -> None:
     import numpy as np
 
     from patchpar import hardware
-    from patchpar.lab.config import build_plan
+    from patchpar.lab.config import RunConfig, from_dict
     from patchpar.lab.results import provenance
     from patchpar.measure.projection import WorkloadCache, fit_compute, project
 
@@ -112,18 +106,16 @@ def main(argv=None) -> None:
     cache = WorkloadCache(args.out / "workloads_cpu.jsonl")
     hw = hardware.load("cpu-gloo")
 
-    def workload(model, rec):
-        s = rec["config"]["strategy"]
-        c = rec["config"]
-        batch = len(c["prompts"]["prompts"]) * len(c["prompts"]["seeds"])
-        plan = build_plan(s["name"], options(s), c["mesh"]["devices"], c["mesh"]["cfg"])
-        return cache.get(model, RESOLUTION[model], plan, batch, "float32")
+    def workload(rec):  # the run's own plan, size and batch (float32, as issue 13 ran)
+        c = from_dict(RunConfig, rec["config"])
+        batch = len(c.prompts.prompts) * len(c.prompts.seeds)
+        return cache.get(c.model.name, c.sampler.height, c.plan(), batch, "float32")
 
     # fit cpu-gloo's compute constants on the single rows (declared points)
     singles = {m: r for (m, lbl), r in measured.items() if lbl == "single"}
     pts = []
-    for m, r in sorted(singles.items()):
-        w = workload(m, r)
+    for _, r in sorted(singles.items()):
+        w = workload(r)
         pts.append((w.phases["warmup"]["flops_per_device"], 1, r["metrics"]["step_s_median"]))
     eff, call = fit_compute(pts, hw.peak_flops)
     fitted_on = (
@@ -139,7 +131,7 @@ def main(argv=None) -> None:
         if lbl == "single":
             continue
         single_rec = singles[model]
-        w, ws = workload(model, rec), workload(model, single_rec)
+        w, ws = workload(rec), workload(single_rec)
         steps = rec["config"]["sampler"]["steps"]
         single_step = single_rec["metrics"]["step_s_median"]
         row = {

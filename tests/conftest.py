@@ -44,6 +44,27 @@ def micro_folder(tmp_path_factory):
     return folder
 
 
+@pytest.fixture
+def run_notebook():
+    """Execute a notebook with nbclient in its own folder: (printed text, PNG outputs)."""
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    def run(path):
+        nb = nbformat.read(path, as_version=4)
+        NotebookClient(
+            nb,
+            timeout=300,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+        ).execute()
+        outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        images = [o for o in outputs if "image/png" in o.get("data", {})]
+        return "".join(o.get("text", "") for o in outputs), images
+
+    return run
+
+
 # Files with the most work first. `make test` runs pytest-xdist with `--dist loadfile`, which
 # hands out whole files in collection order, so a heavy file collected late (test_runner.py's
 # killed-and-resumed sweep alone takes ~150 s) ran by itself at the end while the other worker

@@ -357,22 +357,17 @@ def _experiment(name):
 
 
 @pytest.mark.skipif(not (LATENCY / "paper.jsonl").is_file(), reason="no paper check committed")
-def test_paper_check_rederived_from_its_records():
+def test_paper_check_rederived_from_its_records(monkeypatch):
     """a100-sxm's stored constants are the fit of the committed workloads on the declared
     points, and every published point's projection follows from them."""
+    from patchpar.measure import projection
+
+    def not_cached(*args):
+        raise AssertionError(f"workload {args[:2]} missing from the committed cache")
+
+    monkeypatch.setattr(projection, "compute_workload", not_cached)
     paper = _experiment("latency_paper")
-    cache = WorkloadCache(LATENCY / "workloads.jsonl")
-    wl = {}
-    for w in cache:
-        label = next(
-            (
-                k
-                for k, (name, opts) in paper.STRATEGIES.items()
-                if w.strategy == build_plan(name, opts, w.devices, 1).strategy.describe()
-            ),
-            "single",
-        )
-        wl[(label, w.resolution, w.devices)] = w
+    wl = paper.workloads(WorkloadCache(LATENCY / "workloads.jsonl"))
     hw = hardware.load("a100-sxm")
     pts = paper.fit_points(wl, hw.peak_flops, hw.hbm_bytes_per_s)
     assert len(pts) == 6 and {p[3][1] for p in pts} == set(paper.FIT_METHODS)
@@ -395,23 +390,15 @@ def test_paper_check_rederived_from_its_records():
 
 
 @pytest.mark.skipif(not (LATENCY / "paper.jsonl").is_file(), reason="no paper check committed")
-def test_latency_notebook_executes(tmp_path, monkeypatch):
+def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
     """experiments/notebooks/latency.ipynb reads the committed records only and draws its plots
     (into a copy of the records folder here, so the committed figures stay as they are)."""
     import shutil
 
-    nbformat = pytest.importorskip("nbformat")
-    from nbclient import NotebookClient
-
     for name in ("paper.jsonl", "predictions.jsonl", "cpu.jsonl"):
         shutil.copy(LATENCY / name, tmp_path / name)
     monkeypatch.setenv("PATCHPAR_LATENCY", str(tmp_path))
-    path = REPO / "experiments" / "notebooks" / "latency.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    ).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    text, _ = run_notebook(REPO / "experiments" / "notebooks" / "latency.ipynb")
     assert "18 published points (12 checks)" in text and "cpu: 10 points" in text
     for png in ("paper_vs_projected", "projected_speedup_by_hardware", "cpu_projected_vs_measured"):
         assert (tmp_path / "plots" / f"{png}.png").stat().st_size > 0

@@ -340,24 +340,9 @@ def test_plot_skips_what_the_records_lack(tmp_path, capsys):
     assert "no records at" in capsys.readouterr().err
 
 
-def test_notebook_executes(swept, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    from nbclient import NotebookClient
-
+def test_notebook_executes(swept, monkeypatch, run_notebook):
     _, folder, _ = swept
     monkeypatch.setenv("PATCHPAR_RESULTS", str(folder))
-    path = REPO / "experiments" / "notebooks" / "records.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    ).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    text, images = run_notebook(REPO / "experiments" / "notebooks" / "records.ipynb")
     assert "5 records (4 ok)" in text
-    images = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.outputs
-        if "data" in o and "image/png" in o["data"]
-    ]
     assert len(images) >= 2

@@ -56,6 +56,7 @@ def main(argv=None) -> None:
     from patchpar.models.presets import abstract_unet, latent_factor
     from patchpar.parallel.engine import make_step
     from patchpar.parallel.mesh import make_mesh
+    from patchpar.parallel.strategies.base import StaleStrategy
 
     start = time.perf_counter()
     dtype = getattr(jnp, a.dtype)
@@ -71,9 +72,7 @@ def main(argv=None) -> None:
         for n in a.patches:
             name = "single" if n == 1 else a.strategy
             plan = build_plan(name, {}, n, 1, comm=False)
-            phase = (
-                "steady" if name != "single" and plan.strategy.sync_steps(10**6) < 10**6 else "sync"
-            )
+            phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "sync"
             rec = {
                 "hardware": a.hardware,
                 "device_kind": dev.device_kind,

@@ -230,8 +230,12 @@ class CommCount:
 
 
 def count_hlo(hlo_text: str, num_devices: int) -> CommCount:
+    return count_collectives(parse_collectives(hlo_text, num_devices), num_devices)
+
+
+def count_collectives(collectives: list[Collective], num_devices: int) -> CommCount:
     count = CommCount(num_devices)
-    for c in parse_collectives(hlo_text, num_devices):
+    for c in collectives:
         count.add(c.site, c.received(num_devices))
     return count
 

@@ -14,7 +14,7 @@ import numpy as np
 from patchpar.measure.comm import (
     CommCount,
     collective_groups,
-    count_hlo,
+    count_collectives,
     hlo_text_with_metadata,
     parse_collectives,
 )
@@ -115,8 +115,8 @@ def measure(
             lowered = jax.jit(step, donate_argnums=donate).lower(
                 params, x, t, cond, state if phase == "steady" else None
             )
-        text = hlo_text_with_metadata(lowered)
-        hlo = count_hlo(text, plan.devices)
+        collectives = parse_collectives(hlo_text_with_metadata(lowered), plan.devices)
+        hlo = count_collectives(collectives, plan.devices)
         model = analytic_count(plan, log, local_out, out_shape.dtype.itemsize)
         entry = {
             "hlo": hlo.summary(),
@@ -124,9 +124,7 @@ def measure(
             "lower_s": round(time.perf_counter() - t0, 2),
         }
         entry["analytic_matches_hlo"] = _same(hlo, model)
-        entry["collectives"] = collective_groups(
-            parse_collectives(text, plan.devices), plan.devices
-        )
+        entry["collectives"] = collective_groups(collectives, plan.devices)
         entry["released"] = released_count(plan, log, local_out, out_shape.dtype.itemsize).summary()
         if flops:
             cost = lowered.cost_analysis()

@@ -113,6 +113,8 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
     from patchpar.models.attention import XLA
     from patchpar.models.presets import abstract_unet, latent_factor
 
+    if not plan.comm:
+        raise ValueError("a plan with stand-in collectives (comm=False) has nothing to project")
     f = latent_factor(model)
     if resolution <= 0 or resolution % f:
         raise ValueError(
@@ -226,6 +228,8 @@ def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | Non
     point (same model, resolution, dtype, patches = devices with cfg=1, strategy, and the
     one-patch `single` run). The script times one phase (the steady program of a stale
     strategy); it stands for both phases (they differ by the stale buffers' writes)."""
+    if w.cfg != 1:
+        return None
     ok = [
         r
         for r in records
@@ -236,8 +240,6 @@ def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | Non
         and r.get("dtype") == w.dtype
         and r.get("unet_batch") == w.unet_batch
     ]
-    if w.cfg != 1:
-        return None
     mine = [r for r in ok if r["patches"] == w.devices and r["strategy"] == w.strategy]
     single = [r for r in ok if r["patches"] == 1]
     if not mine or not single:
