@@ -1,9 +1,10 @@
 """Quality metrics: PSNR/SSIM definitions, FID maths against the closed form, FID with the
-real InceptionV3 weights on Fashion-MNIST, CLIP-score plumbing with a small random open_clip
-model, LPIPS reported unavailable without its weights; and none of them touches the network."""
+real InceptionV3 weights on Fashion-MNIST, CLIP score against torchmetrics' CLIPScore on the
+same embeddings, the shipped fmnist-clip, LPIPS reported unavailable without its weights; and none of them touches the network."""
 
 import json
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -145,32 +146,102 @@ def small_clip(tmp_path):
     return name, ckpt, cfg_path
 
 
-def test_clip_score_plumbing(tmp_path):
-    name, ckpt, cfg = small_clip(tmp_path)
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (3, 48, 48, 3), dtype=np.uint8)
-    prompts = ["a photo of a bag", "a photo of a shoe", "a photo of a coat"]
-    s1 = q.clip_score(images, prompts, name, str(ckpt), str(cfg))
-    s2 = q.clip_score(images, prompts, name, str(ckpt), str(cfg))
-    assert s1 == s2 and 0.0 <= s1 <= 100.0
-    # per-image scores by hand: max(100 cos, 0) averaged
+def test_clip_score_is_torchmetrics_clipscore_on_the_same_embeddings(tmp_path):
+    """patchpar's clip_score against torchmetrics' CLIPScore run on the open_clip embeddings of
+    the same images and prompts (torchmetrics does its own normalising, cosine, mean and clamp;
+    its model and processor are shims that hand it those embeddings)."""
     import torch
     from PIL import Image
+    from torchmetrics.multimodal.clip_score import CLIPScore
 
+    from patchpar.lab.datasets import pad32
     from patchpar.measure.features import clip
+    from patchpar.models.presets import CLIP_MODELS
 
-    net, pre, tok = clip(name, str(ckpt), str(cfg))
+    folder = str(CLIP_MODELS["fmnist-clip"])
+    x, y = fashion_mnist("test")
+    images = to_rgb(pad32(x[:8]))
+    # right captions for half, wrong for the others: cosines of both signs
+    prompts = [
+        f"a photo of a {FASHION_MNIST_CLASSES[(k + 5 * (i % 2)) % 10]}" for i, k in enumerate(y[:8])
+    ]
+    ours = q.clip_score(images, prompts, folder)
+    per = q.clip_cosines(images, prompts, folder)
+    assert len(per) == 8 and (per < 0).any() and (per > 0).any()  # the clamp's order matters
+    assert ours != pytest.approx(float(np.maximum(per, 0).mean()))
+
+    net, pre, tok = clip(folder)
     with torch.no_grad():
         img = net.encode_image(torch.stack([pre(Image.fromarray(i)) for i in images]))
         txt = net.encode_text(tok(prompts))
-    cos = (img / img.norm(dim=-1, keepdim=True) * (txt / txt.norm(dim=-1, keepdim=True))).sum(-1)
-    assert s1 == pytest.approx(float(torch.clamp(100 * cos, min=0).mean()), rel=1e-5)
+    index = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    txt = txt[[prompts.index(p) for p in index]]  # one row per distinct prompt
+
+    class Processor:  # text -> row ids; images -> their row ids (carried in a pixel)
+        def __call__(self, text=None, images=None, **kw):
+            if text is not None:
+                ids = torch.tensor([[index[t]] for t in text])
+                return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            return {"pixel_values": torch.stack([im.flatten()[:1] for im in images])}
+
+    class Model(torch.nn.Module):
+        config = SimpleNamespace()  # torchmetrics looks for config.text_config
+
+        def get_image_features(self, pixel_values):
+            return img[pixel_values[:, 0].long()]
+
+        def get_text_features(self, input_ids, attention_mask):
+            return txt[input_ids[:, 0]]
+
+    metric = CLIPScore(model_name_or_path=lambda: (Model(), Processor()))
+    carriers = [torch.full((3, 2, 2), i, dtype=torch.uint8) for i in range(len(images))]
+    metric.update(carriers, prompts)
+    assert ours == pytest.approx(float(metric.compute()), rel=1e-5)
+    assert ours == pytest.approx(max(float(per.mean()), 0.0))
     with pytest.raises(ValueError, match="one prompt per image"):
-        q.clip_score(images, prompts[:2], name, str(ckpt), str(cfg))
+        q.clip_score(images, prompts[:2], folder)
+    name, _, _ = small_clip(tmp_path)
     missing = q.guarded(
         "clip_score", lambda: q.clip_score(images, prompts, name, str(tmp_path / "no.pt"))
     )
     assert missing["clip_score"] is None and "not found" in missing["clip_score_unavailable"]
+
+
+def test_clip_checkpoint_not_matching_its_config_names_both(tmp_path):
+    import torch
+
+    from patchpar.measure.features import clip
+
+    name, ckpt, cfg = small_clip(tmp_path)
+    state = torch.load(ckpt)
+    state["token_embedding.weight"] = state["token_embedding.weight"][:, :8]
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    with pytest.raises(ValueError, match=r"bad\.pt does not match the model config .*json"):
+        clip(name, str(bad), str(cfg))
+
+
+def test_shipped_fmnist_clip_knows_the_classes():
+    """The committed fmnist-clip (experiments/train_clip_fmnist.py) ranks the right class
+    caption first for most real test images, and real images score above noise."""
+    from patchpar.lab.datasets import pad32
+    from patchpar.models.presets import CLIP_MODELS
+
+    folder = str(CLIP_MODELS["fmnist-clip"])
+    x, y = fashion_mnist("test")
+    images = to_rgb(pad32(x[:200]))
+    right = q.clip_cosines(
+        images, [f"a photo of a {FASHION_MNIST_CLASSES[k]}" for k in y[:200]], folder
+    )
+    wrong = q.clip_cosines(
+        images, [f"a photo of a {FASHION_MNIST_CLASSES[(k + 3) % 10]}" for k in y[:200]], folder
+    )
+    assert (right > wrong).mean() > 0.85
+    noise = np.random.default_rng(0).integers(0, 256, images.shape, dtype=np.uint8)
+    noisy = q.clip_cosines(
+        noise, [f"a photo of a {FASHION_MNIST_CLASSES[k]}" for k in y[:200]], folder
+    )
+    assert right.mean() > noisy.mean() + 5
 
 
 def test_lpips_unavailable_without_weights(tmp_path, monkeypatch):
@@ -228,6 +299,8 @@ def test_runner_records_every_metric(tmp_path, micro_folder, monkeypatch):
     assert rec["status"] == "ok", rec.get("traceback")
     m = rec["metrics"]
     assert m["quality_samples"] == 2 and m["fid_gt_reference_samples"] == 4
+    assert m["fid_reference"] == "single-device outputs" and m["fid_gt_reference"] == str(gt)
+    assert "biased" in m["fid_gt_biased"] and m["clip_score_sem"] is not None
     assert m["fid"] > 0 and m["fid_gt"] > 0 and 0 <= m["clip_score"] <= 100
     assert m["lpips"] is None and "not there" in m["lpips_unavailable"]
     assert (baseline_folder(config) / "inception.npy").is_file()  # reused by later runs

@@ -119,11 +119,41 @@ def test_bad_override_names_the_key(overrides, message):
             "warmup_steps=20 must be < steps=20",
         ),
         ({"mesh.devices": 2}, "strategy 'single' runs on 1 device"),
+        ({"measure.quality": ["clip_score"]}, "model 'tiny' has no default CLIP"),
+        ({"measure.quality": ["fid"], "prompts.seeds": [0]}, "at least 2 images in all"),
     ],
 )
 def test_bad_value_is_an_error_naming_it(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         with_overrides(RunConfig(), overrides).validate()
+
+
+def test_quality_inputs_are_checked_before_generating(tmp_path, monkeypatch):
+    """prompt_accuracy on a model without a classifier, a prompt naming no class, a CLIP that
+    does not load: errors before any image is made."""
+    from patchpar.lab import runner
+    from patchpar.lab.evaluate import check_quality_inputs
+
+    def no_generating(*a, **k):
+        raise AssertionError("generated before checking the quality inputs")
+
+    monkeypatch.setattr(runner, "timed_denoise", no_generating)
+    tiny = with_overrides(
+        RunConfig(), {"measure.quality": ["prompt_accuracy"], "results": str(tmp_path)}
+    )
+    rec = runner.run(tiny, log=lambda _: None)
+    assert rec["status"] == "error" and "has no classifier" in rec["error"]
+    fm = {"model.name": "fmnist", "sampler.height": 32, "sampler.width": 32}
+    odd = with_overrides(
+        RunConfig(), {**fm, "measure.quality": ["prompt_accuracy"], "prompts.prompts": ["a cat"]}
+    )
+    with pytest.raises(ValueError, match="'a cat' names no Fashion-MNIST class"):
+        check_quality_inputs(odd)
+    gone = with_overrides(
+        RunConfig(), {**fm, "measure.quality": ["clip_score"], "measure.clip_model": str(tmp_path)}
+    )
+    with pytest.raises(Exception, match="open_clip"):  # a folder without a CLIP in it
+        check_quality_inputs(gone)
 
 
 def test_cli_overrides_apply_on_top_of_the_yaml(tmp_path, capsys):

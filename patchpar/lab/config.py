@@ -157,13 +157,16 @@ class MeasureConfig:
     Table 1), fid (vs the single-device set), fid_gt (vs ground_truth), clip_score (vs prompts),
     prompt_accuracy (the model folder's classifier/ agrees with the class the prompt names)."""
     ground_truth: str = "fashion-mnist"
-    """fid_gt's reference: fashion-mnist[:train|:test] or a folder of images."""
+    """fid_gt's reference: fashion-mnist[:train|:test] (padded 28 -> 32 as the fmnist model's
+    frame) or a folder of images."""
     ground_truth_samples: int = 1000
     """How many ground-truth images fid_gt uses (their features are cached)."""
     clip_model: str | None = None
-    """clip_score: an open_clip model name (e.g. ViT-B-32)."""
+    """clip_score: a shipped CLIP (fmnist-clip), a folder in open_clip's local-dir format
+    (open_clip_config.json + open_clip_model.safetensors), or an open_clip model name with
+    clip_checkpoint; unset: the model's default (fmnist, fmnist-random: fmnist-clip)."""
     clip_checkpoint: str | None = None
-    """clip_score: a local checkpoint file of that model (nothing is downloaded)."""
+    """clip_score: a local checkpoint file of a named open_clip model (nothing is downloaded)."""
     clip_config: str | None = None
     """clip_score: a model config JSON named <clip_model>.json, for models open_clip lacks."""
     lpips_net: str = "alex"
@@ -206,11 +209,14 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Everything checkable without a model; ValueError naming the field and what fits."""
+        from patchpar.measure.quality import FID_MIN_SAMPLES, FID_RELIABLE_SAMPLES
         from patchpar.models.attention import IMPLEMENTATIONS
+        from patchpar.models.presets import CLIP_MODELS, DEFAULT_CLIP
         from patchpar.parallel.strategies import STRATEGIES
         from patchpar.sampling.schedulers import SAMPLERS
 
         s, m = self.sampler, self.measure
+        n_images = len(self.prompts.prompts) * len(self.prompts.seeds)
         seeds_ok = all(
             isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32
             for x in self.prompts.seeds
@@ -255,9 +261,16 @@ class RunConfig:
             (m.repeats >= 1, "measure.repeats", m.repeats, "an integer >= 1"),
             (set(m.quality) <= set(QUALITY_METRICS), "measure.quality", m.quality,
              f"a subset of {list(QUALITY_METRICS)}"),
-            ("clip_score" not in m.quality or (m.clip_model and m.clip_checkpoint),
+            ("clip_score" not in m.quality or clip_ok(self.model.name, m),
              "measure.clip_model", m.clip_model,
-             "set, with measure.clip_checkpoint, when measure.quality has clip_score"),
+             f"one of {sorted(CLIP_MODELS)}, a CLIP folder (open_clip_config.json), or a name "
+             f"with measure.clip_checkpoint, when measure.quality has clip_score (model "
+             f"{self.model.name!r} has no default CLIP; models with one: {sorted(DEFAULT_CLIP)})"),
+            (not {"fid", "fid_gt"} & set(m.quality) or n_images >= FID_MIN_SAMPLES,
+             "prompts", f"{len(self.prompts.prompts)} prompts x {len(self.prompts.seeds)} seeds",
+             f"at least {FID_MIN_SAMPLES} images in all for fid/fid_gt (a covariance of "
+             f"2048-d features from fewer is meaningless; below {FID_RELIABLE_SAMPLES} the "
+             f"record flags FID as biased)"),
             (m.ground_truth_samples >= 2, "measure.ground_truth_samples",
              m.ground_truth_samples, "an integer >= 2"),
             (m.lpips_net in ("alex", "vgg", "squeeze"), "measure.lpips_net", m.lpips_net,
@@ -272,6 +285,22 @@ class RunConfig:
         except ValueError as e:
             raise ValueError(f"strategy: {e}") from None
         return self
+
+
+def clip_ok(model: str, m: MeasureConfig) -> bool:
+    """clip_score has a CLIP to use: the model's default, a shipped name, a local-dir folder,
+    or a named open_clip model with its checkpoint (whether the files load is checked before
+    generating: patchpar.lab.evaluate.check_quality_inputs)."""
+    from patchpar.models.presets import CLIP_MODELS, DEFAULT_CLIP
+
+    if m.clip_model is None:
+        return model in DEFAULT_CLIP
+    return (
+        m.clip_model in CLIP_MODELS
+        or m.clip_model.startswith("local-dir:")
+        or Path(m.clip_model).is_dir()
+        or bool(m.clip_checkpoint)
+    )
 
 
 # ---------------------------------------------------------------------------- dict <-> config

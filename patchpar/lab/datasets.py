@@ -79,10 +79,17 @@ def load_image_folder(path: str | Path, limit: int | None = None) -> np.ndarray:
     return np.stack(images)
 
 
+def pad32(images: np.ndarray) -> np.ndarray:
+    """(N, 28, 28) Fashion-MNIST -> (N, 32, 32), centred on background: the frame the `fmnist`
+    model was trained on (experiments/train_fmnist.py) and fmnist-clip sees."""
+    return np.pad(images, ((0, 0), (2, 2), (2, 2)))
+
+
 def ground_truth(spec: str, limit: int | None = None) -> np.ndarray:
-    """Reference images for FID: `fashion-mnist` / `fashion-mnist:train` or a folder path."""
+    """Reference images for FID: `fashion-mnist` / `fashion-mnist:train` (padded to 32x32 as
+    the fmnist model's images) or a folder path."""
     if spec.startswith("fashion-mnist"):
         split = spec.split(":", 1)[1] if ":" in spec else "test"
         images, _ = fashion_mnist(split)
-        return to_rgb(images[:limit])
+        return to_rgb(pad32(images[:limit]))
     return load_image_folder(spec, limit)

@@ -39,9 +39,64 @@ def ground_truth_features(config: RunConfig) -> np.ndarray:
     from patchpar.lab.datasets import ground_truth
 
     m = config.measure
-    name = hashlib.sha256(f"{m.ground_truth}|{m.ground_truth_samples}".encode()).hexdigest()[:12]
+    name = hashlib.sha256(
+        f"{m.ground_truth}|{m.ground_truth_samples}|fashion-mnist padded to 32".encode()
+    ).hexdigest()[:12]
     path = Path(config.results) / ".baselines" / f"ground-truth-{name}.npy"
     return cached_features(path, lambda: ground_truth(m.ground_truth, m.ground_truth_samples))
+
+
+def clip_spec(config: RunConfig) -> tuple[str, str | None, str | None]:
+    """(model, checkpoint, config JSON) of the CLIP that clip_score uses: measure.clip_model,
+    a shipped name resolved to its folder, or the run's model's default."""
+    from patchpar.models.presets import CLIP_MODELS, DEFAULT_CLIP
+
+    m = config.measure
+    name = m.clip_model if m.clip_model is not None else DEFAULT_CLIP.get(config.model.name)
+    if name is None:
+        raise ValueError(
+            f"measure.clip_model is unset and model {config.model.name!r} has no default CLIP "
+            f"(models with one: {sorted(DEFAULT_CLIP)}); name one of {sorted(CLIP_MODELS)} or "
+            f"a folder with open_clip_config.json"
+        )
+    if name in CLIP_MODELS:
+        return str(CLIP_MODELS[name]), None, None
+    return name, m.clip_checkpoint, m.clip_config
+
+
+def classifier_folder(config: RunConfig) -> Path:
+    """The prompt_accuracy classifier: the model folder's classifier/ (fmnist-random: fmnist's)."""
+    from patchpar.models.presets import CLASSIFIER_OF
+
+    name = config.model.name
+    return model_folder(CLASSIFIER_OF.get(name, name)) / "classifier"
+
+
+def prompts_of(config: RunConfig) -> list[str]:
+    """The prompt of each image, in the order the run makes them."""
+    return [p for b in batches(config) for p, _ in b]
+
+
+def check_quality_inputs(config: RunConfig) -> None:
+    """What the quality metrics need, checked before anything is generated: prompt_accuracy
+    needs the model's classifier and a class named in every prompt; clip_score a CLIP that
+    loads (its checkpoint matching its config)."""
+    m = config.measure
+    if "prompt_accuracy" in m.quality:
+        from patchpar.measure.classifier import prompt_class
+
+        folder = classifier_folder(config)
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"measure.quality has prompt_accuracy but model {config.model.name!r} has no "
+                f"classifier at {folder}; drop prompt_accuracy or use a model with one (fmnist)"
+            )
+        for p in dict.fromkeys(prompts_of(config)):
+            prompt_class(p)  # ValueError naming the prompt and the classes
+    if "clip_score" in m.quality:
+        from patchpar.measure.features import clip
+
+        clip(*clip_spec(config))  # loads once per process; a mismatch is a ValueError here
 
 
 def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log: Log) -> dict:
@@ -72,25 +127,30 @@ def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log:
                 out.update({k: None, f"{k}_unavailable": got_ref["reference_unavailable"]})
                 continue
             out[k] = q.fid(feats, reference)
-            if k == "fid_gt":
-                out["fid_gt_reference_samples"] = len(reference)
-    if "prompt_accuracy" in m.quality:
+            out[f"{k}_reference"] = "single-device outputs" if k == "fid" else m.ground_truth
+            out[f"{k}_reference_samples"] = len(reference)
+            if min(len(feats), len(reference)) < q.FID_RELIABLE_SAMPLES:
+                out[f"{k}_biased"] = (
+                    f"{min(len(feats), len(reference))} samples < {q.FID_RELIABLE_SAMPLES} (the "
+                    f"feature dimension): biased upwards, compare only at equal sample counts"
+                )
+    if "prompt_accuracy" in m.quality:  # the classifier's presence checked before generating
         from patchpar.measure.classifier import prompt_accuracy_by_class
 
-        prompts = [p for b in batches(config) for p, _ in b]
-        folder = model_folder(config.model.name) / "classifier"
-        if folder.is_dir():
-            acc, per_class, counts = prompt_accuracy_by_class(folder, images, prompts)
-            out["prompt_accuracy"] = acc
-            out["prompt_accuracy_per_class"] = per_class
-            out["predicted_class_counts"] = counts
-        else:
-            out["prompt_accuracy"] = None
-            out["prompt_accuracy_unavailable"] = f"the model has no classifier at {folder}"
+        folder = classifier_folder(config)
+        acc, per_class, counts = prompt_accuracy_by_class(folder, images, prompts_of(config))
+        out["prompt_accuracy"] = acc
+        out["prompt_accuracy_sem"] = float(np.sqrt(acc * (1 - acc) / len(images)))
+        out["prompt_accuracy_per_class"] = per_class
+        out["predicted_class_counts"] = counts
     if "clip_score" in m.quality:
-        prompts = [p for b in batches(config) for p, _ in b]
-        out.update(
-            q.guarded("clip_score", lambda: q.clip_score(
-                images, prompts, m.clip_model, m.clip_checkpoint, m.clip_config))
-        )  # fmt: skip
+        model, checkpoint, clip_config = clip_spec(config)
+        got = q.guarded("cos", lambda: q.clip_cosines(
+            images, prompts_of(config), model, checkpoint, clip_config))  # fmt: skip
+        if got["cos"] is None:
+            out.update(clip_score=None, clip_score_unavailable=got["cos_unavailable"])
+        else:
+            out["clip_score"] = max(float(got["cos"].mean()), 0.0)
+            out["clip_score_sem"] = q.sem(got["cos"])
+            out["clip_model"] = m.clip_model or model.rsplit("/", 1)[-1]
     return out

@@ -30,7 +30,7 @@ from patchpar.lab.baselines import (
     weights_sha256,
 )
 from patchpar.lab.config import RunConfig, build_plan, dump_config, to_dict
-from patchpar.lab.evaluate import quality_metrics
+from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
 from patchpar.lab.launch import WorkerFailed, in_worker, launch
 from patchpar.lab.results import append_record, provenance, read_records
@@ -174,6 +174,8 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     metrics["height"], metrics["width"] = hw
     metrics["strategy"] = plan.strategy.describe()
     metrics["sync_steps"] = plan.strategy.sync_steps(s.steps) if plan.strategy.parallel else s.steps
+    if writer and m.quality:
+        check_quality_inputs(config)  # before generating, not after
 
     images, latents = [], []
     for i, batch in enumerate(batches(config)):

@@ -79,7 +79,7 @@ def inception_features(images: np.ndarray, batch_size: int = 32) -> np.ndarray:
 def _clip_folder(model: str) -> Path | None:
     """The folder of a model in open_clip's local-dir format, if `model` names one."""
     path = Path(model.removeprefix("local-dir:"))
-    if model.startswith("local-dir:") or (path / "open_clip_config.json").is_file():
+    if model.startswith("local-dir:") or path.is_dir():
         if not (path / "open_clip_config.json").is_file():
             raise Unavailable(f"CLIP folder {str(path)!r} has no open_clip_config.json")
         return path

@@ -9,8 +9,11 @@ without torch. Images are uint8 (N, H, W, 3).
 - LPIPS: torchmetrics with the AlexNet backbone, when its weights are on disk.
 - FID: torchmetrics' FrechetInceptionDistance on features given (2048-d InceptionV3 pool
   features for images), so the features of a reference set are computed once and cached.
-- CLIP score: mean over images of max(100 cos(image, prompt), 0) with an open_clip model (the
-  definition torchmetrics' CLIPScore uses, on a locally loaded model).
+- CLIP score: max(mean over images of 100 cos(image, prompt), 0), torchmetrics' CLIPScore
+  definition (the clamp is applied to the mean), with an open_clip model loaded from local
+  files (the shipped fmnist-clip for fmnist runs).
+- Spread: `<metric>_sem`, the standard error over images of the per-image values (PSNR, SSIM,
+  CLIP score; prompt accuracy's binomial sqrt(p(1-p)/n)).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import numpy as np
 
 from patchpar.measure.availability import Unavailable, guarded
 
+FID_MIN_SAMPLES = 2  # a covariance needs two samples
+FID_RELIABLE_SAMPLES = 2048  # below the feature dimension the covariance is singular: FID is
+# biased upwards by an amount that depends on the sample count, so compare only at equal counts
 PAIRED = ("psnr", "ssim", "lpips")  # against the single-device image of the same prompt and seed
 KNOWN = PAIRED + ("fid", "fid_gt", "clip_score")
 __all__ = [
@@ -59,16 +65,25 @@ def _nchw_unit(images: np.ndarray):
     return torch.from_numpy(_unit(images)).permute(0, 3, 1, 2)
 
 
-def ssim(images: np.ndarray, reference: np.ndarray) -> float:
-    """Mean SSIM over images (torchmetrics, data range 1)."""
+def sem(values) -> float | None:
+    """Standard error of the mean over images (None for fewer than two)."""
+    v = np.asarray(values, np.float64)
+    return float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None
+
+
+def ssim_per_image(images: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """SSIM of each image (torchmetrics, Gaussian window 11, sigma 1.5, data range 1)."""
     _check_pair(images, reference)
     from torchmetrics.functional.image import structural_similarity_index_measure
 
-    return float(
-        structural_similarity_index_measure(
-            _nchw_unit(images), _nchw_unit(reference), data_range=1.0
-        )
-    )
+    return structural_similarity_index_measure(
+        _nchw_unit(images), _nchw_unit(reference), data_range=1.0, reduction="none"
+    ).numpy()
+
+
+def ssim(images: np.ndarray, reference: np.ndarray) -> float:
+    """Mean SSIM over images."""
+    return float(ssim_per_image(images, reference).mean())
 
 
 def lpips(images: np.ndarray, reference: np.ndarray, net: str = "alex") -> float:
@@ -109,10 +124,15 @@ def fid(features: np.ndarray, reference: np.ndarray) -> float:
     return float(metric.compute())
 
 
-def clip_score(
-    images: np.ndarray, prompts: list[str], model: str, checkpoint: str, config: str | None = None
-) -> float:
-    """Mean over images of max(100 cos(image embedding, prompt embedding), 0)."""
+def clip_cosines(
+    images: np.ndarray,
+    prompts: list[str],
+    model: str,
+    checkpoint: str | None = None,
+    config: str | None = None,
+    batch: int = 500,
+) -> np.ndarray:
+    """100 cos(image embedding, prompt embedding) of each image and its prompt."""
     import torch
     from PIL import Image
 
@@ -121,14 +141,29 @@ def clip_score(
     if len(images) != len(prompts):
         raise ValueError(f"{len(images)} images but {len(prompts)} prompts; one prompt per image")
     net, preprocess, tokenizer = clip(
-        model, str(checkpoint), None if config is None else str(config)
+        str(model),
+        None if checkpoint is None else str(checkpoint),
+        None if config is None else str(config),
     )
+    out = []
     with torch.no_grad():
-        x = torch.stack([preprocess(Image.fromarray(im)) for im in images])
-        img = net.encode_image(x)
-        txt = net.encode_text(tokenizer(list(prompts)))
-        cos = torch.nn.functional.cosine_similarity(img, txt, dim=-1)
-    return float(torch.clamp(100 * cos, min=0).mean())
+        for i in range(0, len(images), batch):
+            x = torch.stack([preprocess(Image.fromarray(im)) for im in images[i : i + batch]])
+            img = net.encode_image(x)
+            txt = net.encode_text(tokenizer(list(prompts[i : i + batch])))
+            out.append(100 * torch.nn.functional.cosine_similarity(img, txt, dim=-1))
+    return torch.cat(out).double().numpy()
+
+
+def clip_score(
+    images: np.ndarray,
+    prompts: list[str],
+    model: str,
+    checkpoint: str | None = None,
+    config: str | None = None,
+) -> float:
+    """max(mean over images of 100 cos(image, prompt), 0), as torchmetrics' CLIPScore."""
+    return max(float(clip_cosines(images, prompts, model, checkpoint, config).mean()), 0.0)
 
 
 def paired(images: np.ndarray, reference: np.ndarray, metrics, lpips_net: str = "alex") -> dict:
@@ -141,8 +176,13 @@ def paired(images: np.ndarray, reference: np.ndarray, metrics, lpips_net: str = 
         out["psnr"] = float(finite.mean()) if len(finite) else None  # over the differing images
         out["psnr_identical_images"] = len(per) - len(finite)
         out["identical"] = not len(finite)
+        out["psnr_sem"] = sem(finite)
     if "ssim" in metrics:
-        out.update(guarded("ssim", lambda: ssim(images, reference)))
+        got = guarded("ssim", lambda: ssim_per_image(images, reference))
+        per_ssim = got.pop("ssim")
+        out.update(got)
+        out["ssim"] = None if per_ssim is None else float(per_ssim.mean())
+        out["ssim_sem"] = None if per_ssim is None else sem(per_ssim)
     if "lpips" in metrics:
         out.update(guarded("lpips", lambda: lpips(images, reference, lpips_net)))
     return out

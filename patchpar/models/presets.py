@@ -214,6 +214,12 @@ PRESETS["fmnist-random"] = {
 WEIGHTED = ("tiny", "tiny-xl", "fmnist-random")  # random weights written on first use
 # Presets with trained weights committed in the repository (experiments/train_fmnist.py).
 SHIPPED = {"fmnist": Path(__file__).resolve().parent.parent / "weights" / "fmnist"}
+# CLIP models committed in the repository (open_clip local-dir folders), by name, and the one
+# `clip_score` uses by default for each model (experiments/train_clip_fmnist.py).
+CLIP_MODELS = {"fmnist-clip": SHIPPED["fmnist"].parent / "fmnist-clip"}
+DEFAULT_CLIP = {"fmnist": "fmnist-clip", "fmnist-random": "fmnist-clip"}
+# fmnist-random makes images in fmnist's frame: it is scored by fmnist's classifier.
+CLASSIFIER_OF = {"fmnist-random": "fmnist"}
 TINY_SEED = 0
 # Classifier-free guidance each trained preset was tuned at (fmnist: on held-out seeds 100-104;
 # paper_repro.md "The fmnist model"); other models take the SD pipelines' 7.5.
