@@ -83,6 +83,7 @@ HEAVY_FIRST = (
     "test_quality.py",
     "test_comm.py",
     "test_pipeline.py",
+    "test_notebooks.py",
     "test_processes.py",
 )
 

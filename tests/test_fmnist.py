@@ -1,6 +1,9 @@
 """The pixel-space `fmnist` architecture, the prompt -> class parsing and the classifier files
 behind `prompt_accuracy`; the committed `fmnist` preset; the training script in miniature."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -130,3 +133,35 @@ def test_train_script_exports_resumes_and_refuses_another_recipe(tmp_path, capsy
 
     with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
         train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
+
+
+def test_clip_training_script_in_miniature(tmp_path, capsys, monkeypatch):
+    """experiments/train_clip_fmnist.py: one short epoch, stop and resume, export in open_clip's
+    local-dir format that the metric loads, zero-shot figures in training.json, and a work
+    folder of another recipe refused."""
+    import importlib.util
+
+    from patchpar.measure import quality as q
+
+    spec = importlib.util.spec_from_file_location(
+        "train_clip_fmnist", Path(__file__).parent.parent / "experiments" / "train_clip_fmnist.py"
+    )
+    train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_clip_fmnist", train)  # its dataclass looks it up
+    spec.loader.exec_module(train)
+    kw = dict(
+        batch=64, train_limit=256, test_limit=100, warmup_steps=2, work=tmp_path / "work",
+        out=tmp_path / "out", plots=tmp_path / "plots",
+    )  # fmt: skip
+    state = train.main(train.TrainConfig(epochs=2, max_epochs_now=1, **kw))
+    assert state["epoch"] == 1 and "rerun to continue" in capsys.readouterr().out
+    info = train.main(train.TrainConfig(epochs=2, **kw))
+    assert "resuming after epoch 1" in capsys.readouterr().out
+    assert info["epochs"] == 2 and info["test_images"] == 100
+    assert 0 <= info["zero_shot_held_out"]["ensemble"] <= 1
+    assert set(info["zero_shot_held_out"]["per_template"]) == set(train.HELD_OUT_TEMPLATES)
+    assert not set(train.HELD_OUT_TEMPLATES) & set(train.TRAIN_TEMPLATES)
+    images = np.zeros((2, 32, 32, 3), np.uint8)
+    assert q.clip_cosines(images, ["a bag", "a coat"], str(tmp_path / "out")).shape == (2,)
+    with pytest.raises(SystemExit, match="different recipe"):
+        train.main(train.TrainConfig(epochs=3, **kw))
