@@ -5,7 +5,7 @@ B images (10 class prompts x B/10 seeds), and which images differ by more than 1
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         .venv/bin/python experiments/sync8_batch_probe.py --batch 100 --steps 5
 
-Measured at f813c47 (this script's first commit is the one after): batch 100 or 80 with 5 steps -> images 0-3 wrong (max 0.355); batch 40
+Measured with the code of commit f813c47: batch 100 or 80 with 5 steps -> images 0-3 wrong (max 0.355); batch 40
 or 60 -> none; batch 100 with 1-3 steps -> none, 4 steps -> images 0-3 (0.013).
 """
 
