@@ -38,7 +38,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from patchpar.lab.datasets import fashion_mnist
+from patchpar.lab.datasets import fashion_mnist, pad32
 from patchpar.measure.classifier import FASHION_MNIST_CLASSES
 
 NAME = "fmnist-clip"
@@ -110,11 +110,10 @@ def captions(templates) -> list[str]:
 def pad_shift(x: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
     """(N, 28, 28) uint8 -> (N, 32, 32): padded with background, centred (rng None) or shifted
     by up to 2 pixels each way and flipped left-right at random."""
+    if rng is None:
+        return pad32(x)
     n = len(x)
     out = np.zeros((n, 32, 32), np.uint8)
-    if rng is None:
-        out[:, 2:30, 2:30] = x
-        return out
     dy, dx = rng.integers(0, 5, n), rng.integers(0, 5, n)
     flip = rng.random(n) < 0.5
     for i in range(n):

@@ -150,7 +150,7 @@ def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log:
         if got["cos"] is None:
             out.update(clip_score=None, clip_score_unavailable=got["cos_unavailable"])
         else:
-            out["clip_score"] = max(float(got["cos"].mean()), 0.0)
+            out["clip_score"] = q.clip_score_of(got["cos"])
             out["clip_score_sem"] = q.sem(got["cos"])
             out["clip_model"] = m.clip_model or model.rsplit("/", 1)[-1]
     return out

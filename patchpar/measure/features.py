@@ -97,15 +97,10 @@ def clip(model: str, checkpoint: str | None = None, config: str | None = None):
     folder = _clip_folder(model)
     if folder is not None:
         spec, config = f"local-dir:{folder}", str(folder / "open_clip_config.json")
-        checkpoint = next(
-            (str(p) for p in sorted(folder.iterdir()) if p.suffix in (".safetensors", ".bin")),
-            None,
-        )
-        if checkpoint is None:
-            raise Unavailable(f"CLIP folder {str(folder)!r} has no weights (.safetensors, .bin)")
-        if not checkpoint.endswith("open_clip_model.safetensors"):
-            raise ValueError(f"{folder}: name the weights open_clip_model.safetensors")
-        pretrained = None  # local-dir finds the weights itself
+        checkpoint = str(folder / "open_clip_model.safetensors")
+        if not Path(checkpoint).is_file():
+            raise Unavailable(f"CLIP folder {str(folder)!r} has no open_clip_model.safetensors")
+        pretrained = None  # local-dir loads that file itself
     else:
         if checkpoint is None or not Path(checkpoint).is_file():
             raise Unavailable(f"CLIP checkpoint {checkpoint!r} not found (a local file is needed)")

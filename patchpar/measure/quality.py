@@ -155,6 +155,11 @@ def clip_cosines(
     return torch.cat(out).double().numpy()
 
 
+def clip_score_of(cosines: np.ndarray) -> float:
+    """max(mean over images of 100 cos(image, prompt), 0), as torchmetrics' CLIPScore."""
+    return max(float(np.mean(cosines)), 0.0)
+
+
 def clip_score(
     images: np.ndarray,
     prompts: list[str],
@@ -162,8 +167,8 @@ def clip_score(
     checkpoint: str | None = None,
     config: str | None = None,
 ) -> float:
-    """max(mean over images of 100 cos(image, prompt), 0), as torchmetrics' CLIPScore."""
-    return max(float(clip_cosines(images, prompts, model, checkpoint, config).mean()), 0.0)
+    """The CLIP score of images against their prompts (clip_score_of their cosines)."""
+    return clip_score_of(clip_cosines(images, prompts, model, checkpoint, config))
 
 
 def paired(images: np.ndarray, reference: np.ndarray, metrics, lpips_net: str = "alex") -> dict:
