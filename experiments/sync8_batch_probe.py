@@ -1,12 +1,17 @@
-"""Probe of the open 8-device defect (paper_repro.md, "Known defect at 8 devices"): final
-latents of `single` against `sync_patch` on 8 fake devices for the fmnist model, one batch of
-B images (10 class prompts x B/10 seeds), and which images differ by more than 1e-3.
+"""Final latents of `single` against `sync_patch` on fake CPU devices for the fmnist model, one
+batch of B images (10 class prompts x B/10 seeds), and which images differ by more than 1e-3:
+the probe that found the XLA:CPU race behind paper_repro.md's "The 8-device defect".
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         .venv/bin/python experiments/sync8_batch_probe.py --batch 100 --steps 5
 
-Measured with the code of commit f813c47: batch 100 or 80 with 5 steps -> images 0-3 wrong (max 0.355); batch 40
-or 60 -> none; batch 100 with 1-3 steps -> none, 4 steps -> images 0-3 (0.013).
+With patchpar's multi-device XLA option (`patchpar/xla_flags.py`, since 2026-12-01): no image
+off (batch 100, 5 steps: max 9.7e-5; batch 200, 10 steps: 1.5e-4). With the one-device option
+forced (XLA_FLAGS="--xla_force_host_platform_device_count=8
+--xla_cpu_experimental_ynn_fusion_type=individual_dot"), as every fake-device run had before:
+batch 100 or 80 with 5 steps -> images 0-3 wrong (max 0.355); batch 40 or 60 -> none; batch
+100 with 1-3 steps -> none, 4 steps -> images 0-3 (0.013); batch 200 with 10 steps -> images
+0-12 (1.78). `experiments/xla_cpu_race.py` is the smaller repro.
 """
 
 from __future__ import annotations

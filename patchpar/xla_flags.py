@@ -12,32 +12,81 @@ Measured on a 2-core AMD EPYC (Zen 3, AVX2) with jaxlib 0.10.2, the SD-like UNet
   0.47 s in the same run). A 3x3 convolution alone, 64 channels at 64x64, batch 2: Eigen 5.0 ms,
   YNNPACK 10.2 ms, PyTorch 8.5 ms.
 
+**Several CPU devices in one process** (`--xla_force_host_platform_device_count`, or
+`jax_num_cpu_devices`) get `individual_dot,eltwise` instead. With jaxlib 0.10.2 on 2 cores,
+a sharded program that repeats the UNet (a denoising loop) returns wrong values for the first
+images of a large batch whenever XLA's own loop fusions handle the elementwise work (any list
+without `eltwise`, including `individual_dot` and no YNNPACK at all): `sync_patch` on 8 devices
+with 100 fmnist prompts x 2 CFG halves, 5 DDIM steps, gave images 0-3 wrong by up to 0.355 from
+the 4th step on; 2 devices with 400 images in an 8-call loop gave images 0-12 wrong. One-device
+programs are right, so are the same programs pinned to one core (`taskset -c 0`: XLA then
+splits no loop across threads), and so are they with `eltwise` in the list (every repro we
+have, 2/4/8 devices, batches up to 1000). It is a race in XLA:CPU, not in patchpar's sites
+(the programs are pure); `experiments/xla_cpu_race.py` reproduces it in ~20 s. Fake devices
+time nothing that counts (they share the cores), so their slower calls (`bench_unet.py` sd:32,
+one device: 224 ms with `individual_dot`, 290 ms with `individual_dot,eltwise`) are the price
+of right images. Launched workers (`--processes`, one device on one core) keep
+`individual_dot`.
+
 A flag the user already set in XLA_FLAGS wins; PATCHPAR_XLA_DEFAULTS=0 turns all of this off.
-The flags are CPU-only: GPU and TPU backends ignore them.
+The flags are CPU-only: GPU and TPU backends ignore them. XLA stops reading XLA_FLAGS at the
+first word that does not start with `--` (it takes what follows for a file name or ignores it),
+so such a word would silently drop every flag after it, patchpar's included.
 """
 
 from __future__ import annotations
 
 import os
 
-CPU_FLAGS = {
-    "--xla_cpu_experimental_ynn_fusion_type": "individual_dot",
-}
+YNN = "--xla_cpu_experimental_ynn_fusion_type"
+CPU_FLAGS = {YNN: "individual_dot"}
+SHARED_PROCESS_FLAGS = {YNN: "individual_dot,eltwise"}
+DEVICE_COUNT = "--xla_force_host_platform_device_count"
+SET_BY_PATCHPAR = "PATCHPAR_XLA_SET"  # the XLA_FLAGS words patchpar put there
 
 
-def apply_defaults() -> list[str]:
-    """Append patchpar's XLA:CPU defaults to XLA_FLAGS (those the user has not set); returns
-    the flags added. Has no effect once JAX has started its backend."""
+def _flags() -> list[str]:
+    return os.environ.get("XLA_FLAGS", "").split()
+
+
+def host_device_count() -> int:
+    """CPU devices JAX will start in this process, as XLA_FLAGS or JAX_NUM_CPU_DEVICES say."""
+    for word in _flags():
+        key, _, value = word.partition("=")
+        if key == DEVICE_COUNT and value.isdigit():
+            return int(value)
+    env = os.environ.get("JAX_NUM_CPU_DEVICES", "")
+    return int(env) if env.isdigit() else 1
+
+
+def wanted(devices: int) -> dict[str, str]:
+    """patchpar's XLA:CPU options for a process with `devices` CPU devices."""
+    return SHARED_PROCESS_FLAGS if devices > 1 else CPU_FLAGS
+
+
+def apply_defaults(devices: int | None = None) -> list[str]:
+    """Put patchpar's XLA:CPU defaults for `devices` CPU devices in this process (default: as
+    XLA_FLAGS / JAX_NUM_CPU_DEVICES say) into XLA_FLAGS; returns the flags set. A flag the user
+    set stays; one patchpar set (one of its own values) is replaced. Call it again when the
+    device count changes before JAX starts its backend; afterwards it has no effect."""
     if os.environ.get("PATCHPAR_XLA_DEFAULTS", "1") == "0":
         return []
-    current = os.environ.get("XLA_FLAGS", "")
-    added = [f"{k}={v}" for k, v in CPU_FLAGS.items() if k not in current]
-    if added:
-        os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    ours = os.environ.get(SET_BY_PATCHPAR, "").split()  # inherited by subprocesses too
+    words = _flags()
+    added = []
+    for key, value in wanted(devices or host_device_count()).items():
+        present = [w for w in words if w.partition("=")[0] == key]
+        if any(w not in ours for w in present):  # the user's
+            continue
+        words = [w for w in words if w not in present] + [f"{key}={value}"]
+        ours = [w for w in ours if w not in present] + [f"{key}={value}"]
+        added.append(f"{key}={value}")
+    os.environ["XLA_FLAGS"] = " ".join(words)
+    os.environ[SET_BY_PATCHPAR] = " ".join(ours)
     return added
 
 
 def in_effect() -> dict[str, str]:
     """patchpar's XLA:CPU options as XLA_FLAGS has them now (for records)."""
-    flags = dict(f.split("=", 1) for f in os.environ.get("XLA_FLAGS", "").split() if "=" in f)
+    flags = dict(w.split("=", 1) for w in _flags() if "=" in w)
     return {k: flags.get(k, "(jaxlib default)") for k in CPU_FLAGS}

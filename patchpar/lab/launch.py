@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 WORKER_ENV = "PATCHPAR_WORKER"  # "rank core": set by the launcher for each worker
 LAYOUT_ENV = "PATCHPAR_LAYOUT"  # the launch's process/core layout (JSON), for the records
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# (`intra_op_parallelism_threads=1`, here until 2026-12-01, is no XLA flag: XLA ignored it)
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 CLUSTER_FLAGS = ("--coordinator", "--num-processes", "--process-id")
 
 
@@ -112,6 +113,11 @@ def setup_worker() -> None:
     ]
     os.environ["XLA_FLAGS"] = " ".join([*flags, ONE_THREAD])
     os.environ.pop("JAX_NUM_CPU_DEVICES", None)
+    from patchpar.xla_flags import apply_defaults
+
+    apply_defaults(
+        1
+    )  # one device per process: the single-device options, whatever the launcher had
 
 
 def _exit_with_launcher() -> None:
@@ -312,6 +318,9 @@ def request_cpu_devices(n: int, log) -> None:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:  # the backend is already running: make_mesh says what to do
         return
+    from patchpar.xla_flags import apply_defaults
+
+    apply_defaults(n)  # several devices in one process: the XLA:CPU options that keep them right
     log(
         f"patchpar: starting JAX with {n} CPU devices (as --xla_force_host_platform_device_count"
         f"={n}); they share this machine's cores, so their wall time is no speedup "

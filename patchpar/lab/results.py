@@ -73,7 +73,10 @@ def _counts_as_dirty(porcelain_line: str) -> bool:
 
 
 def provenance() -> dict:
-    """Git commit, package versions and the device kind of this process."""
+    """Git commit, package versions, the device kind and patchpar's XLA:CPU options of this
+    process."""
+    from patchpar.xla_flags import in_effect
+
     commit = git_commit()
     versions = {}
     for pkg in ("jax", "jaxlib", "flax", "numpy"):
@@ -92,6 +95,7 @@ def provenance() -> dict:
         "device_kind": dev.device_kind,
         "platform": dev.platform,
         "device_count": jax.device_count(),
+        "xla_cpu_flags": in_effect(),
     }
 
 

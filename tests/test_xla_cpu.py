@@ -1,0 +1,102 @@
+"""patchpar's XLA:CPU options (patchpar/xla_flags.py) and the multi-device race they avoid."""
+
+import os
+
+import numpy as np
+import pytest
+
+from patchpar import xla_flags
+from patchpar.xla_flags import YNN
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for var in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PATCHPAR_XLA_DEFAULTS", "PATCHPAR_XLA_SET"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_one_device_gets_the_fast_option(env):
+    assert xla_flags.apply_defaults() == [f"{YNN}=individual_dot"]
+    assert os.environ["XLA_FLAGS"] == f"{YNN}=individual_dot"
+
+
+@pytest.mark.parametrize(
+    "var, value",
+    [("XLA_FLAGS", "--xla_force_host_platform_device_count=8"), ("JAX_NUM_CPU_DEVICES", "4")],
+)
+def test_several_devices_in_one_process_get_eltwise(env, var, value):
+    env.setenv(var, value)
+    xla_flags.apply_defaults()
+    assert xla_flags.in_effect() == {YNN: "individual_dot,eltwise"}
+
+
+def test_a_changed_device_count_replaces_patchpars_own_value(env):
+    xla_flags.apply_defaults()
+    xla_flags.apply_defaults(devices=8)
+    assert os.environ["XLA_FLAGS"].split() == [f"{YNN}=individual_dot,eltwise"]
+    xla_flags.apply_defaults(devices=1)
+    assert os.environ["XLA_FLAGS"].split() == [f"{YNN}=individual_dot"]
+
+
+def test_the_users_value_and_the_off_switch_win(env):
+    env.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {YNN}=individual_dot")
+    assert xla_flags.apply_defaults() == []  # even patchpar's one-device value, if the user's
+    assert xla_flags.in_effect() == {YNN: "individual_dot"}
+    env.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    env.setenv("PATCHPAR_XLA_DEFAULTS", "0")
+    assert xla_flags.apply_defaults() == []
+    assert xla_flags.in_effect() == {YNN: "(jaxlib default)"}
+
+
+def test_this_session_runs_with_the_multi_device_option():
+    """conftest starts 8 CPU devices before importing patchpar: the option below must be on,
+    or the next test does not test what patchpar runs."""
+    import jax
+
+    assert jax.device_count() == 8
+    assert xla_flags.in_effect() == {YNN: "individual_dot,eltwise"}
+
+
+def test_sync_patch_repeated_in_one_program_equals_single_for_a_large_batch():
+    """The fmnist UNet 5 times in one jitted loop, 200 images, 8 devices with sync_patch's
+    exact site ops, against one device. With `individual_dot` in this 8-device process (jaxlib
+    0.10.2, 2 cores) images 0-3 come out wrong by 0.029 from the 5th call on (an XLA:CPU race,
+    experiments/xla_cpu_race.py); the small batches of the other tests never showed it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from patchpar.parallel.mesh import PATCH
+    from patchpar.parallel.sites import PatchOps
+    from patchpar.pipelines import load_pipeline
+
+    pipe = load_pipeline("fmnist")
+    module, params = pipe.unet.module, pipe.unet_params
+    b, n, calls = 200, 8, 5
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((b, 32, 32, 1)).astype(np.float32)
+    ctx = rng.standard_normal((b, 16, module.config.cross_attention_dim)).astype(np.float32)
+
+    def loop(call, x):
+        def body(i, x):
+            return x - 0.1 * call(x, jnp.full((b,), 900.0, jnp.float32) - 100.0 * i)
+
+        return jax.lax.fori_loop(0, calls, body, x)
+
+    ref = jax.jit(lambda x: loop(lambda x, t: module.apply({"params": params}, x, t, ctx), x))(x)
+    sharded = module.clone(ops=PatchOps(n=n))
+    mesh = jax.make_mesh((n,), (PATCH,), axis_types=(jax.sharding.AxisType.Explicit,))
+    step = jax.shard_map(
+        lambda x, t, c: sharded.apply({"params": params}, x, t, c),
+        mesh=mesh,
+        in_specs=(P(None, PATCH), P(), P()),
+        out_specs=P(None, PATCH),
+        check_vma=False,
+    )
+    got = jax.jit(lambda x: loop(lambda x, t: step(x, t, ctx), x))(
+        jax.device_put(x, NamedSharding(mesh, P(None, PATCH)))
+    )
+    diff = np.abs(np.asarray(got) - np.asarray(ref)).reshape(b, -1).max(1)
+    assert diff.max() <= 1e-4, f"images off by > 1e-4: {np.flatnonzero(diff > 1e-4).tolist()}"
