@@ -1,8 +1,8 @@
 """patchpar's XLA:CPU options (patchpar/xla_flags.py) and the multi-device race they avoid."""
 
 import os
+from pathlib import Path
 
-import numpy as np
 import pytest
 
 from patchpar import xla_flags
@@ -60,43 +60,15 @@ def test_this_session_runs_with_the_multi_device_option():
 
 def test_sync_patch_repeated_in_one_program_equals_single_for_a_large_batch():
     """The fmnist UNet 5 times in one jitted loop, 200 images, 8 devices with sync_patch's
-    exact site ops, against one device. With `individual_dot` in this 8-device process (jaxlib
-    0.10.2, 2 cores) images 0-3 come out wrong by 0.029 from the 5th call on (an XLA:CPU race,
-    experiments/xla_cpu_race.py); the small batches of the other tests never showed it."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    exact site ops, against one device (experiments/xla_cpu_race.py's programs, run in this
+    process). With `individual_dot` in this 8-device process (jaxlib 0.10.2, 2 cores) images
+    0-3 come out wrong by 0.029 from the 5th call on, an XLA:CPU race; the small batches of the
+    other tests never showed it."""
+    import importlib.util
 
-    from patchpar.parallel.mesh import PATCH
-    from patchpar.parallel.sites import PatchOps
-    from patchpar.pipelines import load_pipeline
-
-    pipe = load_pipeline("fmnist")
-    module, params = pipe.unet.module, pipe.unet_params
-    b, n, calls = 200, 8, 5
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((b, 32, 32, 1)).astype(np.float32)
-    ctx = rng.standard_normal((b, 16, module.config.cross_attention_dim)).astype(np.float32)
-
-    def loop(call, x):
-        def body(i, x):
-            return x - 0.1 * call(x, jnp.full((b,), 900.0, jnp.float32) - 100.0 * i)
-
-        return jax.lax.fori_loop(0, calls, body, x)
-
-    ref = jax.jit(lambda x: loop(lambda x, t: module.apply({"params": params}, x, t, ctx), x))(x)
-    sharded = module.clone(ops=PatchOps(n=n))
-    mesh = jax.make_mesh((n,), (PATCH,), axis_types=(jax.sharding.AxisType.Explicit,))
-    step = jax.shard_map(
-        lambda x, t, c: sharded.apply({"params": params}, x, t, c),
-        mesh=mesh,
-        in_specs=(P(None, PATCH), P(), P()),
-        out_specs=P(None, PATCH),
-        check_vma=False,
-    )
-    got = jax.jit(lambda x: loop(lambda x, t: step(x, t, ctx), x))(
-        jax.device_put(x, NamedSharding(mesh, P(None, PATCH)))
-    )
-    diff = np.abs(np.asarray(got) - np.asarray(ref)).reshape(b, -1).max(1)
-    assert diff.max() <= 1e-4, f"images off by > 1e-4: {np.flatnonzero(diff > 1e-4).tolist()}"
+    path = Path(__file__).resolve().parent.parent / "experiments" / "xla_cpu_race.py"
+    spec = importlib.util.spec_from_file_location("xla_cpu_race", path)
+    race = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(race)
+    got = race.child(race.parse(["--devices", "8", "--batch", "200", "--calls", "5"]))
+    assert got["max_abs_diff"] <= 1e-4, f"images off by > 1e-3: {got['wrong_images']}"
