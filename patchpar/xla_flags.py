@@ -22,7 +22,7 @@ the 4th step on; 2 devices with 400 images in an 8-call loop gave images 0-12 wr
 programs are right, so are the same programs pinned to one core (`taskset -c 0`: XLA then
 splits no loop across threads), and so are they with `eltwise` in the list (every repro we
 have, 2/4/8 devices, batches up to 1000). It is a race in XLA:CPU, not in patchpar's sites
-(the programs are pure); `experiments/xla_cpu_race.py` reproduces it in ~20 s. Fake devices
+(the programs are pure); `experiments/xla_cpu_race.py` reproduces it (~20 s per setting). Fake devices
 time nothing that counts (they share the cores), so their slower calls (`bench_unet.py` sd:32,
 one device: 224 ms with `individual_dot`, 290 ms with `individual_dot,eltwise`) are the price
 of right images. Launched workers (`--processes`, one device on one core) keep
@@ -67,7 +67,7 @@ def wanted(devices: int) -> dict[str, str]:
 def apply_defaults(devices: int | None = None) -> list[str]:
     """Put patchpar's XLA:CPU defaults for `devices` CPU devices in this process (default: as
     XLA_FLAGS / JAX_NUM_CPU_DEVICES say) into XLA_FLAGS; returns the flags set. A flag the user
-    set stays; one patchpar set (one of its own values) is replaced. Call it again when the
+    set stays; one patchpar set (named in PATCHPAR_XLA_SET) is replaced. Call it again when the
     device count changes before JAX starts its backend; afterwards it has no effect."""
     if os.environ.get("PATCHPAR_XLA_DEFAULTS", "1") == "0":
         return []

@@ -115,9 +115,8 @@ def setup_worker() -> None:
     os.environ.pop("JAX_NUM_CPU_DEVICES", None)
     from patchpar.xla_flags import apply_defaults
 
-    apply_defaults(
-        1
-    )  # one device per process: the single-device options, whatever the launcher had
+    # one device per process: the single-device options, whatever the launcher had
+    apply_defaults(1)
 
 
 def _exit_with_launcher() -> None:
