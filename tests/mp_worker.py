@@ -2,7 +2,7 @@
 joins the others, then does what its first argument says.
 
   denoise OUT.npz CFG NAME...   the micro SD UNet's final latent under each strategy NAME
-                    (of STRATEGIES) on a (cfg, patch) mesh over every process's device;
+                    (of STRATEGIES) on a (data, cfg, patch) mesh over every process's device;
                     process 0 saves them
   die RANK          process RANK exits at once with code 7; the others wait in a collective
   hang              every process sleeps (for the launcher's timeout)
@@ -36,11 +36,15 @@ def quiet(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-STRATEGIES = {
-    "sync_patch": {},
-    "distrifusion": {"warmup_steps": 1},
-    "pcpp": {"warmup_steps": 1, "portion": 0.5},
+STRATEGIES = {  # name: (strategy, options, data parallel)
+    "sync_patch": ("sync_patch", {}, False),
+    "distrifusion": ("distrifusion", {"warmup_steps": 1}, False),
+    "pcpp": ("pcpp", {"warmup_steps": 1, "portion": 0.5}, False),
+    "ring": ("ring", {}, False),
+    "ulysses": ("ulysses", {}, False),
+    "data": ("sync_patch", {}, True),  # every device of a cfg half takes its own images
 }
+EXACT = ("sync_patch", "ring", "ulysses", "data")  # equal to the single device
 STEPS = 4
 
 
@@ -60,7 +64,10 @@ def final_latents(devices: int, cfg: int, names) -> dict:
     sched = smp.schedule(SchedulerConfig(), STEPS)
     out = {}
     for name in names:
-        plan = Plan(make_strategy(name, **STRATEGIES[name]), devices, cfg)
+        strategy, options, data = STRATEGIES[name]
+        plan = Plan(
+            make_strategy(strategy, **options), devices, cfg, data=devices // cfg if data else 1
+        )
         latent, _ = denoise(
             unet, plan, smp, params, cond, sched, x * sched.init_noise_sigma, GUIDANCE
         )

@@ -111,8 +111,36 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
             r"no option\(s\) \['portion'\]; its options: \['warmup_steps', 'gn', 'no_sync'\]",
         ),
         (
-            dict(strategy="ring"),
-            r"unknown strategy 'ring'; known: \['single', 'naive_patch', 'sync_patch', 'distrifusion', 'pcpp'\]",
+            dict(strategy="megatron"),
+            r"unknown strategy 'megatron'; known: \['single', 'naive_patch', 'sync_patch', "
+            r"'distrifusion', 'pcpp', 'ring', 'ulysses'\]",
+        ),
+        (
+            dict(strategy="sync_patch", devices=8, data=3),
+            r"devices=8 is not divisible by data=3 x "
+            r"cfg=1 = 3: .* data can be one of \[1, 2, 4, 8\]",
+        ),
+        (
+            dict(strategy="sync_patch", devices=4, data=2, prompt=("a", "b", "c")),
+            r"batch of 3 image\(s\) per call is not divisible by data=2.* data in \[1, 3\]",
+        ),
+        (
+            dict(strategy="single", devices=2, data=2),
+            r"strategy 'single' runs on 1 device, got "
+            r"devices=2 \(data=2, cfg=1\)",
+        ),
+        (
+            dict(strategy="ring", devices=8, ring_degree=3),
+            r"ring: ring_degree=3 must divide the "
+            r"patch axis \(8 devices\); divisors: \[1, 2, 4, 8\]",
+        ),
+        (
+            dict(strategy="ulysses", devices=8, cfg=2, ring_degree=2, ulysses_degree=4),
+            r"ring_degree=2 x ulysses_degree=4 = 8, but the patch axis has 4 devices",
+        ),
+        (
+            dict(strategy="sync_patch", devices=2, ring_degree=2),
+            r"strategy 'sync_patch' has no option\(s\) \['ring_degree'\]",
         ),
         (dict(strategy="single", devices=2), r"strategy 'single' runs on 1 device"),
         (

@@ -43,18 +43,20 @@ def _single_latent() -> np.ndarray:
 
 
 def _check(processes: int, cfg: int, names: list[str], tmp_path) -> None:
-    """sync_patch over the processes equals the single device (<= 1e-4 relative, the
-    engine's tolerance); a stale strategy equals itself on as many fake devices in one
-    process (<= 1e-5)."""
-    from mp_worker import final_latents
+    """The exact strategies (sync_patch, ring, ulysses, data parallel) over the processes equal
+    the single device (<= 1e-4 relative, the engine's tolerance); a stale strategy equals
+    itself on as many fake devices in one process (<= 1e-5)."""
+    from mp_worker import EXACT, final_latents
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "latents.npz"
     args = ["denoise", str(out), str(cfg), *names]
     launch.launch(args, processes, timeout_s=400, log=quiet, program=WORKER_PROGRAM)
     got = dict(np.load(out))
-    assert _rel(got["sync_patch"], _single_latent()) <= 1e-4
-    stale = [n for n in names if n != "sync_patch"]
+    single = _single_latent()
+    for name in [n for n in names if n in EXACT]:
+        assert _rel(got[name], single) <= 1e-4, name
+    stale = [n for n in names if n not in EXACT]
     fake = final_latents(processes, cfg, stale)
     for name in stale:
         assert _rel(got[name], fake[name]) <= 1e-5, name
@@ -63,7 +65,7 @@ def _check(processes: int, cfg: int, names: list[str], tmp_path) -> None:
 
 
 def test_two_processes_equal_one_device(tmp_path):
-    _check(2, 1, ["sync_patch"], tmp_path)
+    _check(2, 1, ["sync_patch", "ring", "ulysses", "data"], tmp_path)
 
 
 @pytest.mark.slow

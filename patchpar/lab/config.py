@@ -16,16 +16,26 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
-STRATEGY_OPTIONS = ("warmup_steps", "gn", "no_sync", "portion", "send", "split")
+STRATEGY_OPTIONS = (
+    "warmup_steps",
+    "gn",
+    "no_sync",
+    "portion",
+    "send",
+    "split",
+    "ring_degree",
+    "ulysses_degree",
+)
 
 
-def build_plan(name: str, options: dict, devices: int, cfg: int, comm: bool = True):
-    """The strategy `name` with the options given (None = the strategy's default), on devices."""
+def build_plan(name: str, options: dict, devices: int, cfg: int, comm: bool = True, data: int = 1):
+    """The strategy `name` with the options given (None = the strategy's default), on devices
+    split as data x cfg x patch."""
     from patchpar.parallel.engine import Plan
     from patchpar.parallel.strategies import make_strategy
 
     options = {k: v for k, v in options.items() if v is not None}
-    return Plan(make_strategy(name, **options), devices, cfg, comm)
+    return Plan(make_strategy(name, **options), devices, cfg, comm, data)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,12 @@ class StrategyOptions:
     """pcpp: full (whole neighbour K/V, as PCPP's code; default) or band (only the rows used)."""
     split: str | None = None
     """naive_patch: row (default), col or alternate (DistriFusion Fig. 3's baselines)."""
+    ring_degree: int | None = None
+    """ring/ulysses: devices in the K/V ring (xDiT's ring_degree); ring x ulysses = the patch
+    axis (ring's default: all of it; with ulysses_degree the other follows)."""
+    ulysses_degree: int | None = None
+    """ring/ulysses: devices in each Ulysses all-to-all group (xDiT's ulysses_degree; ulysses'
+    default: the whole patch axis). Heads that do not divide it are padded with zero heads."""
 
     def options(self) -> dict:
         return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
@@ -56,15 +72,17 @@ class PlanFlags(StrategyOptions):
     `comm`)."""
 
     strategy: str = "single"
-    """single, naive_patch, sync_patch, distrifusion or pcpp."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, ring or ulysses."""
     devices: int = 1
-    """Devices in all (= cfg x patch)."""
+    """Devices in all (= data x cfg x patch)."""
     cfg: int = 1
     """1: both guidance halves on every device; 2: split across two device halves."""
+    data: int = 1
+    """Devices that split the images of a batch (data parallel; the Flax SD pipeline's pmap)."""
 
     def plan(self):
         """The strategy with the options given, placed on the devices."""
-        return build_plan(self.strategy, self.options(), self.devices, self.cfg)
+        return build_plan(self.strategy, self.options(), self.devices, self.cfg, data=self.data)
 
 
 # ---------------------------------------------------------------------------- RunConfig parts
@@ -91,9 +109,13 @@ class ModelConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     devices: int = 1
-    """Devices in all (= cfg x patch)."""
+    """Devices in all (= data x cfg x patch)."""
     cfg: int = 1
     """1: both guidance halves on every device; 2: split across two device halves (DistriFusion §4.3)."""
+    data: int = 1
+    """Devices that split the images of each call (data parallel, as the Flax SD pipeline's
+    pmap); the images per call must be a multiple of it. Image (prompt, seed) is the same
+    whatever the split."""
     processes: int = 0
     """0: run in this process on the devices it sees (on CPU, fake devices sharing the cores:
     no speedup). N >= 1: launch N processes here (`--processes N`), one CPU device, one core
@@ -105,7 +127,7 @@ class StrategyConfig(StrategyOptions):
     """A strategy and its options."""
 
     name: str = "single"
-    """single, naive_patch, sync_patch, distrifusion or pcpp."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, ring or ulysses."""
 
     def label(self) -> str:
         """Name and the options set, e.g. `pcpp portion=0.5 send=band`."""
@@ -205,6 +227,7 @@ class RunConfig:
             self.mesh.devices,
             self.mesh.cfg,
             comm=not self.measure.compute_only,
+            data=self.mesh.data,
         )
 
     def validate(self) -> RunConfig:
@@ -233,6 +256,12 @@ class RunConfig:
             (self.timeout_s > 0, "timeout_s", self.timeout_s, "a positive number of seconds"),
             (self.mesh.cfg in (1, 2), "mesh.cfg", self.mesh.cfg,
              "1 (both guidance halves on every device) or 2 (split across two device halves)"),
+            (isinstance(self.mesh.data, int) and self.mesh.data >= 1, "mesh.data",
+             self.mesh.data, "an integer >= 1 (1: no data parallelism)"),
+            (self.mesh.data == 1 or self.strategy.name != "single", "mesh.data",
+             self.mesh.data, "1 with strategy single (one device); data parallelism composes "
+             "with the parallel strategies (sync_patch with mesh.devices = mesh.data is pure "
+             "data parallel)"),
             (self.experiment and "/" not in self.experiment, "experiment", self.experiment,
              "a non-empty name without '/'"),
             (self.strategy.name in STRATEGIES, "strategy.name", self.strategy.name,
@@ -279,6 +308,22 @@ class RunConfig:
         for ok, key, value, fits in checks:
             if not ok:
                 raise ValueError(f"{key}={value!r}: must be {fits}")
+        from patchpar.parallel.mesh import mesh_shape
+
+        try:
+            mesh_shape(self.mesh.devices, self.mesh.cfg, self.mesh.data)
+        except ValueError as e:
+            raise ValueError(f"mesh: {e}") from None
+        per_call = min(self.prompts.batch_size or n_images, n_images)
+        calls = {per_call} | ({n_images % per_call} if n_images % per_call else set())
+        if any(c % self.mesh.data for c in calls):
+            raise ValueError(
+                f"mesh.data={self.mesh.data}: the calls take {sorted(calls)} image(s) "
+                f"({len(self.prompts.prompts)} prompts x {len(self.prompts.seeds)} seeds, "
+                f"prompts.batch_size={self.prompts.batch_size}), and every call's images must "
+                f"split evenly over the data axis; use a batch size and an image count that are "
+                f"multiples of {self.mesh.data}"
+            )
         try:
             plan = self.plan()  # strategy options: unknown names and bad values
             plan.strategy.validate(s.steps, plan.patch, plan.cfg)

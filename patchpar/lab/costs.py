@@ -18,8 +18,9 @@ class CommConfig(PlanFlags):
     """A preset (sd15, sd21, sdxl, tiny, tiny-xl) or a local diffusers folder (only its unet/config.json is read)."""
     resolution: int = 1024
     """Square image size in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
-    batch: int = 1
-    """Images per call; with cfg=1 the UNet batch is 2 x batch (the CFG pair)."""
+    batch: int = 0
+    """Images per call (0: one per data slice, = data); with cfg=1 the UNet batch is 2 x batch
+    (the CFG pair)."""
     dtype: str = "bfloat16"
     """float32 or bfloat16."""
     attention: str = "auto"
@@ -57,7 +58,8 @@ def run_comm(config: CommConfig) -> dict:
     spec = resolve(AttentionSpec(config.attention, config.block_q, config.block_kv), dtype)
     unet = abstract_unet(config.model, dtype, spec)
     latent = config.resolution // f
-    r = measure(unet, plan, (latent, latent), batch=config.batch, memory=config.memory)
+    batch = config.batch or plan.data
+    r = measure(unet, plan, (latent, latent), batch=batch, memory=config.memory)
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
     memory = {}
     if config.memory:
@@ -71,9 +73,10 @@ def run_comm(config: CommConfig) -> dict:
         "resolution": config.resolution,
         "devices": plan.devices,
         "cfg": plan.cfg,
+        "data": plan.data,
         "strategy": plan.strategy.describe(),
         "dtype": config.dtype,
-        "batch": config.batch,
+        "batch": batch,
         "steady_bytes_per_device": st["hlo"]["all"]["max"],
         "warmup_bytes_per_device": wu["hlo"]["all"]["max"],
         "steady_bytes_mean": st["hlo"]["all"]["mean"],
@@ -105,7 +108,9 @@ def jax_backend() -> str:
 def format_comm(rec: dict) -> str:
     mb = lambda b: f"{b / 2**20:10.3f}"  # noqa: E731
     lines = [
-        f"{rec['strategy']} | {rec['model']} {rec['resolution']}px {rec['dtype']} | {rec['devices']} devices (cfg={rec['cfg']})",
+        f"{rec['strategy']} | {rec['model']} {rec['resolution']}px {rec['dtype']} | "
+        f"{rec['devices']} devices (data={rec.get('data', 1)}, cfg={rec['cfg']}) | "
+        f"batch {rec['batch']}",
         "",
         f"{'MiB received per UNet call':28s} {'warm-up':>10s} {'steady':>10s}   (busiest device; mean; total)",
     ]

@@ -42,7 +42,11 @@ def summary_columns(records: list[dict]) -> tuple[str, ...]:
     timing = ()
     if any(r.get("config", {}).get("mesh", {}).get("processes") for r in records):
         timing = SPEEDUP_COLUMNS
-    return DEFAULT_COLUMNS[:-1] + timing + extra + DEFAULT_COLUMNS[-1:]
+    cols = DEFAULT_COLUMNS
+    if any(r.get("config", {}).get("mesh", {}).get("data", 1) > 1 for r in records):
+        at = cols.index("mesh.cfg") + 1
+        cols = cols[:at] + ("mesh.data",) + cols[at:]
+    return cols[:-1] + timing + extra + cols[-1:]
 
 
 # key -> (header, format)
@@ -82,6 +86,7 @@ FORMATS = {
     "label": ("strategy", str),
     "mesh.devices": ("devices", str),
     "mesh.cfg": ("cfg", str),
+    "mesh.data": ("data", str),
 }
 
 

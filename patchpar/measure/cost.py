@@ -52,7 +52,8 @@ def _site_count(plan: Plan, log, rule: str) -> CommCount:
         per_patch = np.array(
             [getattr(ops, rule)(kind, info, p) for p in range(plan.patch)], np.int64
         )
-        count.add(kind, np.tile(per_patch, plan.cfg))  # device id = cfg_index * patch + patch_index
+        # device id = (data_index * cfg + cfg_index) * patch + patch_index
+        count.add(kind, np.tile(per_patch, plan.data * plan.cfg))
     return count
 
 
@@ -90,20 +91,21 @@ def measure(
     device (pre-optimisation HLO cost analysis), stale-buffer bytes per device, and with
     `memory` the compiled steady-phase program's memory per device (compiles it; the
     warm-up program is the same one without stale buffers coming in)."""
-    plan.validate(unet, latent_hw, 1_000_000, guidance_scale)
+    plan.validate(unet, latent_hw, 1_000_000, guidance_scale, batch)
     mesh = plan.mesh()
     params = unet.abstract_params() if params is None else params
     x, t, cond = abstract_inputs(unet, latent_hw, batch)
     axis = plan.strategy.patch_axis(0)
     warm = make_step(unet, plan, "sync", axis, guidance_scale, mesh)
     out_shape, state = jax.eval_shape(warm, params, x, t, cond, None)
+    local_b = batch // plan.data
     local_out = (
-        (batch,)
+        (local_b,)
         + (latent_hw[0] // plan.patch if axis == "row" else latent_hw[0],)
         + out_shape.shape[2:]
     )
     if axis == "col":
-        local_out = (batch, latent_hw[0], latent_hw[1] // plan.patch) + out_shape.shape[3:]
+        local_out = (local_b, latent_hw[0], latent_hw[1] // plan.patch) + out_shape.shape[3:]
     record = {"stale_bytes_per_device": stale_bytes_per_device(state), "phases": {}}
     for name, phase in PHASES.items():
         t0 = time.perf_counter()

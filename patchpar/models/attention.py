@@ -154,38 +154,74 @@ def _blocks(n: int, block: int) -> tuple[int, int]:
 
 def chunked_attention(q, k, v, heads: int, mask=None, block_q: int = 512, block_kv: int = 1024):
     """Blockwise attention with an online softmax; memory O(block_q x block_kv) per head."""
-    b, tq, inner = q.shape
-    tk = k.shape[1]
-    d = inner // heads
-    nq, bq = _blocks(tq, block_q)
-    nk, bk = _blocks(tk, block_kv)
-    qh, kh, vh = _split(q, heads), _split(k, heads), _split(v, heads)  # (B, H, T, D)
-    keep = jnp.ones((tk,), bool) if mask is None else mask
-    if nk * bk != tk:
-        pad = ((0, 0), (0, 0), (0, nk * bk - tk), (0, 0))
-        kh, vh = jnp.pad(kh, pad), jnp.pad(vh, pad)
-        keep = jnp.pad(keep, (0, nk * bk - tk))
-    if nq * bq != tq:
-        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, nq * bq - tq), (0, 0)))
-    # blocks first: (n, B, H, block, D)
-    kb = kh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
-    vb = vh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
-    keepb = keep.reshape(nk, 1, 1, 1, bk)
-    qb = qh.reshape(b, heads, nq, bq, d).transpose(2, 0, 1, 3, 4)
-    masked = mask is not None or nk * bk != tk
-    out = lax.map(
-        partial(_query_block, kb=kb, vb=vb, keepb=keepb if masked else None, scale=d**-0.5), qb
-    )  # (nq, B, H, bq, D)
-    out = out.transpose(1, 2, 0, 3, 4).reshape(b, heads, nq * bq, d)[:, :, :tq]
-    return _merge(out).astype(v.dtype)
+    blocks = OnlineSoftmax.start(q, heads, block_q)
+    return blocks.update(k, v, mask, block_kv).finish(v.dtype)
 
 
 _BATCHED = (((3,), (3,)), ((0, 1), (0, 1)))  # contract D, batch (B, H)
 _PV = (((3,), (2,)), ((0, 1), (0, 1)))  # contract keys, batch (B, H)
 
 
-def _query_block(qi, kb, vb, keepb, scale):
-    """One query block (B, H, bq, D) against every key block: flash attention's recurrence."""
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    """Flash attention's recurrence over any sequence of key/value chunks (the chunked kernel
+    feeds it one chunk; ring attention one chunk per hop): float32 running row maxima and
+    accumulators per query block, so chunks seen in any order give the same softmax."""
+
+    qb: jax.Array  # (nq, B, H, bq, D) query blocks (padded queries at the end)
+    m: jax.Array  # (nq, B, H, bq, 1) running max of the unscaled scores, float32
+    acc: jax.Array  # (nq, B, H, bq, D + 1) sum of p v, and of p in the last column, float32
+    tq: int  # queries before padding
+
+    @classmethod
+    def start(cls, q: jax.Array, heads: int, block_q: int) -> OnlineSoftmax:
+        """q: (B, Tq, H*D); no key seen yet."""
+        b, tq, inner = q.shape
+        d = inner // heads
+        nq, bq = _blocks(tq, block_q)
+        qh = _split(q, heads)  # (B, H, Tq, D)
+        if nq * bq != tq:
+            qh = jnp.pad(qh, ((0, 0), (0, 0), (0, nq * bq - tq), (0, 0)))
+        qb = qh.reshape(b, heads, nq, bq, d).transpose(2, 0, 1, 3, 4)  # blocks first
+        m = jnp.full(qb.shape[:4] + (1,), -jnp.inf, jnp.float32)
+        return cls(qb, m, jnp.zeros(qb.shape[:4] + (d + 1,), jnp.float32), tq)
+
+    def update(self, k: jax.Array, v: jax.Array, mask=None, block_kv: int = 1024):
+        """The state after also attending to keys/values k, v (B, Tk, H*D), mask (Tk,) bool."""
+        nq, b, heads, bq, d = self.qb.shape
+        tk = k.shape[1]
+        nk, bk = _blocks(tk, block_kv)
+        kh, vh = _split(k, heads), _split(v, heads)  # (B, H, T, D)
+        keep = jnp.ones((tk,), bool) if mask is None else mask
+        if nk * bk != tk:
+            pad = ((0, 0), (0, 0), (0, nk * bk - tk), (0, 0))
+            kh, vh = jnp.pad(kh, pad), jnp.pad(vh, pad)
+            keep = jnp.pad(keep, (0, nk * bk - tk))
+        # blocks first: (n, B, H, block, D)
+        kb = kh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
+        vb = vh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
+        keepb = keep.reshape(nk, 1, 1, 1, bk)
+        masked = mask is not None or nk * bk != tk
+        # v carries a column of ones: the matmul also gives the row sums of p (no reduce pass)
+        vb = jnp.concatenate([vb, jnp.ones(vb.shape[:-1] + (1,), vb.dtype)], -1)
+        m, acc = lax.map(
+            partial(_query_block, kb=kb, vb=vb, keepb=keepb if masked else None, scale=d**-0.5),
+            (self.qb, self.m, self.acc),
+        )
+        return OnlineSoftmax(self.qb, m, acc, self.tq)
+
+    def finish(self, dtype) -> jax.Array:
+        """The attention output (B, Tq, H*D) in `dtype`."""
+        nq, b, heads, bq, d = self.qb.shape
+        out = self.acc[..., :d] / self.acc[..., d:]  # (nq, B, H, bq, D)
+        out = out.transpose(1, 2, 0, 3, 4).reshape(b, heads, nq * bq, d)[:, :, : self.tq]
+        return _merge(out).astype(dtype)
+
+
+def _query_block(blk, kb, vb, keepb, scale):
+    """One query block (B, H, bq, D) and its running (max, accumulator) against every key
+    block: flash attention's recurrence."""
+    qi, m0, acc0 = blk
 
     def step(carry, blk):
         m, acc = carry
@@ -199,18 +235,11 @@ def _query_block(qi, kb, vb, keepb, scale):
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a block with no key at all
         p = jnp.exp((s - m_safe) * scale)
         alpha = jnp.exp((m - m_safe) * scale)
-        # v carries a column of ones: the matmul also gives the row sums of p (no reduce pass)
         pv = lax.dot_general(p.astype(vv.dtype), vv, _PV, preferred_element_type=jnp.float32)
         return (m_new, alpha * acc + pv), None
 
-    d = qi.shape[-1]
-    init = (
-        jnp.full(qi.shape[:3] + (1,), -jnp.inf, jnp.float32),
-        jnp.zeros(qi.shape[:3] + (d + 1,), jnp.float32),
-    )
-    ones = jnp.ones(vb.shape[:-1] + (1,), vb.dtype)
-    (_, acc), _ = lax.scan(step, init, (kb, jnp.concatenate([vb, ones], -1), keepb))
-    return acc[..., :d] / acc[..., d:]
+    (m, acc), _ = lax.scan(step, (m0, acc0), (kb, vb, keepb))
+    return m, acc
 
 
 def _cudnn_attention(q, k, v, heads: int, mask=None):

@@ -91,7 +91,7 @@ def dense(features: int, name: str, dtype, use_bias: bool = True) -> nn.Dense:
 
 
 class Attention(nn.Module):
-    """diffusers `Attention`: to_q/to_k/to_v/to_out.0. Self-attention K/V go through the site."""
+    """diffusers `Attention`: to_q/to_k/to_v/to_out.0. Self-attention goes through the site."""
 
     heads: int
     dim_head: int
@@ -108,10 +108,10 @@ class Attention(nn.Module):
         src = x if context is None else context
         k = dense(inner, "to_k", self.dtype, self.qkv_bias)(src)
         v = dense(inner, "to_v", self.dtype, self.qkv_bias)(src)
-        mask = None
-        if context is None:
-            k, v, mask = self.ops.self_attn_kv(self, k, v)  # (B, T_keys, inner)
-        out = attend(self.attn, q, k, v, self.heads, mask)
+        if context is None:  # the site: whole-image keys/values (or context parallel)
+            out = self.ops.self_attention(self, q, k, v, self.heads, self.attn)
+        else:
+            out = attend(self.attn, q, k, v, self.heads)
         return dense(self.out_dim, "to_out_0", self.dtype)(out)
 
 

@@ -6,8 +6,10 @@ Model code calls a `SiteOps` object at exactly three places:
 1. `halo`: a spatial convolution needs `top` / `bottom` extra rows around its input (the
    first convolution, on the sampler's latent, takes `input_layer()`'s ops: always exact);
 2. `group_stats`: GroupNorm needs global per-group E[x] and E[x^2];
-3. `self_attn_kv`: self-attention queries need keys/values of the whole image (or, for PCPP,
-   of the neighbouring bands; a key mask marks slots that do not exist on an edge device).
+3. `self_attention`: self-attention queries need keys/values of the whole image. By default
+   the site gathers them (`self_attn_kv`: all of them, or for PCPP the neighbouring bands, with
+   a key mask for slots that do not exist on an edge device) and runs the kernel locally;
+   context-parallel strategies (Ring, Ulysses) answer the whole attention instead.
 
 `SiteOps` itself is the single-device (identity) implementation: zero padding, local
 statistics, local K/V. The parallel layer subclasses it; the ops object is a static, hashable
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from patchpar.models.attention import AttentionSpec, attend
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,14 @@ class SiteOps:
         (B, T, D), and a (T,) bool mask of the keys that exist (None = all)."""
         del mod
         return k, v, None
+
+    def self_attention(
+        self, mod, q: jax.Array, k: jax.Array, v: jax.Array, heads: int, spec: AttentionSpec
+    ) -> jax.Array:
+        """Self-attention of the local queries: q, k, v (B, h*W, H*D) -> (B, h*W, H*D). This
+        default attends to the keys/values `self_attn_kv` gives, with `spec`'s kernel."""
+        k, v, mask = self.self_attn_kv(mod, k, v)  # (B, T_keys, H*D)
+        return attend(spec, q, k, v, heads, mask)
 
     def input_layer(self) -> SiteOps:
         """The ops of the model's first convolution, which reads the sampler's latent: its halo

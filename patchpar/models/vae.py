@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from patchpar.models.attention import AUTO, AttentionSpec, attend
+from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
     Conv,
     Downsample2D,
@@ -85,10 +85,8 @@ class SpatialSelfAttention(nn.Module):
             b, h * w, c
         )
         q = dense(c, "to_q", self.dtype)(y)
-        k, v, mask = self.ops.self_attn_kv(
-            self, dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y)
-        )
-        y = dense(c, "to_out_0", self.dtype)(attend(self.attn, q, k, v, 1, mask))
+        k, v = dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y)
+        y = dense(c, "to_out_0", self.dtype)(self.ops.self_attention(self, q, k, v, 1, self.attn))
         return x + y.reshape(b, h, w, c)
 
 

@@ -1,10 +1,14 @@
-"""Runs a UNet under a strategy: one `shard_map` program per phase over the (cfg, patch) mesh.
+"""Runs a UNet under a strategy: one `shard_map` program per phase over the (data, cfg, patch)
+mesh.
 
-Per device the UNet sees a row (or column) slab of the latent and its share of the guidance
-batch; the site ops of the strategy's phase do the exchanges. Stale buffers leave the
-shard_map as global arrays with leading (cfg, patch) device axes, so the denoising loop carries
-them explicitly from step t to step t+1. The latent stays sharded across steps (the scheduler
-update is elementwise); with `cfg=2` the two guidance halves meet by an all-gather over `cfg`.
+Per device the UNet sees its share of the images (`data`), a row (or column) slab of their
+latents (`patch`) and its share of the guidance batch (`cfg`); the site ops of the strategy's
+phase do the exchanges. Stale buffers leave the shard_map as global arrays with leading
+(data, cfg, patch) device axes, so the denoising loop carries them explicitly from step t to
+step t+1. The latent stays sharded across steps (the scheduler update is elementwise); with
+`cfg=2` the two guidance halves meet by an all-gather over `cfg`. Images never meet: the data
+axis has no collective, and image (prompt p, seed s) is the same whatever the split, since its
+initial latent is drawn from its own key before any sharding.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from patchpar.models import UNetFn
-from patchpar.parallel.mesh import CFG, PATCH, make_mesh
+from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, make_mesh
 from patchpar.parallel.sites import STALE, local_stand_ins
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.guidance import call_on_stack
@@ -29,7 +33,7 @@ from patchpar.sampling.schedulers import Sampler, Schedule
 
 @dataclass(frozen=True)
 class Plan:
-    """A strategy placed on devices: `devices` = cfg x patch."""
+    """A strategy placed on devices: `devices` = data x cfg x patch."""
 
     strategy: Strategy
     devices: int = 1
@@ -38,21 +42,43 @@ class Plan:
     """False: every collective is a local stand-in of the same shape (`sites.local_stand_ins`):
     wrong images, but the time is each device's compute alone (DistriFusion Table 2's
     "no communication (ideal)" row). Static, so such programs never share a jit cache entry."""
+    data: int = 1
+    """Devices that split the images of a batch (data parallel); each image stays whole on
+    its data slice."""
 
     @property
     def patch(self) -> int:
-        return self.devices // self.cfg
+        return self.devices // (self.cfg * self.data)
 
     def mesh(self) -> Mesh:
-        return make_mesh(self.devices, self.cfg)
+        return make_mesh(self.devices, self.cfg, self.data)
 
     def validate(
-        self, unet: UNetFn, latent_hw: tuple[int, int], steps: int, guidance_scale: float
+        self,
+        unet: UNetFn,
+        latent_hw: tuple[int, int],
+        steps: int,
+        guidance_scale: float,
+        batch: int | None = None,
     ) -> None:
-        """All checks up front; ValueError naming the numbers and what would fit."""
+        """All checks up front; ValueError naming the numbers and what would fit. `batch`:
+        the images per call (they must split evenly over `data`)."""
         s = self.strategy
-        make_mesh(self.devices, self.cfg)  # device count, cfg
+        make_mesh(self.devices, self.cfg, self.data)  # device count, degrees
+        if not s.parallel and self.devices != 1:
+            raise ValueError(
+                f"strategy {s.name!r} runs on 1 device, got devices={self.devices} (data="
+                f"{self.data}, cfg={self.cfg}); pick a parallel strategy (sync_patch with "
+                f"devices = data is pure data parallelism)"
+            )
         s.validate(steps, self.patch, self.cfg)
+        if batch is not None and batch % self.data:
+            fits = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise ValueError(
+                f"batch of {batch} image(s) per call is not divisible by data={self.data}: every "
+                f"data slice takes the same number of images; use a multiple of {self.data} "
+                f"images per call, or data in {fits}"
+            )
         if self.cfg == 2 and not guidance_scale > 1:
             raise ValueError(
                 f"cfg=2 puts the unconditional and conditional halves on different devices, but "
@@ -72,12 +98,15 @@ class Plan:
                 )
 
 
-def _x_spec(axis: str) -> P:
-    return P(None, PATCH, None, None) if axis == "row" else P(None, None, PATCH, None)
+def _x_spec(axis: str) -> P:  # (B, H, W, C): images over data, rows (or columns) over patch
+    return P(DATA, PATCH, None, None) if axis == "row" else P(DATA, None, PATCH, None)
 
 
-def _cond_spec(cond, cfg: int):
-    return jax.tree.map(lambda _: P(CFG) if cfg == 2 else P(), cond)
+def _cond_spec(cond, cfg: int):  # (G, B, ...): guidance halves over cfg, images over data
+    return jax.tree.map(lambda _: P(CFG if cfg == 2 else None, DATA), cond)
+
+
+STATE_SPEC = P(*AXES)  # stale buffers: leading (data, cfg, patch) device axes
 
 
 def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
@@ -93,7 +122,7 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
         variables = {"params": params}
         if reads_state:
-            variables[STALE] = jax.tree.map(lambda a: a[0, 0], state)  # drop the (cfg, patch) axes
+            variables[STALE] = jax.tree.map(lambda a: a[0, 0, 0], state)  # drop the device axes
         apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=[STALE])  # noqa: E731
         with local_stand_ins(not plan.comm):
             out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
@@ -102,7 +131,7 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         elif cfg == 2:
             with jax.named_scope("pp_cfg"):
                 out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
-        new_state = jax.tree.map(lambda a: a[None, None], mutated.get(STALE, {}))
+        new_state = jax.tree.map(lambda a: a[None, None, None], mutated.get(STALE, {}))
         return guided(out, guidance_scale), new_state
 
     xs = _x_spec(axis)
@@ -117,9 +146,9 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
                 xs,
                 P(),
                 _cond_spec(cond, cfg),
-                jax.tree.map(lambda _: P(CFG, PATCH), state_in),
+                jax.tree.map(lambda _: STATE_SPEC, state_in),
             ),
-            out_specs=(xs, P(CFG, PATCH)),
+            out_specs=(xs, STATE_SPEC),
             # The guided output is replicated over cfg by the all-gather; the static check
             # cannot see through Flax's apply, so it is off.
             check_vma=False,
@@ -130,17 +159,19 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
 
 
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
-    """Zeros shaped like the stale buffers (global, with (cfg, patch) axes), from the sync phase."""
+    """Zeros shaped like the stale buffers (global, with (data, cfg, patch) axes), from the sync
+    phase."""
     warm = make_step(unet, plan, "sync", plan.strategy.patch_axis(0), guidance_scale, mesh)
     _, shapes = jax.eval_shape(warm, params, x, jnp.zeros((), jnp.float32), cond, None)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def stale_bytes_per_device(state) -> int:
-    """Stale-buffer memory one device holds (the global arrays carry a (cfg, patch) device grid)."""
+    """Stale-buffer memory one device holds (the global arrays carry a (data, cfg, patch) device
+    grid)."""
     total = 0
     for leaf in jax.tree.leaves(state):
-        per = leaf.size // (leaf.shape[0] * leaf.shape[1])
+        per = leaf.size // (leaf.shape[0] * leaf.shape[1] * leaf.shape[2])
         total += per * leaf.dtype.itemsize
     return total
 

@@ -7,31 +7,48 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+DATA = "data"  # images of a batch (data parallel)
 CFG = "cfg"  # the two classifier-free-guidance halves (size 1 or 2)
 PATCH = "patch"  # row patches of one image
+AXES = (DATA, CFG, PATCH)  # outermost first: device id = (d * cfg + c) * patch + p
 
 
-def make_mesh(devices: int, cfg: int = 1) -> Mesh:
-    """A (cfg, patch) mesh over the first `devices` devices; patch = devices / cfg."""
-    have = jax.device_count()
+def mesh_shape(devices: int, cfg: int = 1, data: int = 1) -> dict[str, int]:
+    """{axis: degree} for `devices` split as data x cfg x patch; ValueError naming every degree
+    and what would fit."""
+    for name, value in (("devices", devices), ("data", data)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
     if cfg not in (1, 2):
         raise ValueError(
             f"cfg={cfg!r}: must be 1 (both CFG halves on every device) or 2 (split across devices)"
-        )
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices={devices!r}: must be a positive integer")
-    if devices > have:
-        raise ValueError(
-            f"devices={devices} asked for, but only {have} present (on CPU, set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts)"
         )
     if devices % cfg:
         raise ValueError(
             f"devices={devices} is not divisible by cfg={cfg}; use an even device count with cfg=2"
         )
-    grid = np.asarray(jax.devices()[:devices]).reshape(cfg, devices // cfg)
+    if devices % (data * cfg):
+        fits = [d for d in range(1, devices // cfg + 1) if devices % (d * cfg) == 0]
+        raise ValueError(
+            f"devices={devices} is not divisible by data={data} x cfg={cfg} = {data * cfg}: "
+            f"patch = devices / (data x cfg) must be a whole number; with cfg={cfg}, data can be "
+            f"one of {fits}"
+        )
+    return {DATA: data, CFG: cfg, PATCH: devices // (data * cfg)}
+
+
+def make_mesh(devices: int, cfg: int = 1, data: int = 1) -> Mesh:
+    """A (data, cfg, patch) mesh over the first `devices` devices; patch = devices / (data x cfg)."""
+    shape = mesh_shape(devices, cfg, data)
+    have = jax.device_count()
+    if devices > have:
+        raise ValueError(
+            f"devices={devices} asked for, but only {have} present (on CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts)"
+        )
+    grid = np.asarray(jax.devices()[:devices]).reshape(tuple(shape[a] for a in AXES))
     # Auto axes: shard_map places unsharded inputs by its in_specs.
-    return Mesh(grid, (CFG, PATCH), axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def to_local(x: jax.Array) -> jax.Array:

@@ -13,7 +13,9 @@ Modes per site:
 - gn:   `sync` (exact all-reduce), `separate` (local), `stale` (own fresh, others' stale),
         `corrected` (DistriFusion Eq. 2: stale global + fresh local - stale local)
 - kv:   `all` (exact all-gather), `local`, `stale` (own fresh + all others stale),
-        `band` (own fresh + stale bands of the two neighbours, `portion` of their tokens)
+        `band` (own fresh + stale bands of the two neighbours, `portion` of their tokens),
+        `context` (exact context-parallel attention: Ring, Ulysses or their hybrid,
+        `patchpar.parallel.context`; `ulysses` = the Ulysses degree, ring = n / ulysses)
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from patchpar.models.attention import AttentionSpec
 from patchpar.models.sites import SiteOps
+from patchpar.parallel.context import context_attention, context_bytes
 from patchpar.parallel.mesh import PATCH
 
 HALO_MODES = ("fresh", "stale", "zero")
 GN_MODES = ("sync", "separate", "stale", "corrected")
-KV_MODES = ("all", "local", "stale", "band")
+KV_MODES = ("all", "local", "stale", "band", "context")
 PHASES = ("sync", "steady")
 STALE = "stale"  # the Flax collection holding stale buffers
 
@@ -127,6 +131,7 @@ class PatchOps(SiteOps):
     send: str = "full"  # kv="band": send whole K/V and crop at the receiver, or only the band
     exchange: bool = True  # steady phase: refresh buffers (False: DistriFusion's no_sync)
     input: bool = False  # the model's first conv (`input_layer()`): halo always fresh
+    ulysses: int = 1  # kv="context": the Ulysses degree (a divisor of n); ring degree = n / ulysses
 
     def __post_init__(self):
         for name, value, known in (
@@ -138,6 +143,10 @@ class PatchOps(SiteOps):
         ):
             if value not in known:
                 raise ValueError(f"{name}={value!r}; known: {list(known)}")
+        if self.kv == "context" and (self.ulysses < 1 or self.n % self.ulysses):
+            raise ValueError(
+                f"kv='context': ulysses={self.ulysses} must divide the patch axis n={self.n}"
+            )
         if not self.exchange and self.gn != "separate":
             raise ValueError(
                 f"exchange=False (no_sync) keeps no GroupNorm statistics fresh: gn must be "
@@ -217,6 +226,12 @@ class PatchOps(SiteOps):
         return e_mean, e_sq
 
     # ------------------------------------------------------------------ self-attention K/V
+
+    def self_attention(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
+        if self.kv != "context" or self.n == 1:
+            return super().self_attention(mod, q, k, v, heads, spec)
+        _note(self, "kv", shape=q.shape, itemsize=q.dtype.itemsize, heads=heads)
+        return context_attention(q, k, v, heads, spec, self.n, self.ulysses, _LOCAL.get())
 
     def self_attn_kv(self, mod, k: jax.Array, v: jax.Array):
         """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a key mask."""
@@ -308,6 +323,10 @@ class PatchOps(SiteOps):
                 return 0
             return 2 * (n - 1) * size // n  # ring all-reduce
         if kind == "kv":
+            if self.kv == "context":
+                return context_bytes(
+                    info["shape"], info["itemsize"], info["heads"], n, self.ulysses
+                )
             if self.kv == "local" or (not self.sync and self.kv != "all" and not self.exchange):
                 return 0
             if self.sync or self.kv in ("all", "stale"):
@@ -327,7 +346,8 @@ class PatchOps(SiteOps):
         - gn: statistics in the activation dtype; stale/corrected modes all-gather them, the
           others all-reduce them during warm-up (and `sync` every step); separate is local after;
         - kv: all-gather (warm-up, distrifusion); PCPP's steady phase sends the whole K/V to
-          each neighbour (its code has no band-only send).
+          each neighbour (its code has no band-only send); context parallelism as patchpar's
+          own (xDiT moves the same all-to-alls and ring hops).
         The UNet output's all-gather is not a site: `patchpar.measure.cost.released_count`."""
         n = self.n
         if n == 1 or self.halo_mode == "zero":
@@ -348,6 +368,8 @@ class PatchOps(SiteOps):
                 return (n - 1) * size  # all-gather
             return 2 * (n - 1) * size // n  # all-reduce: sync, or separate during warm-up
         if kind == "kv":
+            if self.kv == "context":
+                return self.received_bytes(kind, info, p)
             if steady and not self.exchange:
                 return 0
             if steady and self.kv == "band":

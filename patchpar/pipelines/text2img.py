@@ -151,7 +151,7 @@ class Pipeline:
         schedule = smp.schedule(self.scheduler, steps)
         x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
         if plan is not None:
-            plan.validate(self.unet, x.shape[1:3], steps, guidance_scale)
+            plan.validate(self.unet, x.shape[1:3], steps, guidance_scale, x.shape[0])
         gs = float(guidance_scale)
         if plan is None or not plan.strategy.parallel:
             fn, static = _denoise_single, (self.unet, smp, None)
@@ -241,7 +241,8 @@ class Pipeline:
         check_guidance(guidance_scale)
         get_sampler(sampler).schedule(self.scheduler, steps)  # name and step count
         if plan is not None:  # every check before any work
-            plan.validate(self.unet, hw, steps, guidance_scale)
+            n = len(prompts) if latents is None else latents.shape[0]
+            plan.validate(self.unet, hw, steps, guidance_scale, n)
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)

@@ -4,6 +4,7 @@ that list the known ones."""
 from __future__ import annotations
 
 from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.context import Ring, Ulysses
 from patchpar.parallel.strategies.distrifusion import DistriFusion
 from patchpar.parallel.strategies.naive_patch import NaivePatch
 from patchpar.parallel.strategies.pcpp import PCPP
@@ -11,7 +12,7 @@ from patchpar.parallel.strategies.single import Single
 from patchpar.parallel.strategies.sync_patch import SyncPatch
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Single, NaivePatch, SyncPatch, DistriFusion, PCPP)
+    cls.name: cls for cls in (Single, NaivePatch, SyncPatch, DistriFusion, PCPP, Ring, Ulysses)
 }
 
 

@@ -1,0 +1,57 @@
+"""`ring` and `ulysses`: exact context parallelism for self-attention over the row patches
+(xDiT's sequence parallelism; diffusers' `ContextParallelConfig(ring_degree, ulysses_degree)`).
+Convolution halos and GroupNorm are exchanged fresh every step as in `sync_patch`; self-attention
+is Ring (K/V passed around the patch axis), Ulysses (all-to-all to head-sharded and back) or
+their hybrid, `ring_degree x ulysses_degree` = the patch axis (`patchpar.parallel.context`).
+The output equals `single`."""
+
+from dataclasses import dataclass
+
+from patchpar.parallel.context import check_degrees
+from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class ContextParallel(Strategy):
+    name = "context"
+    # devices in the ring (xDiT / diffusers ring_degree); unset: patch / ulysses_degree
+    ring_degree: int | None = None
+    # devices in each Ulysses all-to-all group (ulysses_degree); unset: patch / ring_degree
+    ulysses_degree: int | None = None
+
+    def degrees(self, patch: int) -> tuple[int, int]:
+        """(ring, ulysses) on a patch axis of `patch` devices."""
+        return check_degrees(patch, self.ring_degree, self.ulysses_degree, self.name)
+
+    def ops(self, phase: str, n: int) -> PatchOps:
+        del phase
+        _, ulysses = self.degrees(n)
+        return PatchOps(n, "sync", halo_mode="fresh", gn="sync", kv="context", ulysses=ulysses)
+
+    def validate(self, steps: int, patch: int, cfg: int) -> None:
+        self.degrees(patch)
+
+
+@dataclass(frozen=True)
+class Ring(ContextParallel):
+    """Ring attention; with ulysses_degree > 1 the hybrid (Ulysses inside groups)."""
+
+    name = "ring"
+
+    def degrees(self, patch: int) -> tuple[int, int]:
+        if self.ring_degree is None and self.ulysses_degree is None:
+            return patch, 1
+        return super().degrees(patch)
+
+
+@dataclass(frozen=True)
+class Ulysses(ContextParallel):
+    """Ulysses attention; with ring_degree > 1 the hybrid (a ring across the groups)."""
+
+    name = "ulysses"
+
+    def degrees(self, patch: int) -> tuple[int, int]:
+        if self.ring_degree is None and self.ulysses_degree is None:
+            return 1, patch
+        return super().degrees(patch)
