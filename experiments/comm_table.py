@@ -33,6 +33,9 @@ STRATEGIES = (
     ("distrifusion", {}),
     ("pcpp", {"portion": 0.3, "send": "full"}),
     ("pcpp", {"portion": 0.3, "send": "band"}),
+    ("ring", {}),
+    ("ulysses", {}),
+    ("tensor", {}),
 )
 
 
@@ -108,6 +111,8 @@ def main(argv=None) -> int:
                 },
                 flops_per_device=st.get("flops_per_device"),
                 stale_bytes_per_device=r["stale_bytes_per_device"],
+                weight_bytes_per_device=r["weight_bytes_per_device"],
+                mesh=r["mesh"],
                 seconds=round(time.perf_counter() - t0, 1),
             )
         append_record(runs, rec)
@@ -116,11 +121,22 @@ def main(argv=None) -> int:
 
 
 def write_table(records: list[dict], path: Path) -> None:
-    from patchpar.measure.report import comm_markdown, distrifusion_table2_markdown
+    from patchpar.measure.report import (
+        comm_markdown,
+        distrifusion_table2_markdown,
+        tensor_parallel_markdown,
+        xdit_cost_markdown,
+    )
 
     path.write_text(comm_markdown(records))
-    (path.parent / "distrifusion_table2.md").write_text(distrifusion_table2_markdown(records))
-    print(f"wrote {path} and {path.parent / 'distrifusion_table2.md'}")
+    tables = {
+        "distrifusion_table2.md": distrifusion_table2_markdown(records),
+        "tensor_parallel.md": tensor_parallel_markdown(records),
+        "xdit_cost.md": xdit_cost_markdown(records),
+    }
+    for name, text in tables.items():
+        (path.parent / name).write_text(text)
+    print(f"wrote {path} and {', '.join(tables)} beside it")
 
 
 if __name__ == "__main__":

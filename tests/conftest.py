@@ -75,6 +75,8 @@ HEAVY_FIRST = (
     "test_parallel_unet.py",
     "test_parallel_cli.py",
     "test_parallel_forward.py",
+    "test_parallel_context.py",
+    "test_parallel_tensor.py",
     "test_attention.py",
     "test_models_parity.py",
     "test_fmnist.py",

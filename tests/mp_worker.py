@@ -42,9 +42,10 @@ STRATEGIES = {  # name: (strategy, options, data parallel)
     "pcpp": ("pcpp", {"warmup_steps": 1, "portion": 0.5}, False),
     "ring": ("ring", {}, False),
     "ulysses": ("ulysses", {}, False),
+    "tensor": ("tensor", {}, False),
     "data": ("sync_patch", {}, True),  # every device of a cfg half takes its own images
 }
-EXACT = ("sync_patch", "ring", "ulysses", "data")  # equal to the single device
+EXACT = ("sync_patch", "ring", "ulysses", "tensor", "data")  # equal to the single device
 STEPS = 4
 
 

@@ -113,7 +113,7 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         (
             dict(strategy="megatron"),
             r"unknown strategy 'megatron'; known: \['single', 'naive_patch', 'sync_patch', "
-            r"'distrifusion', 'pcpp', 'ring', 'ulysses'\]",
+            r"'distrifusion', 'pcpp', 'ring', 'ulysses', 'tensor'\]",
         ),
         (
             dict(strategy="sync_patch", devices=8, data=3),
@@ -137,6 +137,10 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         (
             dict(strategy="ulysses", devices=8, cfg=2, ring_degree=2, ulysses_degree=4),
             r"ring_degree=2 x ulysses_degree=4 = 8, but the patch axis has 4 devices",
+        ),
+        (
+            dict(strategy="tensor", devices=8, tp_degree=3),
+            r"tensor: tp_degree=3 must divide the 8 devices an image has .* one of \[1, 2, 4, 8\]",
         ),
         (
             dict(strategy="sync_patch", devices=2, ring_degree=2),

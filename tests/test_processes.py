@@ -43,7 +43,7 @@ def _single_latent() -> np.ndarray:
 
 
 def _check(processes: int, cfg: int, names: list[str], tmp_path) -> None:
-    """The exact strategies (sync_patch, ring, ulysses, data parallel) over the processes equal
+    """The exact strategies (sync_patch, ring, ulysses, tensor, data parallel) over the processes equal
     the single device (<= 1e-4 relative, the engine's tolerance); a stale strategy equals
     itself on as many fake devices in one process (<= 1e-5)."""
     from mp_worker import EXACT, final_latents
@@ -65,7 +65,7 @@ def _check(processes: int, cfg: int, names: list[str], tmp_path) -> None:
 
 
 def test_two_processes_equal_one_device(tmp_path):
-    _check(2, 1, ["sync_patch", "ring", "ulysses", "data"], tmp_path)
+    _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data"], tmp_path)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ STRATEGY_OPTIONS = (
     "split",
     "ring_degree",
     "ulysses_degree",
+    "tp_degree",
 )
 
 
@@ -61,6 +62,10 @@ class StrategyOptions:
     ulysses_degree: int | None = None
     """ring/ulysses: devices in each Ulysses all-to-all group (xDiT's ulysses_degree; ulysses'
     default: the whole patch axis). Heads that do not divide it are padded with zero heads."""
+    tp_degree: int | None = None
+    """tensor: devices each layer's weights are split over (diffusers' tp_degree; default: all
+    of an image's devices); must divide every level's heads, the block widths and the GroupNorm
+    groups. Below the devices an image has, the rest are exact row patches (a hybrid)."""
 
     def options(self) -> dict:
         return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
@@ -72,9 +77,9 @@ class PlanFlags(StrategyOptions):
     `comm`)."""
 
     strategy: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, ring or ulysses."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses or tensor."""
     devices: int = 1
-    """Devices in all (= data x cfg x patch)."""
+    """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
     cfg: int = 1
     """1: both guidance halves on every device; 2: split across two device halves."""
     data: int = 1
@@ -109,7 +114,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     devices: int = 1
-    """Devices in all (= data x cfg x patch)."""
+    """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
     cfg: int = 1
     """1: both guidance halves on every device; 2: split across two device halves (DistriFusion §4.3)."""
     data: int = 1
@@ -127,7 +132,7 @@ class StrategyConfig(StrategyOptions):
     """A strategy and its options."""
 
     name: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, ring or ulysses."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses or tensor."""
 
     def label(self) -> str:
         """Name and the options set, e.g. `pcpp portion=0.5 send=band`."""

@@ -73,7 +73,6 @@ def run_comm(config: CommConfig) -> dict:
         "resolution": config.resolution,
         "devices": plan.devices,
         "cfg": plan.cfg,
-        "data": plan.data,
         "strategy": plan.strategy.describe(),
         "dtype": config.dtype,
         "batch": batch,
@@ -87,6 +86,8 @@ def run_comm(config: CommConfig) -> dict:
         "warmup_by_site": {k: v for k, v in wu["hlo"].items() if k != "all"},
         "flops_per_device": st.get("flops_per_device"),
         "stale_bytes_per_device": r["stale_bytes_per_device"],
+        "weight_bytes_per_device": r["weight_bytes_per_device"],
+        "mesh": r["mesh"],
         "analytic_matches_hlo": st["analytic_matches_hlo"] and wu["analytic_matches_hlo"],
         # analytic: what the released DistriFusion / PCPP code's pattern would move instead
         "released_steady_bytes_per_device": st["released"]["all"]["max"],
@@ -109,7 +110,7 @@ def format_comm(rec: dict) -> str:
     mb = lambda b: f"{b / 2**20:10.3f}"  # noqa: E731
     lines = [
         f"{rec['strategy']} | {rec['model']} {rec['resolution']}px {rec['dtype']} | "
-        f"{rec['devices']} devices (data={rec.get('data', 1)}, cfg={rec['cfg']}) | "
+        f"{rec['devices']} devices | "
         f"batch {rec['batch']}",
         "",
         f"{'MiB received per UNet call':28s} {'warm-up':>10s} {'steady':>10s}   (busiest device; mean; total)",
@@ -138,6 +139,8 @@ def format_comm(rec: dict) -> str:
         "",
         f"FLOPs per device (steady step): {rec['flops_per_device'] / 1e9:.2f} G",
         f"stale buffers per device: {rec['stale_bytes_per_device'] / 2**20:.2f} MiB",
+        f"weights per device: {rec['weight_bytes_per_device'] / 2**20:.2f} MiB "
+        f"(mesh {' x '.join(f'{k}={v}' for k, v in rec['mesh'].items())})",
     ]
     if rec.get("memory_per_device_bytes") is not None:
         m = rec["memory_per_device"]

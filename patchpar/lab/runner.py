@@ -87,6 +87,7 @@ def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
         "bytes_per_device_per_step": (sync * w_bytes + (n - sync) * s_bytes) / n,
         "bytes_per_device_total": sync * w_bytes + (n - sync) * s_bytes,
         "flops_per_device_per_step": st.get("flops_per_device"),
+        "weight_bytes_per_device": r["weight_bytes_per_device"],
         "analytic_matches_hlo": bool(wu["analytic_matches_hlo"] and st["analytic_matches_hlo"]),
     }
 
@@ -175,6 +176,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     plan.validate(pipe.unet, (hw[0] // f, hw[1] // f), s.steps, s.guidance_scale)
     metrics["height"], metrics["width"] = hw
     metrics["strategy"] = plan.strategy.describe()
+    metrics["mesh_degrees"] = plan.degrees()  # data x cfg x patch x model
     metrics["sync_steps"] = plan.strategy.sync_steps(s.steps) if plan.strategy.parallel else s.steps
     if writer and m.quality:
         check_quality_inputs(config)  # before generating, not after

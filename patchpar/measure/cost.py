@@ -20,6 +20,7 @@ from patchpar.measure.comm import (
 )
 from patchpar.models import UNetFn
 from patchpar.parallel.engine import Plan, make_step, stale_bytes_per_device
+from patchpar.parallel.rules import weight_bytes_per_device
 from patchpar.parallel.sites import record_sites
 from patchpar.sampling.guidance import Conditioning
 
@@ -52,8 +53,8 @@ def _site_count(plan: Plan, log, rule: str) -> CommCount:
         per_patch = np.array(
             [getattr(ops, rule)(kind, info, p) for p in range(plan.patch)], np.int64
         )
-        # device id = (data_index * cfg + cfg_index) * patch + patch_index
-        count.add(kind, np.tile(per_patch, plan.data * plan.cfg))
+        # device id = ((data_index * cfg + cfg_index) * patch + patch_index) * model + model_index
+        count.add(kind, np.tile(np.repeat(per_patch, plan.model), plan.data * plan.cfg))
     return count
 
 
@@ -106,7 +107,12 @@ def measure(
     )
     if axis == "col":
         local_out = (local_b, latent_hw[0], latent_hw[1] // plan.patch) + out_shape.shape[3:]
-    record = {"stale_bytes_per_device": stale_bytes_per_device(state), "phases": {}}
+    record = {
+        "stale_bytes_per_device": stale_bytes_per_device(state),
+        "weight_bytes_per_device": weight_bytes_per_device(params, plan.rules(), plan.degrees()),
+        "mesh": plan.degrees(),
+        "phases": {},
+    }
     for name, phase in PHASES.items():
         t0 = time.perf_counter()
         with record_sites() as log:

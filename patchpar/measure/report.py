@@ -80,6 +80,10 @@ PAPER_TABLE2 = {
     2048: 1.48,
     3840: 5.38,
 }  # DistriFusion Table 2, "Comm." (unit "G", undefined)
+PAPER_TABLE2_TP = {1024: 1.33, 2048: 5.33, 3840: 18.7}  # its "sync tensor parallel" row
+# xDiT's cost table (PipeFusion arXiv 2405.14430): communication per layer in units of
+# O(p x hs) (p tokens, hidden size hs), N devices
+XDIT_COST = {"tensor": "4", "ring": "2", "ulysses": "4/N", "distrifusion": "2"}
 
 
 def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
@@ -122,4 +126,71 @@ def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
             f"| {res} | {paper}G | {d['stale_bytes_per_device'] / 2 / 1e9:.2f}G | {db / GB:.3f} | {fb / GB:.3f} | "
             f"{bb / GB:.3f} | {fb / db:.1%} | {bb / db:.1%} | {released} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def _pick(records, model, res, devices, prefix):
+    return next(
+        (
+            r
+            for r in records
+            if r.get("status") == "ok"
+            and r["model"] == model
+            and r["resolution"] == res
+            and r["devices"] == devices
+            and r["strategy"].startswith(prefix)
+        ),
+        None,
+    )
+
+
+def tensor_parallel_markdown(records: list[dict], devices: int = 8) -> str:
+    """SDXL tensor parallelism on `devices` devices beside DistriFusion Table 2's "sync tensor
+    parallel" row, with each one's ratio to DistriFusion's own traffic."""
+    lines = [
+        "| px | paper TP Comm. | paper TP / DistriFusion | tensor steady GB/device | "
+        "tensor / distrifusion (ours) | tp site GB | weights GB/device (tensor; replicated) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for res, paper in PAPER_TABLE2_TP.items():
+        t = _pick(records, "sdxl", res, devices, "tensor")
+        d = _pick(records, "sdxl", res, devices, "distrifusion")
+        ratio = paper / PAPER_TABLE2[res]
+        if not (t and d):
+            lines.append(f"| {res} | {paper}G | {ratio:.2f}x | (not measured yet) | | | |")
+            continue
+        tb, db = t["steady_bytes_per_device"], d["steady_bytes_per_device"]
+        w = t.get("weight_bytes_per_device")
+        wd = d.get("weight_bytes_per_device")
+        weights = f"{w / GB:.2f}; {wd / GB:.2f}" if w and wd else "–"
+        lines.append(
+            f"| {res} | {paper}G | {ratio:.2f}x | {tb / GB:.3f} | {tb / db:.2f}x | "
+            f"{t['steady_by_site'].get('tp', 0) / GB:.3f} | {weights} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def xdit_cost_markdown(records: list[dict], model: str = "sdxl", res: int = 1024) -> str:
+    """Tensor, Ring, Ulysses and DistriFusion side by side with xDiT's cost table: measured
+    steady bytes per device per UNet call at 2/4/8 devices, and each one's ratio to
+    DistriFusion's beside the ratio the table's formulas give."""
+    lines = [
+        "| devices | strategy | xDiT cost per layer | steady GB/device | self-attention (kv) GB "
+        "| / distrifusion (all) | xDiT formula / distrifusion |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in (2, 4, 8):
+        d = _pick(records, model, res, n, "distrifusion")
+        for name, cost in XDIT_COST.items():
+            r = _pick(records, model, res, n, name)
+            if r is None or d is None:
+                lines.append(f"| {n} | {name} | {cost}·O(p·hs) | (not measured yet) | | | |")
+                continue
+            formula = {"4": 2.0, "2": 1.0, "4/N": 2.0 / n}[cost]
+            b = r["steady_bytes_per_device"]
+            lines.append(
+                f"| {n} | {name} | {cost}·O(p·hs) | {b / GB:.3f} | "
+                f"{r['steady_by_site'].get('kv', 0) / GB:.3f} | "
+                f"{b / d['steady_bytes_per_device']:.2f}x | {formula:.2f}x |"
+            )
     return "\n".join(lines) + "\n"

@@ -31,6 +31,7 @@ class Conv(nn.Module):
     use_bias: bool = True
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    row_split: bool = False  # tensor parallel: Cin is this device's share; sum, then the bias
 
     @nn.compact
     def __call__(
@@ -54,6 +55,8 @@ class Conv(nn.Module):
             padding=((0, 0), cols),
             dimension_numbers=("NHWC", "HWIO", "NHWC"),
         )
+        if self.row_split and self.ops.model_degree() > 1:
+            y = self.ops.model_sum(self, y)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
@@ -86,8 +89,31 @@ class GroupNorm(nn.Module):
         return (xg.reshape(b, h, w, c) * scale + bias).astype(self.dtype)
 
 
-def dense(features: int, name: str, dtype, use_bias: bool = True) -> nn.Dense:
+def dense(features: int, name: str, dtype, use_bias: bool = True, ops: SiteOps | None = None):
+    """A linear layer named as diffusers'. With `ops` splitting weights over the model axis it
+    is row-split (its input is this device's share of the features): `RowDense`."""
+    if ops is not None and ops.model_degree() > 1:
+        return RowDense(features, use_bias, dtype, ops, name=name)
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+class RowDense(nn.Module):
+    """Tensor parallel: x (..., Din / m) @ kernel (Din / m, Dout), summed over the model axis,
+    then the bias (whole on every device). Parameters named as nn.Dense's."""
+
+    features: int
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.lecun_normal()
+        kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
+        y = self.ops.model_sum(self, jnp.dot(x.astype(self.dtype), kernel))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
 
 
 class Attention(nn.Module):
@@ -103,16 +129,18 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:  # (B, T, C)
-        inner = self.heads * self.dim_head
+        # tensor parallel: this device's heads (zero heads pad a count that does not divide)
+        heads = -(-self.heads // self.ops.model_degree())
+        inner = heads * self.dim_head
         q = dense(inner, "to_q", self.dtype, self.qkv_bias)(x)
         src = x if context is None else context
         k = dense(inner, "to_k", self.dtype, self.qkv_bias)(src)
         v = dense(inner, "to_v", self.dtype, self.qkv_bias)(src)
         if context is None:  # the site: whole-image keys/values (or context parallel)
-            out = self.ops.self_attention(self, q, k, v, self.heads, self.attn)
+            out = self.ops.self_attention(self, q, k, v, heads, self.attn)
         else:
-            out = attend(self.attn, q, k, v, self.heads)
-        return dense(self.out_dim, "to_out_0", self.dtype)(out)
+            out = attend(self.attn, q, k, v, heads)
+        return dense(self.out_dim, "to_out_0", self.dtype, ops=self.ops)(out)
 
 
 class ResnetBlock2D(nn.Module):
@@ -128,13 +156,14 @@ class ResnetBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, temb: jax.Array | None = None) -> jax.Array:  # (B, h, W, C)
         kw = dict(dtype=self.dtype, ops=self.ops)
+        m = self.ops.model_degree()  # tensor parallel: this device's share of the middle width
         h = nn.silu(GroupNorm(self.groups, self.eps, name="norm1", **kw)(x))
-        h = Conv(self.out_channels, name="conv1", **kw)(h)
+        h = Conv(self.out_channels // m, name="conv1", **kw)(h)  # (B, h, W, Cout / m)
         if self.use_temb:
-            t = dense(self.out_channels, "time_emb_proj", self.dtype)(nn.silu(temb))  # (B, Cout)
+            t = dense(self.out_channels // m, "time_emb_proj", self.dtype)(nn.silu(temb))
             h = h + t[:, None, None, :]
-        h = nn.silu(GroupNorm(self.groups, self.eps, name="norm2", **kw)(h))
-        h = Conv(self.out_channels, name="conv2", **kw)(h)
+        h = nn.silu(GroupNorm(self.groups // m, self.eps, name="norm2", **kw)(h))
+        h = Conv(self.out_channels, name="conv2", row_split=True, **kw)(h)
         if x.shape[-1] != self.out_channels:
             x = Conv(self.out_channels, kernel_size=1, padding=0, name="conv_shortcut", **kw)(x)
         return x + h

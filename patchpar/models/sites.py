@@ -11,8 +11,11 @@ Model code calls a `SiteOps` object at exactly three places:
    a key mask for slots that do not exist on an edge device) and runs the kernel locally;
    context-parallel strategies (Ring, Ulysses) answer the whole attention instead.
 
+A fourth, non-spatial call serves tensor parallelism: `model_degree` (how many ways weights
+are split) and `model_sum` (the all-reduce after a row-split layer).
+
 `SiteOps` itself is the single-device (identity) implementation: zero padding, local
-statistics, local K/V. The parallel layer subclasses it; the ops object is a static, hashable
+statistics, local K/V, unsplit weights. The parallel layer subclasses it; the ops object is a static, hashable
 attribute of every module, and the calling module is passed in so that an implementation can
 keep per-site state in a Flax variable collection (`mod.variable("stale", ...)`).
 """
@@ -56,6 +59,17 @@ class SiteOps:
         default attends to the keys/values `self_attn_kv` gives, with `spec`'s kernel."""
         k, v, mask = self.self_attn_kv(mod, k, v)  # (B, T_keys, H*D)
         return attend(spec, q, k, v, heads, mask)
+
+    def model_degree(self) -> int:
+        """Devices a tensor-parallel layer's weights are split over (1: none). Layers split
+        heads, feed-forward and ResNet middle widths by it (Megatron, as the released
+        DistriFusion's tensor-parallel baseline) and sum row-split outputs with `model_sum`."""
+        return 1
+
+    def model_sum(self, mod, y: jax.Array) -> jax.Array:
+        """The sum over the model axis of a row-split layer's partial outputs (before its bias)."""
+        del mod
+        return y
 
     def input_layer(self) -> SiteOps:
         """The ops of the model's first convolution, which reads the sampler's latent: its halo

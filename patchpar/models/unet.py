@@ -160,16 +160,20 @@ class UNetConfig:
 
 
 class FeedForward(nn.Module):
-    """GEGLU feed-forward: net.0.proj -> (h, gate) -> h * gelu(gate) -> net.2."""
+    """GEGLU feed-forward: net.0.proj -> (h, gate) -> h * gelu(gate) -> net.2. Tensor parallel:
+    each device holds its share of h and of the gate (`parallel.rules` lays the projection
+    out so), and net.2 is row-split."""
 
     dim: int
     dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        inner = 4 * self.dim
+        inner = 4 * self.dim // self.ops.model_degree()
         h, gate = jnp.split(GegluProj(2 * inner, self.dtype, name="net_0")(x), 2, axis=-1)
-        return dense(self.dim, "net_2", self.dtype)(h * nn.gelu(gate, approximate=False))
+        out = h * nn.gelu(gate, approximate=False)
+        return dense(self.dim, "net_2", self.dtype, ops=self.ops)(out)
 
 
 class GegluProj(nn.Module):
@@ -207,12 +211,18 @@ class BasicTransformerBlock(nn.Module):
             + x
         )
         x = (
-            Attention(self.heads, dh, self.dim, dtype=self.dtype, attn=self.attn, name="attn2")(
-                ln("norm2")(x), context
-            )
+            Attention(
+                self.heads,
+                dh,
+                self.dim,
+                dtype=self.dtype,
+                ops=self.ops,  # cross-attention: no site, but its heads split as attn1's
+                attn=self.attn,
+                name="attn2",
+            )(ln("norm2")(x), context)
             + x
         )
-        return FeedForward(self.dim, self.dtype, name="ff")(ln("norm3")(x)) + x
+        return FeedForward(self.dim, self.dtype, self.ops, name="ff")(ln("norm3")(x)) + x
 
 
 class Transformer2DModel(nn.Module):

@@ -13,7 +13,8 @@ initial latent is drawn from its own key before any sharding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -23,8 +24,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from patchpar.models import UNetFn
-from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, make_mesh
-from patchpar.parallel.sites import STALE, local_stand_ins
+from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, make_mesh, mesh_shape
+from patchpar.parallel.rules import RULES, check_split, placed, unplaced
+from patchpar.parallel.sites import STALE, local_stand_ins, shapes_only
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.guidance import call_on_stack
 from patchpar.sampling.loop import guided, run_steps
@@ -33,7 +35,8 @@ from patchpar.sampling.schedulers import Sampler, Schedule
 
 @dataclass(frozen=True)
 class Plan:
-    """A strategy placed on devices: `devices` = data x cfg x patch."""
+    """A strategy placed on devices: `devices` = data x cfg x patch x model (the model degree
+    is the strategy's: `tensor` splits weights over it, the others keep it 1)."""
 
     strategy: Strategy
     devices: int = 1
@@ -47,11 +50,23 @@ class Plan:
     its data slice."""
 
     @property
+    def model(self) -> int:
+        return self.strategy.model_degree(self.devices // (self.cfg * self.data))
+
+    @property
     def patch(self) -> int:
-        return self.devices // (self.cfg * self.data)
+        return self.devices // (self.cfg * self.data * self.model)
+
+    def degrees(self) -> dict[str, int]:
+        """{mesh axis: degree}."""
+        return mesh_shape(self.devices, self.cfg, self.data, self.model)
 
     def mesh(self) -> Mesh:
-        return make_mesh(self.devices, self.cfg, self.data)
+        return make_mesh(self.devices, self.cfg, self.data, self.model)
+
+    def rules(self) -> dict:
+        """Logical-axis rules placing the parameters (`patchpar.parallel.rules`)."""
+        return RULES[self.strategy.rules]
 
     def validate(
         self,
@@ -65,6 +80,9 @@ class Plan:
         the images per call (they must split evenly over `data`)."""
         s = self.strategy
         make_mesh(self.devices, self.cfg, self.data)  # device count, degrees
+        s.validate_mesh(self.devices // (self.cfg * self.data))
+        make_mesh(self.devices, self.cfg, self.data, self.model)
+        check_split(unet.config, self.model)
         if not s.parallel and self.devices != 1:
             raise ValueError(
                 f"strategy {s.name!r} runs on 1 device, got devices={self.devices} (data="
@@ -106,7 +124,7 @@ def _cond_spec(cond, cfg: int):  # (G, B, ...): guidance halves over cfg, images
     return jax.tree.map(lambda _: P(CFG if cfg == 2 else None, DATA), cond)
 
 
-STATE_SPEC = P(*AXES)  # stale buffers: leading (data, cfg, patch) device axes
+STATE_SPEC = P(*AXES)  # stale buffers: leading (data, cfg, patch, model) device axes
 
 
 def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
@@ -114,15 +132,17 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
 
     `state` is None in the `sync` phase (buffers are written, not read)."""
     ops = plan.strategy.ops(phase, plan.patch)
+    if plan.model > 1:
+        ops = replace(ops, tp=plan.model)
     module = unet.module.clone(ops=ops)
     cfg = plan.cfg
     reads_state = phase == "steady"
 
     def local(params, x, t, cond, state):
         # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
-        variables = {"params": params}
+        variables = {"params": unplaced(params)}  # this device's share of each weight
         if reads_state:
-            variables[STALE] = jax.tree.map(lambda a: a[0, 0, 0], state)  # drop the device axes
+            variables[STALE] = jax.tree.map(lambda a: a[0, 0, 0, 0], state)  # drop device axes
         apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=[STALE])  # noqa: E731
         with local_stand_ins(not plan.comm):
             out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
@@ -131,18 +151,24 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         elif cfg == 2:
             with jax.named_scope("pp_cfg"):
                 out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
-        new_state = jax.tree.map(lambda a: a[None, None, None], mutated.get(STALE, {}))
+        new_state = jax.tree.map(lambda a: a[None, None, None, None], mutated.get(STALE, {}))
         return guided(out, guidance_scale), new_state
 
     xs = _x_spec(axis)
+    local_shapes = None
+    if plan.model > 1:  # the modules' own parameter shapes on one device (heads padded)
+        with shapes_only():
+            local_shapes = UNetFn(module).abstract_params()
 
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
+        # split by the logical-axis rules
+        params, param_specs = placed(params, plan.rules(), local_shapes, plan.degrees())
         fn = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=(
-                P(),
+                param_specs,
                 xs,
                 P(),
                 _cond_spec(cond, cfg),
@@ -159,7 +185,7 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
 
 
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
-    """Zeros shaped like the stale buffers (global, with (data, cfg, patch) axes), from the sync
+    """Zeros shaped like the stale buffers (global, with the mesh's device axes), from the sync
     phase."""
     warm = make_step(unet, plan, "sync", plan.strategy.patch_axis(0), guidance_scale, mesh)
     _, shapes = jax.eval_shape(warm, params, x, jnp.zeros((), jnp.float32), cond, None)
@@ -167,11 +193,10 @@ def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
 
 
 def stale_bytes_per_device(state) -> int:
-    """Stale-buffer memory one device holds (the global arrays carry a (data, cfg, patch) device
-    grid)."""
+    """Stale-buffer memory one device holds (the global arrays carry the mesh's device grid)."""
     total = 0
     for leaf in jax.tree.leaves(state):
-        per = leaf.size // (leaf.shape[0] * leaf.shape[1] * leaf.shape[2])
+        per = leaf.size // math.prod(leaf.shape[: len(AXES)])
         total += per * leaf.dtype.itemsize
     return total
 

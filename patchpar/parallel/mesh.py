@@ -10,13 +10,14 @@ from jax.sharding import AxisType, Mesh
 DATA = "data"  # images of a batch (data parallel)
 CFG = "cfg"  # the two classifier-free-guidance halves (size 1 or 2)
 PATCH = "patch"  # row patches of one image
-AXES = (DATA, CFG, PATCH)  # outermost first: device id = (d * cfg + c) * patch + p
+MODEL = "model"  # tensor parallel: the weights of a layer split across devices
+AXES = (DATA, CFG, PATCH, MODEL)  # outermost first: device id = ((d*cfg + c)*patch + p)*model + m
 
 
-def mesh_shape(devices: int, cfg: int = 1, data: int = 1) -> dict[str, int]:
-    """{axis: degree} for `devices` split as data x cfg x patch; ValueError naming every degree
-    and what would fit."""
-    for name, value in (("devices", devices), ("data", data)):
+def mesh_shape(devices: int, cfg: int = 1, data: int = 1, model: int = 1) -> dict[str, int]:
+    """{axis: degree} for `devices` split as data x cfg x patch x model; ValueError naming
+    every degree and what would fit."""
+    for name, value in (("devices", devices), ("data", data), ("model", model)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: must be a positive integer")
     if cfg not in (1, 2):
@@ -34,12 +35,20 @@ def mesh_shape(devices: int, cfg: int = 1, data: int = 1) -> dict[str, int]:
             f"patch = devices / (data x cfg) must be a whole number; with cfg={cfg}, data can be "
             f"one of {fits}"
         )
-    return {DATA: data, CFG: cfg, PATCH: devices // (data * cfg)}
+    rest = devices // (data * cfg)
+    if rest % model:
+        fits = [d for d in range(1, rest + 1) if rest % d == 0]
+        raise ValueError(
+            f"model={model} does not divide the {rest} devices left by devices={devices} / "
+            f"(data={data} x cfg={cfg}): patch x model must be {rest}; model can be one of {fits}"
+        )
+    return {DATA: data, CFG: cfg, PATCH: rest // model, MODEL: model}
 
 
-def make_mesh(devices: int, cfg: int = 1, data: int = 1) -> Mesh:
-    """A (data, cfg, patch) mesh over the first `devices` devices; patch = devices / (data x cfg)."""
-    shape = mesh_shape(devices, cfg, data)
+def make_mesh(devices: int, cfg: int = 1, data: int = 1, model: int = 1) -> Mesh:
+    """A (data, cfg, patch, model) mesh over the first `devices` devices; patch = devices /
+    (data x cfg x model)."""
+    shape = mesh_shape(devices, cfg, data, model)
     have = jax.device_count()
     if devices > have:
         raise ValueError(

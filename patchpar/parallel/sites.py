@@ -32,7 +32,7 @@ from jax import lax
 from patchpar.models.attention import AttentionSpec
 from patchpar.models.sites import SiteOps
 from patchpar.parallel.context import context_attention, context_bytes
-from patchpar.parallel.mesh import PATCH
+from patchpar.parallel.mesh import MODEL, PATCH
 
 HALO_MODES = ("fresh", "stale", "zero")
 GN_MODES = ("sync", "separate", "stale", "corrected")
@@ -56,6 +56,18 @@ def record_sites():
         yield log
     finally:
         _LOG.reset(token)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Inside the block site calls are neither recorded nor exchanged (for tracing a module's
+    parameter shapes: `jax.eval_shape` of its init outside any mesh)."""
+    token, local = _LOG.set(None), _LOCAL.set(True)
+    try:
+        yield
+    finally:
+        _LOG.reset(token)
+        _LOCAL.reset(local)
 
 
 _LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("patchpar_local", default=False)
@@ -132,6 +144,7 @@ class PatchOps(SiteOps):
     exchange: bool = True  # steady phase: refresh buffers (False: DistriFusion's no_sync)
     input: bool = False  # the model's first conv (`input_layer()`): halo always fresh
     ulysses: int = 1  # kv="context": the Ulysses degree (a divisor of n); ring degree = n / ulysses
+    tp: int = 1  # devices on the model axis: tensor-parallel layers split their weights tp ways
 
     def __post_init__(self):
         for name, value, known in (
@@ -163,6 +176,19 @@ class PatchOps(SiteOps):
         exchanged fresh (2 rows x W x C_in per neighbour). `zero` (naive patch) stays zero."""
         mode = "fresh" if self.halo_mode == "stale" else self.halo_mode
         return replace(self, halo_mode=mode, input=True)
+
+    # ------------------------------------------------------------------ tensor parallel
+
+    def model_degree(self) -> int:
+        return self.tp
+
+    def model_sum(self, mod, y: jax.Array) -> jax.Array:
+        """All-reduce of a row-split layer's partial output over the model axis."""
+        _note(self, "tp", shape=y.shape, itemsize=y.dtype.itemsize)
+        if self.tp == 1 or _LOCAL.get():
+            return y
+        with jax.named_scope("pp_tp"):
+            return lax.psum(y, MODEL)
 
     # ------------------------------------------------------------------ conv halo
 
@@ -307,9 +333,11 @@ class PatchOps(SiteOps):
         """Bytes device p of the patch axis receives for one site call (the conventions of
         `patchpar.measure.comm`), from the strategy's rules and the site's local shapes alone."""
         n = self.n
+        size = math.prod(info["shape"]) * info["itemsize"]  # one device's operand
+        if kind == "tp":  # ring all-reduce over the model axis
+            return 2 * (self.tp - 1) * size // self.tp
         if n == 1:
             return 0
-        size = math.prod(info["shape"]) * info["itemsize"]  # one device's operand
         if kind == "halo":
             if self.halo_mode == "zero" or (
                 not self.sync and self.halo_mode == "stale" and not self.exchange
@@ -350,6 +378,8 @@ class PatchOps(SiteOps):
           own (xDiT moves the same all-to-alls and ring hops).
         The UNet output's all-gather is not a site: `patchpar.measure.cost.released_count`."""
         n = self.n
+        if kind == "tp":
+            return self.received_bytes(kind, info, p)
         if n == 1 or self.halo_mode == "zero":
             return 0
         steady = not self.sync

@@ -10,9 +10,11 @@ from patchpar.parallel.strategies.naive_patch import NaivePatch
 from patchpar.parallel.strategies.pcpp import PCPP
 from patchpar.parallel.strategies.single import Single
 from patchpar.parallel.strategies.sync_patch import SyncPatch
+from patchpar.parallel.strategies.tensor import Tensor
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Single, NaivePatch, SyncPatch, DistriFusion, PCPP, Ring, Ulysses)
+    cls.name: cls
+    for cls in (Single, NaivePatch, SyncPatch, DistriFusion, PCPP, Ring, Ulysses, Tensor)
 }
 
 

@@ -13,7 +13,8 @@ class Strategy:
     """Base: one phase, identity site ops (the single-device reference)."""
 
     name: ClassVar[str] = "base"
-    parallel: ClassVar[bool] = True  # runs under shard_map over the (cfg, patch) mesh
+    parallel: ClassVar[bool] = True  # runs under shard_map over the (data, cfg, patch, model) mesh
+    rules: ClassVar[str] = "replicated"  # how parameters are placed (`parallel.rules.RULES`)
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -22,6 +23,15 @@ class Strategy:
     def sync_steps(self, steps: int) -> int:
         """How many of the first steps run in the `sync` phase (the rest run `steady`)."""
         return steps
+
+    def model_degree(self, devices: int) -> int:
+        """Devices on the model axis (tensor parallel) out of the `devices` an image has (after
+        data and cfg); the rest form the patch axis."""
+        del devices
+        return 1
+
+    def validate_mesh(self, devices: int) -> None:
+        """Checks of the strategy's own degrees on the `devices` an image has."""
 
     def ops(self, phase: str, n: int) -> SiteOps:
         del phase, n
