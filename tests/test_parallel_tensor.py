@@ -125,6 +125,13 @@ def test_gated_projection_is_laid_out_per_device_and_back():
 def test_bad_rules_and_widths_are_errors():
     with pytest.raises(ValueError, match=r"unknown logical axes \['vocab'\]; known: \['heads'"):
         check_rules({"vocab": "model"})
+    with pytest.raises(ValueError, match=r"unknown mesh axes \['tensor'\]; mesh axes: \['data'"):
+        check_rules({"heads": "tensor"})
+    with pytest.raises(ValueError, match=r"mesh axis 'model' on both 'embed' and 'heads'"):
+        check_rules({"heads": "model", "embed": "model"})
+    with pytest.raises(ValueError, match=r"no option\(s\) \['tp_degree'\].*combines with exact "
+                       r"row patches only"):  # fmt: skip
+        make_strategy("distrifusion", tp_degree=2)
     unet, _ = micro_unet("sd")  # widths 16, 32; 4 GroupNorm groups
     with pytest.raises(ValueError, match=r"norm_num_groups \[4\] are not all divisible by 8.* "
                        r"degrees that divide every split width: \[1, 2, 4\]"):  # fmt: skip

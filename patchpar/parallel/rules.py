@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec as P
 
-from patchpar.parallel.mesh import MODEL
+from patchpar.parallel.mesh import AXES, MODEL
 
 LOGICAL_AXES = ("heads", "mlp", "mlp_gated", "conv_mid", "embed")
 
@@ -51,10 +51,28 @@ RULES: dict[str, dict[str, str | None]] = {
 
 
 def check_rules(rules: dict[str, str | None]) -> None:
-    """A rule naming an unknown logical axis is an error listing the known ones."""
+    """Errors naming the rule: an unknown logical axis, an unknown mesh axis, or one mesh axis
+    given to two dimensions of the same parameter."""
     bad = sorted(set(rules) - set(LOGICAL_AXES))
     if bad:
         raise ValueError(f"rules name unknown logical axes {bad}; known: {list(LOGICAL_AXES)}")
+    axes = [a for a in rules.values() if a is not None]
+    if set(axes) - set(AXES):
+        raise ValueError(
+            f"rules map to unknown mesh axes {sorted(set(axes) - set(AXES))}; mesh axes: "
+            f"{list(AXES)}"
+        )
+    for pattern, names in LOGICAL:
+        mapped = [(n, rules.get(n)) for n in names if n and rules.get(n)]
+        seen: dict[str, str] = {}
+        for name, axis in mapped:
+            if axis in seen:
+                raise ValueError(
+                    f"rules put mesh axis {axis!r} on both {seen[axis]!r} and {name!r}, two "
+                    f"dimensions of the parameters matching {pattern!r}: an axis can split one "
+                    f"dimension of a parameter only"
+                )
+            seen[axis] = name
 
 
 def logical_axes(path: str, ndim: int) -> tuple:

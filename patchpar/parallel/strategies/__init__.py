@@ -26,10 +26,24 @@ def make_strategy(name: str, **options) -> Strategy:
     known = cls.option_names()
     bad = sorted(set(options) - set(known))
     if bad:
+        why = [COMBINE[o] for o in bad if o in COMBINE]
         raise ValueError(
             f"strategy {name!r} has no option(s) {bad}; its options: {known or 'none'}"
+            + (f" ({'; '.join(why)})" if why else "")
         )
     return cls(**options)
+
+
+# Why a degree of another parallelism does not combine with the strategy that lacks it
+COMBINE = {
+    "tp_degree": "tensor parallelism combines with exact row patches only, as `tensor "
+    "--tp-degree M` (the rest of an image's devices are sync_patch patches): the stale "
+    "strategies' buffers hold whole activations",
+    "ring_degree": "Ring and Ulysses combine with each other only (`ring --ulysses-degree U` "
+    "or `ulysses --ring-degree R`); they replace the self-attention exchange of the patch axis",
+    "ulysses_degree": "Ring and Ulysses combine with each other only (`ring --ulysses-degree U` "
+    "or `ulysses --ring-degree R`); they replace the self-attention exchange of the patch axis",
+}
 
 
 __all__ = ["STRATEGIES", "Strategy", "make_strategy"]
