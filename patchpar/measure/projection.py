@@ -90,13 +90,14 @@ def workload_key(model, resolution, strategy, devices, cfg, batch, dtype) -> tup
 
 def synchronous_sites(plan, phase: str) -> list[str]:
     """Sites whose collectives a step waits for: all in the warm-up phase (and in every phase of
-    a strategy without stale state); in the steady phase the CFG output gather, anything outside
-    a site, and GroupNorm statistics with `gn=sync`."""
+    a strategy without stale state); in the steady phase the CFG output gather, tensor
+    parallelism's all-reduces, anything outside a site, and GroupNorm statistics with
+    `gn=sync`."""
     from patchpar.parallel.strategies.base import StaleStrategy
 
     if phase == "warmup" or not isinstance(plan.strategy, StaleStrategy):
-        return ["halo", "gn", "kv", "cfg", "other"]
-    sites = ["cfg", "other"]
+        return ["halo", "gn", "kv", "cfg", "tp", "other"]
+    sites = ["cfg", "tp", "other"]
     if getattr(plan.strategy, "gn", None) == "sync":
         sites.append("gn")
     return sites
