@@ -5,14 +5,14 @@ projected from exact per-device costs, and what the papers did not measure (issu
     .venv/bin/python experiments/latency_paper.py --workloads-only
 
 1. Workloads: SDXL (bf16, abstract weights) lowered on this CPU for 1, 2, 4, 8 devices at 1024,
-   2048 and 3840 under single, sync_patch, distrifusion and pcpp (send full and band); FLOPs
+   2048 and 3840 under single, sync_patch, distrifusion, pcpp (send full and band) and tensor; FLOPs
    and every collective per device. Cached in <out>/workloads.jsonl (about 40 s each; resumable).
 2. Fit: a100-sxm's two compute constants (`flop_efficiency`, `call_overhead_s`) on the declared
    points only: the one-GPU rows and Table 2's "no communication (ideal)" rows (6 points).
    Written into patchpar/hardware/a100-sxm.yaml and <out>/fit.json.
 3. Check: every other published latency (Fig. 6 DistriFusion on 2/4/8 GPUs, Table 2's sync
-   patch parallel) projected and its error printed: <out>/paper.jsonl, <out>/paper.md.
-4. Predictions: PCPP (full, band), sync_patch and DistriFusion on the other profiles:
+   patch parallel and sync tensor parallel) projected and its error printed: <out>/paper.jsonl, <out>/paper.md.
+4. Predictions: PCPP (full, band), sync_patch, DistriFusion and tensor on the other profiles:
    <out>/predictions.jsonl and <out>/predictions.md.
 """
 
@@ -38,6 +38,7 @@ STRATEGIES = {  # label -> (strategy, options): DistriFusion's defaults (warm-up
     "distrifusion": ("distrifusion", {}),
     "pcpp full": ("pcpp", {"send": "full"}),
     "pcpp band": ("pcpp", {"send": "band"}),
+    "tensor": ("tensor", {}),  # all 8 GPUs on the model axis; SDXL's 10 / 20 heads padded
 }
 # Published latency in seconds (../shared/ANCHORS.md): (source, method, resolution, GPUs) -> s
 PUBLISHED = {
@@ -56,6 +57,9 @@ PUBLISHED = {
     ("Table 2", "sync_patch", 1024, 8): 2.21,
     ("Table 2", "sync_patch", 2048, 8): 5.62,
     ("Table 2", "sync_patch", 3840, 8): 24.7,
+    ("Table 2", "tensor", 1024, 8): 3.61,  # "sync tensor parallel"
+    ("Table 2", "tensor", 2048, 8): 11.7,
+    ("Table 2", "tensor", 3840, 8): 46.3,
     ("Table 2", "no communication", 1024, 8): 1.48,
     ("Table 2", "no communication", 2048, 8): 4.14,
     ("Table 2", "no communication", 3840, 8): 21.3,
