@@ -161,7 +161,8 @@ def tensor_parallel_markdown(records: list[dict], devices: int = 8) -> str:
             continue
         tb, db = t["steady_bytes_per_device"], d["steady_bytes_per_device"]
         w = t.get("weight_bytes_per_device")
-        wd = d.get("weight_bytes_per_device")
+        whole = _pick(records, "sdxl", res, devices, "ring")  # replicated weights, same model
+        wd = (whole or {}).get("weight_bytes_per_device")
         weights = f"{w / GB:.2f}; {wd / GB:.2f}" if w and wd else "–"
         lines.append(
             f"| {res} | {paper}G | {ratio:.2f}x | {tb / GB:.3f} | {tb / db:.2f}x | "
