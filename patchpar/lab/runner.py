@@ -54,7 +54,12 @@ def point_key(config: RunConfig | dict) -> str:
     d.pop("timeout_s", None)
     # records from before processes, the data axis and context parallelism existed
     d["mesh"] = {"processes": 0, "data": 1, **d.get("mesh", {})}
-    d["strategy"] = {"ring_degree": None, "ulysses_degree": None, **d.get("strategy", {})}
+    d["strategy"] = {
+        "ring_degree": None,
+        "ulysses_degree": None,
+        "tp_degree": None,
+        **d.get("strategy", {}),
+    }
     # records from before attention kernels existed ran the whole-logits (xla) kernel in float32
     d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}
     d["sampler"] = {**d.get("sampler", {})}
