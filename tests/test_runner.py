@@ -197,6 +197,8 @@ SWEEP_GRID = [
     },
     # 16 latent rows do not split into 3 patches of the UNet's multiple: a failed point
     {"strategy": [{"name": "sync_patch"}], "mesh.devices": [3]},
+    # data parallel: the two images on two devices, one each
+    {"strategy": [{"name": "sync_patch"}], "mesh.devices": [2], "mesh.data": [2]},
 ]
 
 
@@ -231,12 +233,12 @@ def test_killed_sweep_resumes_with_every_point_once(swept):
     sweep, folder, first = swept
     records = read_records(folder / "runs.jsonl")
     points = load_sweep(sweep)
-    assert len(records) == len(points) == 5
+    assert len(records) == len(points) == 6
     from patchpar.lab.runner import point_key
 
     assert sorted(point_key(r["config"]) for r in records) == sorted(point_key(p) for p in points)
     assert records[0] == first  # the row written before the kill is kept as it was
-    assert [r["status"] for r in records].count("ok") == 4
+    assert [r["status"] for r in records].count("ok") == 5
     failed = [r for r in records if r["status"] != "ok"]
     assert failed[0]["status"] == "error" and "not divisible by patch=3" in failed[0]["error"]
     # a third run finds nothing to do
@@ -245,7 +247,7 @@ def test_killed_sweep_resumes_with_every_point_once(swept):
     # --retry-failed runs the failed point again (a new row), nothing else
     run_sweep(SweepConfig(sweep, retry_failed=True))
     again = read_records(folder / "runs.jsonl")
-    assert len(again) == 6 and again[-1]["config"] == failed[0]["config"]
+    assert len(again) == 7 and again[-1]["config"] == failed[0]["config"]
 
 
 def test_record_schema(swept):
@@ -285,6 +287,13 @@ def test_record_schema(swept):
     mem = m["memory_per_device"]
     assert set(mem) == {"sync", "steady"} and mem["steady"]["aliased"] >= 0
     assert m["memory_per_device_bytes"] == max(v["total"] for v in mem.values()) > 0
+    # the mesh and the weights each device holds
+    assert m["mesh_degrees"] == {"data": 1, "cfg": 1, "patch": 2, "model": 1}
+    assert m["weight_bytes_per_device"] > 0
+    # data parallel: the images split over the data axis, each what single makes of it
+    dp = by["sync_patch"]["metrics"]
+    assert dp["mesh_degrees"] == {"data": 2, "cfg": 1, "patch": 1, "model": 1}
+    assert dp["latent_max_abs_diff"] <= 1e-4 and dp["bytes_per_device_per_step"] == 0
     # single is its own baseline; naive_patch moves no bytes and differs from it
     single, naive = by["single"]["metrics"], by["naive_patch"]["metrics"]
     assert single["identical"] and single["psnr"] is None and single["ssim"] == pytest.approx(1.0)
@@ -299,7 +308,7 @@ def test_record_schema(swept):
 def test_table_groups_and_sorts(swept, tmp_path):
     _, folder, _ = swept
     records = load_records([folder])
-    assert len(records) == 5  # the latest of each point (the failed one was run twice)
+    assert len(records) == 6  # the latest of each point (the failed one was run twice)
     text = markdown(records, sort_by=("mesh.devices", "label"))
     lines = [ln for ln in text.splitlines() if ln.startswith("| ") and "strategy" not in ln]
     assert [ln.split(" | ")[0].strip("| ") for ln in lines] == [
@@ -307,6 +316,7 @@ def test_table_groups_and_sorts(swept, tmp_path):
         "naive_patch",
         "pcpp warmup_steps=1 portion=0.3",
         "pcpp warmup_steps=1 portion=1.0",
+        "sync_patch",  # data parallel, 2 devices
         "sync_patch",
     ]
     assert "∞ (identical)" in lines[0] and "(error)" in text
@@ -327,8 +337,13 @@ def test_table_groups_and_sorts(swept, tmp_path):
         1.0,
     }
     assert get(next(r for r in records if r["label"] == "naive_patch"), "strategy.split") == "row"
-    # the summary printed by run/sweep adds a quality column only where some record has it
-    assert summary_columns(records) == DEFAULT_COLUMNS
+    # the summary printed by run/sweep adds the data degree where some record split images
+    data_at = DEFAULT_COLUMNS.index("mesh.cfg") + 1
+    with_data = DEFAULT_COLUMNS[:data_at] + ("mesh.data",) + DEFAULT_COLUMNS[data_at:]
+    assert summary_columns(records) == with_data
+    no_data = [r for r in records if r["config"]["mesh"].get("data", 1) == 1]
+    assert summary_columns(no_data) == DEFAULT_COLUMNS
+    # ... and a quality column only where some record has it
     measured = [{**records[0], "metrics": {**records[0]["metrics"], "prompt_accuracy": 0.5}}]
     assert summary_columns(records + measured)[-2:] == ("prompt_accuracy", "status")
     # some images identical to single (the mean PSNR is infinite): the cell says how many
@@ -344,7 +359,7 @@ def test_plots_from_records(swept, tmp_path):
     _, folder, _ = swept
     out = tmp_path / "plots"
     assert main(["plot", str(folder), "--out", str(out), "--prompt-grid"]) == 0
-    assert len(list(out.glob("prompt_grid_*.png"))) == 4  # one per ok run
+    assert len(list(out.glob("prompt_grid_*.png"))) == 5  # one per ok run
     from PIL import Image
 
     for name in (
@@ -374,7 +389,7 @@ def test_notebook_executes(swept, monkeypatch, run_notebook):
     _, folder, _ = swept
     monkeypatch.setenv("PATCHPAR_RESULTS", str(folder))
     text, images = run_notebook(REPO / "experiments" / "notebooks" / "records.ipynb")
-    assert "5 records (4 ok)" in text
+    assert "6 records (5 ok)" in text
     assert len(images) >= 2
 
 
