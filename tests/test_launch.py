@@ -185,3 +185,23 @@ def test_a_worker_that_cannot_load_the_model_reports_it_with_its_rank(tmp_path):
     assert last.startswith("patchpar: error: worker rank 0 of 1 exited") and str(missing) in last
     (rec,) = [json.loads(x) for x in (tmp_path / "results/mp/runs.jsonl").read_text().splitlines()]
     assert rec["status"] == "error" and str(missing) in rec["error"]
+
+
+@pytest.mark.parametrize("with_data", [True, False])  # today's records, and those from before
+def test_speedup_finds_the_single_run_of_the_point(tmp_path, with_data):
+    from patchpar.lab.config import RunConfig, to_dict, with_overrides
+    from patchpar.lab.speedup import speedups
+
+    single = to_dict(with_overrides(RunConfig(), {"mesh.processes": 1}))
+    if not with_data:
+        del single["mesh"]["data"]
+    record = {"config": single, "status": "ok",
+              "metrics": {"denoise_s_median": 3.0, "step_s_median": 0.3}}  # fmt: skip
+    (tmp_path / "runs.jsonl").write_text(json.dumps(record) + "\n")
+    cfg = with_overrides(
+        RunConfig(), {"strategy.name": "ring", "mesh.devices": 2, "mesh.processes": 2}
+    )
+    metrics = {"denoise_s_median": 2.0, "step_s_median": 0.2,
+               "layout": {"platform": "cpu", "processes": 2}}  # fmt: skip
+    out = speedups(cfg, metrics, tmp_path / "runs.jsonl")
+    assert out["speedup_vs_single"] == pytest.approx(1.5) and out["speedup_note"] is None
