@@ -399,6 +399,6 @@ def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
         shutil.copy(LATENCY / name, tmp_path / name)
     monkeypatch.setenv("PATCHPAR_LATENCY", str(tmp_path))
     text, _ = run_notebook(REPO / "experiments" / "notebooks" / "latency.ipynb")
-    assert "18 published points (12 checks)" in text and "cpu: 10 points" in text
+    assert "21 published points (15 checks)" in text and "cpu: 10 points" in text
     for png in ("paper_vs_projected", "projected_speedup_by_hardware", "cpu_projected_vs_measured"):
         assert (tmp_path / "plots" / f"{png}.png").stat().st_size > 0
