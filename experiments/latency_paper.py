@@ -5,14 +5,15 @@ projected from exact per-device costs, and what the papers did not measure (issu
     .venv/bin/python experiments/latency_paper.py --workloads-only
 
 1. Workloads: SDXL (bf16, abstract weights) lowered on this CPU for 1, 2, 4, 8 devices at 1024,
-   2048 and 3840 under single, sync_patch, distrifusion, pcpp (send full and band) and tensor; FLOPs
+   2048 and 3840 under single, sync_patch, distrifusion, pcpp (send full and band), tensor, ring and
+   ulysses; FLOPs
    and every collective per device. Cached in <out>/workloads.jsonl (about 40 s each; resumable).
 2. Fit: a100-sxm's two compute constants (`flop_efficiency`, `call_overhead_s`) on the declared
    points only: the one-GPU rows and Table 2's "no communication (ideal)" rows (6 points).
    Written into patchpar/hardware/a100-sxm.yaml and <out>/fit.json.
 3. Check: every other published latency (Fig. 6 DistriFusion on 2/4/8 GPUs, Table 2's sync
    patch parallel and sync tensor parallel) projected and its error printed: <out>/paper.jsonl, <out>/paper.md.
-4. Predictions: PCPP (full, band), sync_patch, DistriFusion and tensor on the other profiles:
+4. Predictions: every strategy above on the other profiles:
    <out>/predictions.jsonl and <out>/predictions.md.
 """
 
@@ -39,6 +40,8 @@ STRATEGIES = {  # label -> (strategy, options): DistriFusion's defaults (warm-up
     "pcpp full": ("pcpp", {"send": "full"}),
     "pcpp band": ("pcpp", {"send": "band"}),
     "tensor": ("tensor", {}),  # all 8 GPUs on the model axis; SDXL's 10 / 20 heads padded
+    "ring": ("ring", {}),
+    "ulysses": ("ulysses", {}),  # SDXL's heads padded to the degree
 }
 # Published latency in seconds (../shared/ANCHORS.md): (source, method, resolution, GPUs) -> s
 PUBLISHED = {
