@@ -184,3 +184,26 @@ def test_count_hlo_attributes_all_to_all_groups():
     )
     c = count_hlo(text, 4)
     assert list(c.by_site["kv"]) == [64, 64, 64, 64]  # 128 bytes x 1/2
+
+
+def test_ring_with_the_xla_kernel_is_exact_and_counts_every_flop():
+    """With `xla` attention each ring hop is one whole-logits block, so the cost analysis (which
+    counts a loop body once) sees all of the attention's FLOPs, as for sync_patch."""
+    from patchpar.models.attention import AttentionSpec
+
+    unet, params = micro_unet("sd")
+    # small blocks: a blockwise ring would loop over 4 query blocks of a device's 64 tokens
+    unet = unet.with_attention(AttentionSpec("xla", block_q=16, block_kv=16))
+    x, t, cond = inputs("sd")
+    p = plan("ring", 4)
+    out, _ = jax.jit(make_step(unet, p, "sync", "row", GUIDANCE, p.mesh()))(
+        params, x, t, cond, None
+    )
+    assert max_diff(out, single_guided(unet, params, x, t, cond)) <= 1e-4
+    flops = {
+        name: measure(unet, plan(name, 4), (16, 16), batch=2, params=params)["phases"]["warmup"][
+            "flops_per_device"
+        ]
+        for name in ("ring", "sync_patch")
+    }
+    assert flops["ring"] == pytest.approx(flops["sync_patch"], rel=0.02)

@@ -93,8 +93,13 @@ def _all_to_all(x, split: int, concat: int, n: int, ulysses: int, local: bool):
 
 def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, local: bool):
     """Online softmax over the r K/V blocks of the ring (Python-unrolled: r <= devices, and
-    each hop is its own collective in the program, so its bytes are counted)."""
-    state = OnlineSoftmax.start(q, heads, spec.block_q)
+    each hop is its own collective in the program, so its bytes are counted). With the `xla`
+    kernel each hop's block is one whole-logits block (no inner loop: XLA's cost analysis
+    counts a loop body once, so FLOP counts need it); otherwise the spec's block sizes."""
+    whole = spec.impl == "xla"
+    block_q = q.shape[1] if whole else spec.block_q
+    block_kv = kv.shape[2] if whole else spec.block_kv
+    state = OnlineSoftmax.start(q, heads, block_q)
     pairs = ring_pairs(n, ulysses)
     for hop in range(r):
         nxt = None
@@ -104,7 +109,7 @@ def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, 
             else:
                 with jax.named_scope("pp_kv"):
                     nxt = lax.ppermute(kv, PATCH, pairs)
-        state = state.update(kv[0], kv[1], None, spec.block_kv)
+        state = state.update(kv[0], kv[1], None, block_kv)
         kv = nxt
     return state.finish(q.dtype)
 
