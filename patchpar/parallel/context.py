@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from patchpar.models.attention import AttentionSpec, OnlineSoftmax, attend
-from patchpar.parallel.mesh import PATCH
+from patchpar.parallel.mesh import PATCH, divisors
 
 
 def padded_heads(heads: int, ulysses: int) -> int:
@@ -132,12 +132,11 @@ def context_bytes(q_shape: tuple[int, ...], itemsize: int, heads: int, n: int, u
 
 def check_degrees(patch: int, ring: int | None, ulysses: int | None, who: str) -> tuple[int, int]:
     """(ring, ulysses) degrees with ring x ulysses = patch; ValueError naming both and what fits."""
-    divisors = [d for d in range(1, patch + 1) if patch % d == 0]
     for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
         if value is not None and (not isinstance(value, int) or value < 1 or patch % value):
             raise ValueError(
                 f"{who}: {name}={value!r} must divide the patch axis ({patch} devices); "
-                f"divisors: {divisors}"
+                f"divisors: {divisors(patch)}"
             )
     if ring is not None and ulysses is not None and ring * ulysses != patch:
         raise ValueError(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from patchpar.models import UNetFn
-from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, make_mesh, mesh_shape
+from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
 from patchpar.parallel.rules import RULES, check_split, placed, unplaced
 from patchpar.parallel.sites import STALE, local_stand_ins, shapes_only
 from patchpar.parallel.strategies import Strategy
@@ -79,9 +79,9 @@ class Plan:
         """All checks up front; ValueError naming the numbers and what would fit. `batch`:
         the images per call (they must split evenly over `data`)."""
         s = self.strategy
-        make_mesh(self.devices, self.cfg, self.data)  # device count, degrees
-        s.validate_mesh(self.devices // (self.cfg * self.data))
-        make_mesh(self.devices, self.cfg, self.data, self.model)
+        mesh_shape(self.devices, self.cfg, self.data)  # data and cfg degrees
+        s.validate_mesh(self.devices // (self.cfg * self.data))  # the strategy's model degree
+        make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
         check_split(unet.config, self.model)
         if not s.parallel and self.devices != 1:
             raise ValueError(
@@ -91,11 +91,10 @@ class Plan:
             )
         s.validate(steps, self.patch, self.cfg)
         if batch is not None and batch % self.data:
-            fits = [d for d in range(1, batch + 1) if batch % d == 0]
             raise ValueError(
                 f"batch of {batch} image(s) per call is not divisible by data={self.data}: every "
                 f"data slice takes the same number of images; use a multiple of {self.data} "
-                f"images per call, or data in {fits}"
+                f"images per call, or data in {divisors(batch)}"
             )
         if self.cfg == 2 and not guidance_scale > 1:
             raise ValueError(
@@ -155,10 +154,7 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         return guided(out, guidance_scale), new_state
 
     xs = _x_spec(axis)
-    local_shapes = None
-    if plan.model > 1:  # the modules' own parameter shapes on one device (heads padded)
-        with shapes_only():
-            local_shapes = UNetFn(module).abstract_params()
+    local_shapes = _local_param_shapes(UNetFn(module)) if plan.model > 1 else None
 
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
@@ -182,6 +178,15 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         return fn(params, x, t, cond, state_in)
 
     return step
+
+
+@cache
+def _local_param_shapes(unet: UNetFn):
+    """The modules' own parameter shapes on one device (split widths, heads padded), traced
+    once per module: make_step is built per phase and patch axis, and a full-size UNet's
+    abstract init takes seconds."""
+    with shapes_only():
+        return unet.abstract_params()
 
 
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):

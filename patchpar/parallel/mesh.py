@@ -14,6 +14,11 @@ MODEL = "model"  # tensor parallel: the weights of a layer split across devices
 AXES = (DATA, CFG, PATCH, MODEL)  # outermost first: device id = ((d*cfg + c)*patch + p)*model + m
 
 
+def divisors(n: int) -> list[int]:
+    """The degrees that split n evenly (for error messages: what would fit)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def mesh_shape(devices: int, cfg: int = 1, data: int = 1, model: int = 1) -> dict[str, int]:
     """{axis: degree} for `devices` split as data x cfg x patch x model; ValueError naming
     every degree and what would fit."""
@@ -37,7 +42,7 @@ def mesh_shape(devices: int, cfg: int = 1, data: int = 1, model: int = 1) -> dic
         )
     rest = devices // (data * cfg)
     if rest % model:
-        fits = [d for d in range(1, rest + 1) if rest % d == 0]
+        fits = divisors(rest)
         raise ValueError(
             f"model={model} does not divide the {rest} devices left by devices={devices} / "
             f"(data={data} x cfg={cfg}): patch x model must be {rest}; model can be one of {fits}"

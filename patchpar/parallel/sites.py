@@ -58,18 +58,6 @@ def record_sites():
         _LOG.reset(token)
 
 
-@contextlib.contextmanager
-def shapes_only():
-    """Inside the block site calls are neither recorded nor exchanged (for tracing a module's
-    parameter shapes: `jax.eval_shape` of its init outside any mesh)."""
-    token, local = _LOG.set(None), _LOCAL.set(True)
-    try:
-        yield
-    finally:
-        _LOG.reset(token)
-        _LOCAL.reset(local)
-
-
 _LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("patchpar_local", default=False)
 
 
@@ -83,6 +71,18 @@ def local_stand_ins(active: bool = True):
         yield
     finally:
         _LOCAL.reset(token)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Inside the block site calls are neither recorded nor exchanged (for tracing a module's
+    parameter shapes: `jax.eval_shape` of its init outside any mesh)."""
+    token, local = _LOG.set(None), _LOCAL.set(True)
+    try:
+        yield
+    finally:
+        _LOG.reset(token)
+        _LOCAL.reset(local)
 
 
 def stand_ins_active() -> bool:

@@ -35,14 +35,16 @@ def make_strategy(name: str, **options) -> Strategy:
 
 
 # Why a degree of another parallelism does not combine with the strategy that lacks it
+_CONTEXT = (
+    "Ring and Ulysses combine with each other only (`ring --ulysses-degree U` or `ulysses "
+    "--ring-degree R`); they replace the self-attention exchange of the patch axis"
+)
 COMBINE = {
     "tp_degree": "tensor parallelism combines with exact row patches only, as `tensor "
     "--tp-degree M` (the rest of an image's devices are sync_patch patches): the stale "
     "strategies' buffers hold whole activations",
-    "ring_degree": "Ring and Ulysses combine with each other only (`ring --ulysses-degree U` "
-    "or `ulysses --ring-degree R`); they replace the self-attention exchange of the patch axis",
-    "ulysses_degree": "Ring and Ulysses combine with each other only (`ring --ulysses-degree U` "
-    "or `ulysses --ring-degree R`); they replace the self-attention exchange of the patch axis",
+    "ring_degree": _CONTEXT,
+    "ulysses_degree": _CONTEXT,
 }
 
 

@@ -6,6 +6,7 @@ their hybrid, `ring_degree x ulysses_degree` = the patch axis (`patchpar.paralle
 The output equals `single`."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from patchpar.parallel.context import check_degrees
 from patchpar.parallel.sites import PatchOps
@@ -15,6 +16,8 @@ from patchpar.parallel.strategies.base import Strategy
 @dataclass(frozen=True)
 class ContextParallel(Strategy):
     name = "context"
+    # which attention takes the whole patch axis when no degree is given
+    whole: ClassVar[str] = "ring"
     # devices in the ring (xDiT / diffusers ring_degree); unset: patch / ulysses_degree
     ring_degree: int | None = None
     # devices in each Ulysses all-to-all group (ulysses_degree); unset: patch / ring_degree
@@ -22,6 +25,8 @@ class ContextParallel(Strategy):
 
     def degrees(self, patch: int) -> tuple[int, int]:
         """(ring, ulysses) on a patch axis of `patch` devices."""
+        if self.ring_degree is None and self.ulysses_degree is None:
+            return (patch, 1) if self.whole == "ring" else (1, patch)
         return check_degrees(patch, self.ring_degree, self.ulysses_degree, self.name)
 
     def ops(self, phase: str, n: int) -> PatchOps:
@@ -39,19 +44,10 @@ class Ring(ContextParallel):
 
     name = "ring"
 
-    def degrees(self, patch: int) -> tuple[int, int]:
-        if self.ring_degree is None and self.ulysses_degree is None:
-            return patch, 1
-        return super().degrees(patch)
-
 
 @dataclass(frozen=True)
 class Ulysses(ContextParallel):
     """Ulysses attention; with ring_degree > 1 the hybrid (a ring across the groups)."""
 
     name = "ulysses"
-
-    def degrees(self, patch: int) -> tuple[int, int]:
-        if self.ring_degree is None and self.ulysses_degree is None:
-            return 1, patch
-        return super().degrees(patch)
+    whole = "ulysses"

@@ -8,6 +8,7 @@ axis with `sync_patch`'s exact sites (a hybrid). The output equals `single`."""
 
 from dataclasses import dataclass
 
+from patchpar.parallel.mesh import divisors
 from patchpar.parallel.sites import PatchOps
 from patchpar.parallel.strategies.base import Strategy
 
@@ -26,10 +27,9 @@ class Tensor(Strategy):
     def validate_mesh(self, devices: int) -> None:
         tp = self.tp_degree
         if tp is not None and (not isinstance(tp, int) or tp < 1 or devices % tp):
-            fits = [d for d in range(1, devices + 1) if devices % d == 0]
             raise ValueError(
                 f"tensor: tp_degree={tp!r} must divide the {devices} devices an image has "
-                f"(devices / (data x cfg)); one of {fits}"
+                f"(devices / (data x cfg)); one of {divisors(devices)}"
             )
 
     def ops(self, phase: str, n: int) -> PatchOps:
