@@ -64,8 +64,9 @@ class StrategyOptions:
     default: the whole patch axis). Heads that do not divide it are padded with zero heads."""
     tp_degree: int | None = None
     """tensor: devices each layer's weights are split over (diffusers' tp_degree; default: all
-    of an image's devices); must divide every level's heads, the block widths and the GroupNorm
-    groups. Below the devices an image has, the rest are exact row patches (a hybrid)."""
+    of an image's devices); must divide the block widths and the GroupNorm groups (heads that
+    do not divide are padded with zero heads). Below the devices an image has, the rest are
+    exact row patches (a hybrid)."""
 
     def options(self) -> dict:
         return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
