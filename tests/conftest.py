@@ -77,6 +77,7 @@ HEAVY_FIRST = (
     "test_parallel_forward.py",
     "test_parallel_context.py",
     "test_parallel_tensor.py",
+    "test_parallel_fsdp.py",
     "test_attention.py",
     "test_models_parity.py",
     "test_fmnist.py",

@@ -36,16 +36,17 @@ def quiet(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-STRATEGIES = {  # name: (strategy, options, data parallel)
-    "sync_patch": ("sync_patch", {}, False),
-    "distrifusion": ("distrifusion", {"warmup_steps": 1}, False),
-    "pcpp": ("pcpp", {"warmup_steps": 1, "portion": 0.5}, False),
-    "ring": ("ring", {}, False),
-    "ulysses": ("ulysses", {}, False),
-    "tensor": ("tensor", {}, False),
-    "data": ("sync_patch", {}, True),  # every device of a cfg half takes its own images
+STRATEGIES = {  # name: (strategy, options, data parallel, fsdp)
+    "sync_patch": ("sync_patch", {}, False, False),
+    "distrifusion": ("distrifusion", {"warmup_steps": 1}, False, False),
+    "pcpp": ("pcpp", {"warmup_steps": 1, "portion": 0.5}, False, False),
+    "ring": ("ring", {}, False, False),
+    "ulysses": ("ulysses", {}, False, False),
+    "tensor": ("tensor", {}, False, False),
+    "data": ("sync_patch", {}, True, False),  # every device of a cfg half takes its own images
+    "fsdp": ("sync_patch", {}, False, True),  # weights sharded, gathered per layer
 }
-EXACT = ("sync_patch", "ring", "ulysses", "tensor", "data")  # equal to the single device
+EXACT = ("sync_patch", "ring", "ulysses", "tensor", "data", "fsdp")  # equal to the single device
 STEPS = 4
 
 
@@ -65,9 +66,13 @@ def final_latents(devices: int, cfg: int, names) -> dict:
     sched = smp.schedule(SchedulerConfig(), STEPS)
     out = {}
     for name in names:
-        strategy, options, data = STRATEGIES[name]
+        strategy, options, data, fsdp = STRATEGIES[name]
         plan = Plan(
-            make_strategy(strategy, **options), devices, cfg, data=devices // cfg if data else 1
+            make_strategy(strategy, **options),
+            devices,
+            cfg,
+            data=devices // cfg if data else 1,
+            fsdp=fsdp,
         )
         latent, _ = denoise(
             unet, plan, smp, params, cond, sched, x * sched.init_noise_sigma, GUIDANCE

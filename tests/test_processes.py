@@ -65,7 +65,7 @@ def _check(processes: int, cfg: int, names: list[str], tmp_path) -> None:
 
 
 def test_two_processes_equal_one_device(tmp_path):
-    _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data"], tmp_path)
+    _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data", "fsdp"], tmp_path)
 
 
 @pytest.mark.slow

@@ -394,13 +394,13 @@ def test_notebook_executes(swept, monkeypatch, run_notebook):
 
 
 def test_records_from_before_new_config_fields_are_the_same_point():
-    """A record written before a config field existed (here the data axis and the context and
-    tensor degrees) is the point the new default config names, so sweeps skip it."""
+    """A record written before a config field existed (here the data axis, FSDP and the context
+    and tensor degrees) is the point the new default config names, so sweeps skip it."""
     from patchpar.lab.config import RunConfig, to_dict
     from patchpar.lab.runner import point_key
 
     old = to_dict(RunConfig())
-    del old["mesh"]["data"]
+    del old["mesh"]["data"], old["mesh"]["fsdp"]
     for key in ("ring_degree", "ulysses_degree", "tp_degree"):
         del old["strategy"][key]
     assert point_key(old) == point_key(RunConfig())

@@ -29,14 +29,22 @@ STRATEGY_OPTIONS = (
 )
 
 
-def build_plan(name: str, options: dict, devices: int, cfg: int, comm: bool = True, data: int = 1):
+def build_plan(
+    name: str,
+    options: dict,
+    devices: int,
+    cfg: int,
+    comm: bool = True,
+    data: int = 1,
+    fsdp: bool = False,
+):
     """The strategy `name` with the options given (None = the strategy's default), on devices
-    split as data x cfg x patch."""
+    split as data x cfg x patch x model, weights sharded per layer with `fsdp`."""
     from patchpar.parallel.engine import Plan
     from patchpar.parallel.strategies import make_strategy
 
     options = {k: v for k, v in options.items() if v is not None}
-    return Plan(make_strategy(name, **options), devices, cfg, comm, data)
+    return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp)
 
 
 @dataclass(frozen=True)
@@ -85,10 +93,14 @@ class PlanFlags(StrategyOptions):
     """1: both guidance halves on every device; 2: split across two device halves."""
     data: int = 1
     """Devices that split the images of a batch (data parallel; the Flax SD pipeline's pmap)."""
+    fsdp: bool = False
+    """Shard the weights over the devices that share them, gathered per layer (ZeRO-3)."""
 
     def plan(self):
         """The strategy with the options given, placed on the devices."""
-        return build_plan(self.strategy, self.options(), self.devices, self.cfg, data=self.data)
+        return build_plan(
+            self.strategy, self.options(), self.devices, self.cfg, data=self.data, fsdp=self.fsdp
+        )
 
 
 # ---------------------------------------------------------------------------- RunConfig parts
@@ -122,6 +134,11 @@ class MeshConfig:
     """Devices that split the images of each call (data parallel, as the Flax SD pipeline's
     pmap); the images per call must be a multiple of it. Image (prompt, seed) is the same
     whatever the split."""
+    fsdp: bool = False
+    """Shard every weight's embed dimension over the devices that run the same weights (data x
+    cfg x patch; MaxDiffusion's fsdp rule, ZeRO-3) and all-gather each layer's just before it
+    runs: weight memory per device / that degree, for one all-gather of the weights per UNet
+    call (site fsdp). Exact: the images are those without it."""
     processes: int = 0
     """0: run in this process on the devices it sees (on CPU, fake devices sharing the cores:
     no speedup). N >= 1: launch N processes here (`--processes N`), one CPU device, one core
@@ -234,6 +251,7 @@ class RunConfig:
             self.mesh.cfg,
             comm=not self.measure.compute_only,
             data=self.mesh.data,
+            fsdp=self.mesh.fsdp,
         )
 
     def validate(self) -> RunConfig:

@@ -87,6 +87,7 @@ def run_comm(config: CommConfig) -> dict:
         "flops_per_device": st.get("flops_per_device"),
         "stale_bytes_per_device": r["stale_bytes_per_device"],
         "weight_bytes_per_device": r["weight_bytes_per_device"],
+        "weight_rules": plan.rules_name,
         "mesh": r["mesh"],
         "analytic_matches_hlo": st["analytic_matches_hlo"] and wu["analytic_matches_hlo"],
         # analytic: what the released DistriFusion / PCPP code's pattern would move instead
@@ -140,7 +141,8 @@ def format_comm(rec: dict) -> str:
         f"FLOPs per device (steady step): {rec['flops_per_device'] / 1e9:.2f} G",
         f"stale buffers per device: {rec['stale_bytes_per_device'] / 2**20:.2f} MiB",
         f"weights per device: {rec['weight_bytes_per_device'] / 2**20:.2f} MiB "
-        f"(mesh {' x '.join(f'{k}={v}' for k, v in rec['mesh'].items())})",
+        f"(rules {rec.get('weight_rules', 'replicated')}, mesh "
+        f"{' x '.join(f'{k}={v}' for k, v in rec['mesh'].items())})",
     ]
     if rec.get("memory_per_device_bytes") is not None:
         m = rec["memory_per_device"]

@@ -52,8 +52,8 @@ def point_key(config: RunConfig | dict) -> str:
     d = to_dict(config) if isinstance(config, RunConfig) else dict(config)
     d.pop("results", None)
     d.pop("timeout_s", None)
-    # records from before processes, the data axis and context parallelism existed
-    d["mesh"] = {"processes": 0, "data": 1, **d.get("mesh", {})}
+    # records from before processes, the data axis, FSDP and context parallelism existed
+    d["mesh"] = {"processes": 0, "data": 1, "fsdp": False, **d.get("mesh", {})}
     d["strategy"] = {
         "ring_degree": None,
         "ulysses_degree": None,
@@ -93,6 +93,7 @@ def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
         "bytes_per_device_total": sync * w_bytes + (n - sync) * s_bytes,
         "flops_per_device_per_step": st.get("flops_per_device"),
         "weight_bytes_per_device": r["weight_bytes_per_device"],
+        "weight_rules": measured.rules_name,
         "analytic_matches_hlo": bool(wu["analytic_matches_hlo"] and st["analytic_matches_hlo"]),
     }
 

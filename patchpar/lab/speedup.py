@@ -30,7 +30,7 @@ def _reference(records: list[dict], config: dict, strategy: str, mesh: dict) -> 
     found = None
     for r in records:
         c = r["config"]
-        m = {"processes": 0, "data": 1, **c.get("mesh", {})}  # records from before either
+        m = {"processes": 0, "data": 1, "fsdp": False, **c.get("mesh", {})}  # older records
         if (
             r.get("status") == "ok"
             and not c.get("measure", {}).get("compute_only")
@@ -59,9 +59,10 @@ def speedups(config: RunConfig, metrics: dict, runs_file: Path) -> dict:
     records = read_records(runs_file, skip_bad=True, require=("config", "status"))
     own = {"denoise_s_median": metrics["denoise_s_median"],
            "step_s_median": metrics["step_s_median"]}  # fmt: skip
-    single_mesh = {"devices": 1, "cfg": 1, "data": 1, "processes": 1 if mesh.processes else 0}
+    single_mesh = {"devices": 1, "cfg": 1, "data": 1, "fsdp": False,
+                   "processes": 1 if mesh.processes else 0}  # fmt: skip
     this_mesh = {"devices": mesh.devices, "cfg": mesh.cfg, "data": mesh.data,
-                 "processes": mesh.processes}  # fmt: skip
+                 "fsdp": mesh.fsdp, "processes": mesh.processes}  # fmt: skip
     single = _metrics(_reference(records, cfg, "single", single_mesh), own,
                       config.strategy.name == "single" and this_mesh == single_mesh)  # fmt: skip
     sync = _metrics(_reference(records, cfg, "sync_patch", this_mesh), own,

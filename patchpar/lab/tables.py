@@ -46,6 +46,9 @@ def summary_columns(records: list[dict]) -> tuple[str, ...]:
     if any(r.get("config", {}).get("mesh", {}).get("data", 1) > 1 for r in records):
         at = cols.index("mesh.cfg") + 1
         cols = cols[:at] + ("mesh.data",) + cols[at:]
+    if any(r.get("config", {}).get("mesh", {}).get("fsdp") for r in records):
+        at = cols.index("mesh.cfg") + 1
+        cols = cols[:at] + ("mesh.fsdp",) + cols[at:]
     return cols[:-1] + timing + extra + cols[-1:]
 
 
@@ -87,6 +90,7 @@ FORMATS = {
     "mesh.devices": ("devices", str),
     "mesh.cfg": ("cfg", str),
     "mesh.data": ("data", str),
+    "mesh.fsdp": ("fsdp", lambda v: "yes" if v else "no"),
 }
 
 

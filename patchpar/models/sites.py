@@ -11,8 +11,10 @@ Model code calls a `SiteOps` object at exactly three places:
    a key mask for slots that do not exist on an edge device) and runs the kernel locally;
    context-parallel strategies (Ring, Ulysses) answer the whole attention instead.
 
-A fourth, non-spatial call serves tensor parallelism: `model_degree` (how many ways weights
-are split) and `model_sum` (the all-reduce after a row-split layer).
+Two non-spatial calls serve the weights: tensor parallelism's `model_degree` (how many ways
+weights are split) and `model_sum` (the all-reduce after a row-split layer), and `layer`, the
+class every parameterised layer of the UNet is built from (FSDP gathers the layer's sharded
+weights there, just before it runs).
 
 `SiteOps` itself is the single-device (identity) implementation: zero padding, local
 statistics, local K/V, unsplit weights. The parallel layer subclasses it; the ops object is a static, hashable
@@ -70,6 +72,12 @@ class SiteOps:
         """The sum over the model axis of a row-split layer's partial outputs (before its bias)."""
         del mod
         return y
+
+    def layer(self, cls: type) -> type:
+        """The class to build one layer (a ResNet block, a transformer block, a projection) from:
+        `cls` itself here. FSDP returns a wrapper that gathers the layer's weights, sharded at
+        rest, over the mesh when the layer runs (`patchpar.parallel.sites.PatchOps.layer`)."""
+        return cls
 
     def input_layer(self) -> SiteOps:
         """The ops of the model's first convolution, which reads the sampler's latent: its halo

@@ -239,24 +239,27 @@ class Transformer2DModel(nn.Module):
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, h, W, C)
         b, h, w, c = x.shape
         res = x
-        x = GroupNorm(self.groups, 1e-6, self.dtype, self.ops, name="norm")(x)
+        layer, dt = self.ops.layer, self.dtype
+        x = layer(GroupNorm)(self.groups, 1e-6, dt, self.ops, name="norm")(x)
         if self.use_linear_projection:
-            x = dense(c, "proj_in", self.dtype)(x.reshape(b, h * w, c))
+            x = layer(nn.Dense)(c, dtype=dt, param_dtype=dt, name="proj_in")(x.reshape(b, h * w, c))
         else:
-            x = Conv(c, 1, padding=0, dtype=self.dtype, name="proj_in")(x).reshape(b, h * w, c)
+            x = layer(Conv)(c, 1, padding=0, dtype=dt, name="proj_in")(x).reshape(b, h * w, c)
         for i in range(self.num_layers):
-            x = BasicTransformerBlock(
-                c, self.heads, self.dtype, self.ops, self.attn, name=f"transformer_blocks_{i}"
+            x = layer(BasicTransformerBlock)(
+                c, self.heads, dt, self.ops, self.attn, name=f"transformer_blocks_{i}"
             )(x, context)
         if self.use_linear_projection:
-            x = dense(c, "proj_out", self.dtype)(x).reshape(b, h, w, c)
+            x = layer(nn.Dense)(c, dtype=dt, param_dtype=dt, name="proj_out")(x)
+            x = x.reshape(b, h, w, c)
         else:
-            x = Conv(c, 1, padding=0, dtype=self.dtype, name="proj_out")(x.reshape(b, h, w, c))
+            x = layer(Conv)(c, 1, padding=0, dtype=dt, name="proj_out")(x.reshape(b, h, w, c))
         return x + res
 
 
 def _resnet(cfg: UNetConfig, channels: int, dtype, ops, name: str) -> ResnetBlock2D:
-    return ResnetBlock2D(channels, cfg.norm_num_groups, cfg.norm_eps, True, dtype, ops, name=name)
+    block = ops.layer(ResnetBlock2D)
+    return block(channels, cfg.norm_num_groups, cfg.norm_eps, True, dtype, ops, name=name)
 
 
 def _transformer(cfg: UNetConfig, level: int, dtype, ops, attn, name: str) -> Transformer2DModel:
@@ -294,7 +297,8 @@ class DownBlock(nn.Module):
                 x = _transformer(cfg, i, dt, ops, self.attn, f"attentions_{j}")(x, ctx)
             skips.append(x)
         if i < len(cfg.block_out_channels) - 1:
-            x = Downsample2D(c, cfg.downsample_padding, dt, ops, name="downsamplers_0")(x)
+            down = ops.layer(Downsample2D)
+            x = down(c, cfg.downsample_padding, dt, ops, name="downsamplers_0")(x)
             skips.append(x)
         return x, skips
 
@@ -339,7 +343,7 @@ class UpBlock(nn.Module):
             if cfg.up_block_types[i] == "CrossAttnUpBlock2D":
                 x = _transformer(cfg, bi, dt, ops, self.attn, f"attentions_{j}")(x, ctx)
         if i < n - 1:
-            x = Upsample2D(c, dt, ops, name="upsamplers_0")(x)
+            x = ops.layer(Upsample2D)(c, dt, ops, name="upsamplers_0")(x)
         return x
 
 
@@ -365,7 +369,8 @@ class UNet2DConditionModel(nn.Module):
         b = sample.shape[0]
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (b,))
         temb = timestep_embedding(timesteps, boc[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        emb = TimestepEmbedding(4 * boc[0], dt, name="time_embedding")(temb)  # (B, 4*C0)
+        layer = ops.layer  # every parameterised layer: FSDP gathers its weights there
+        emb = layer(TimestepEmbedding)(4 * boc[0], dt, name="time_embedding")(temb)  # (B, 4*C0)
         if cfg.addition_embed_type == "text_time":
             if text_embeds is None or time_ids is None:
                 raise ValueError(
@@ -378,11 +383,11 @@ class UNet2DConditionModel(nn.Module):
                 cfg.freq_shift,
             ).reshape(b, -1)  # (B, 6 * addition_time_embed_dim)
             add = jnp.concatenate([text_embeds.astype(jnp.float32), tid], axis=-1)
-            emb = emb + TimestepEmbedding(4 * boc[0], dt, name="add_embedding")(add)
+            emb = emb + layer(TimestepEmbedding)(4 * boc[0], dt, name="add_embedding")(add)
         ctx = encoder_hidden_states.astype(dt)
 
         # The model's input is exact every step: its halo comes fresh even for stale strategies.
-        x = Conv(boc[0], dtype=dt, ops=ops.input_layer(), name="conv_in")(sample.astype(dt))
+        x = layer(Conv)(boc[0], dtype=dt, ops=ops.input_layer(), name="conv_in")(sample.astype(dt))
         skips = [x]
         for i in range(len(boc)):
             x, s = DownBlock(cfg, i, dt, ops, self.attn, name=f"down_blocks_{i}")(x, emb, ctx)
@@ -394,5 +399,5 @@ class UNet2DConditionModel(nn.Module):
                 x, skips[-take:], emb, ctx
             )
             skips = skips[:-take]
-        x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dt, ops, name="conv_norm_out")(x))
-        return Conv(cfg.out_channels, dtype=dt, ops=ops, name="conv_out")(x)
+        norm = layer(GroupNorm)(cfg.norm_num_groups, cfg.norm_eps, dt, ops, name="conv_norm_out")
+        return layer(Conv)(cfg.out_channels, dtype=dt, ops=ops, name="conv_out")(nn.silu(norm(x)))

@@ -1,5 +1,5 @@
-"""Runs a UNet under a strategy: one `shard_map` program per phase over the (data, cfg, patch)
-mesh.
+"""Runs a UNet under a strategy: one `shard_map` program per phase over the (data, cfg, patch,
+model) mesh.
 
 Per device the UNet sees its share of the images (`data`), a row (or column) slab of their
 latents (`patch`) and its share of the guidance batch (`cfg`); the site ops of the strategy's
@@ -8,7 +8,9 @@ phase do the exchanges. Stale buffers leave the shard_map as global arrays with 
 step t+1. The latent stays sharded across steps (the scheduler update is elementwise); with
 `cfg=2` the two guidance halves meet by an all-gather over `cfg`. Images never meet: the data
 axis has no collective, and image (prompt p, seed s) is the same whatever the split, since its
-initial latent is drawn from its own key before any sharding.
+initial latent is drawn from its own key before any sharding. Parameters enter placed by the
+plan's logical-axis rules (`parallel.rules`): whole, split over `model` (tensor parallel), and
+with `fsdp` sharded over the rest, each layer gathering its own as it runs.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from patchpar.models import UNetFn
+from patchpar.models.sites import IDENTITY
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
-from patchpar.parallel.rules import RULES, check_split, placed, unplaced
+from patchpar.parallel.rules import FSDP_AXES, RULES, check_sharded, check_split, placed, unplaced
 from patchpar.parallel.sites import STALE, local_stand_ins, shapes_only
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.guidance import call_on_stack
@@ -48,6 +51,10 @@ class Plan:
     data: int = 1
     """Devices that split the images of a batch (data parallel); each image stays whole on
     its data slice."""
+    fsdp: bool = False
+    """Shard every weight's `embed` dimension over the devices that run the same weights
+    (data x cfg x patch) and gather it per layer as the layer runs (ZeRO-3 / FSDP): weight
+    memory per device / that degree, for an all-gather of every layer per UNet call."""
 
     @property
     def model(self) -> int:
@@ -64,9 +71,28 @@ class Plan:
     def mesh(self) -> Mesh:
         return make_mesh(self.devices, self.cfg, self.data, self.model)
 
+    @property
+    def fsdp_degree(self) -> int:
+        """Devices each weight is sharded over at rest (1: none)."""
+        degrees = self.degrees()
+        return math.prod(degrees[a] for a in FSDP_AXES) if self.fsdp else 1
+
     def rules(self) -> dict:
-        """Logical-axis rules placing the parameters (`patchpar.parallel.rules`)."""
-        return RULES[self.strategy.rules]
+        """Logical-axis rules placing the parameters (`patchpar.parallel.rules`): the
+        strategy's, and with `fsdp` the FSDP rule over the axes of degree > 1."""
+        rules = dict(RULES[self.strategy.rules])
+        if self.fsdp_degree > 1:
+            degrees = self.degrees()
+            for name, axes in RULES["fsdp"].items():
+                rules[name] = tuple(a for a in axes if degrees[a] > 1)
+        return rules
+
+    @property
+    def rules_name(self) -> str:
+        """`replicated`, `tensor`, `fsdp` or `tensor+fsdp` (FSDP of degree 1 is nothing)."""
+        if self.fsdp_degree == 1:
+            return self.strategy.rules
+        return "fsdp" if self.strategy.rules == "replicated" else f"{self.strategy.rules}+fsdp"
 
     def validate(
         self,
@@ -83,6 +109,8 @@ class Plan:
         s.validate_mesh(self.devices // (self.cfg * self.data))  # the strategy's model degree
         make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
         check_split(unet.config, self.model)
+        if self.fsdp_degree > 1:
+            check_sharded(_param_shapes(unet), self.rules(), self.degrees())
         if not s.parallel and self.devices != 1:
             raise ValueError(
                 f"strategy {s.name!r} runs on 1 device, got devices={self.devices} (data="
@@ -133,13 +161,20 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
     ops = plan.strategy.ops(phase, plan.patch)
     if plan.model > 1:
         ops = replace(ops, tp=plan.model)
+    # the modules' own (local) parameter shapes: split over `model`, whole otherwise
+    local_shapes = (
+        _local_param_shapes(UNetFn(unet.module.clone(ops=ops))) if plan.model > 1 else None
+    )
+    if plan.fsdp_degree > 1:
+        ops = replace(ops, fsdp=plan.fsdp_degree)
     module = unet.module.clone(ops=ops)
+    rules = plan.rules()
     cfg = plan.cfg
     reads_state = phase == "steady"
 
     def local(params, x, t, cond, state):
         # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
-        variables = {"params": unplaced(params)}  # this device's share of each weight
+        variables = {"params": unplaced(params, rules)}  # this device's share of each weight
         if reads_state:
             variables[STALE] = jax.tree.map(lambda a: a[0, 0, 0, 0], state)  # drop device axes
         apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=[STALE])  # noqa: E731
@@ -154,12 +189,11 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         return guided(out, guidance_scale), new_state
 
     xs = _x_spec(axis)
-    local_shapes = _local_param_shapes(UNetFn(module)) if plan.model > 1 else None
 
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
         # split by the logical-axis rules
-        params, param_specs = placed(params, plan.rules(), local_shapes, plan.degrees())
+        params, param_specs = placed(params, rules, local_shapes, plan.degrees())
         fn = jax.shard_map(
             local,
             mesh=mesh,
@@ -178,6 +212,13 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         return fn(params, x, t, cond, state_in)
 
     return step
+
+
+@cache
+def _param_shapes(unet: UNetFn):
+    """The whole parameters' shapes (for checks up front), traced once per module."""
+    with shapes_only():
+        return unet.with_ops(IDENTITY).abstract_params()
 
 
 @cache

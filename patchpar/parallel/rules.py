@@ -7,12 +7,20 @@ Logical axes (one name per dimension; None = never split):
   [h | gate], each half split alike (laid out as (2, mlp) while placed);
 - `conv_mid`: a ResNet block's middle channels (conv1 and time_emb_proj outputs, norm2,
   conv2 input);
-- `embed`: model widths everything else reads whole (kept whole by the rules below).
+- `embed`: the model width a layer reads or writes whole (a hidden size: 320 ... 1280, or the
+  text width for cross-attention K/V); every parameter of a UNet has at most one;
+- `conv_in`: a layer's input width where its output is `embed` (conv_in's latent channels,
+  shortcut, sampler, projection and embedding inputs);
+- `conv_out`: the UNet's output (latent) channels.
 
 Rule sets: `replicated` (every parameter whole on every device: patch, data and context
-parallelism) and `tensor` (Megatron: heads, mlp and conv_mid split over the `model` axis, as
-the released DistriFusion's tensor-parallel baseline). Weight bytes per device follow from the
-rules (`weight_bytes_per_device`).
+parallelism), `tensor` (Megatron: heads, mlp and conv_mid split over the `model` axis, as
+the released DistriFusion's tensor-parallel baseline) and `fsdp` (ZeRO-3 / MaxDiffusion's
+`fsdp` rule: `embed` sharded over every device that runs the same weights, `(data, cfg,
+patch)`; combines with `tensor`). The `model` axis splits weights for good (each device
+computes with its share); any other axis only shards them at rest: the layer gathers them
+(`all_gather`, site `fsdp`) just before it runs and drops them after. Weight bytes per device
+follow from the rules (`weight_bytes_per_device`).
 """
 
 from __future__ import annotations
@@ -20,15 +28,18 @@ from __future__ import annotations
 import math
 import re
 
+import flax.linen as nn
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec as P
 
-from patchpar.parallel.mesh import AXES, MODEL
+from patchpar.parallel.mesh import AXES, CFG, DATA, MODEL, PATCH, divisors
 
-LOGICAL_AXES = ("heads", "mlp", "mlp_gated", "conv_mid", "embed")
+LOGICAL_AXES = ("heads", "mlp", "mlp_gated", "conv_mid", "embed", "conv_in", "conv_out")
+FSDP_AXES = (DATA, CFG, PATCH)  # the devices that hold the same weights (all but `model`)
 
-# (path pattern, logical axes of the parameter); the first match wins, no match = replicated
+# (path pattern, logical axes of the parameter); the first match wins. No match: a kernel is
+# (..., conv_in, embed), a bias or scale (embed,) (`logical_axes`).
 _ATTN = r"attn[12]/"
 _RESNET = r"resnets_\d+/"
 LOGICAL: tuple[tuple[str, tuple], ...] = (
@@ -42,12 +53,20 @@ LOGICAL: tuple[tuple[str, tuple], ...] = (
     (_RESNET + r"(conv1|time_emb_proj|norm2)/(bias|scale)$", ("conv_mid",)),
     (_RESNET + r"time_emb_proj/kernel$", ("embed", "conv_mid")),
     (_RESNET + r"conv2/kernel$", (None, None, "conv_mid", "embed")),
+    (r"(^|/)conv_out/kernel$", (None, None, "embed", "conv_out")),
+    (r"(^|/)conv_out/bias$", ("conv_out",)),
 )
 
-RULES: dict[str, dict[str, str | None]] = {
+Axes = str | tuple[str, ...] | None  # what a rule maps a logical axis to: mesh axis (or axes)
+RULES: dict[str, dict[str, Axes]] = {
     "replicated": {},
     "tensor": {"heads": MODEL, "mlp": MODEL, "mlp_gated": MODEL, "conv_mid": MODEL},
+    "fsdp": {"embed": FSDP_AXES},
 }
+
+
+def _axes(value: Axes) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 
 def check_rules(rules: dict[str, str | None]) -> None:
@@ -56,14 +75,14 @@ def check_rules(rules: dict[str, str | None]) -> None:
     bad = sorted(set(rules) - set(LOGICAL_AXES))
     if bad:
         raise ValueError(f"rules name unknown logical axes {bad}; known: {list(LOGICAL_AXES)}")
-    axes = [a for a in rules.values() if a is not None]
+    axes = [a for v in rules.values() for a in _axes(v)]
     if set(axes) - set(AXES):
         raise ValueError(
             f"rules map to unknown mesh axes {sorted(set(axes) - set(AXES))}; mesh axes: "
             f"{list(AXES)}"
         )
-    for pattern, names in LOGICAL:
-        mapped = [(n, rules.get(n)) for n in names if n and rules.get(n)]
+    for pattern, names in LOGICAL + (("any other kernel", ("conv_in", "embed")),):
+        mapped = [(n, a) for n in names if n for a in _axes(rules.get(n))]
         seen: dict[str, str] = {}
         for name, axis in mapped:
             if axis in seen:
@@ -80,7 +99,9 @@ def logical_axes(path: str, ndim: int) -> tuple:
     for pattern, names in LOGICAL:
         if re.search(pattern, path):
             return names
-    return (None,) * ndim
+    if path.endswith("/kernel") and ndim >= 2:  # (kh, kw,) in, out: a layer writing `embed`
+        return (None,) * (ndim - 2) + ("conv_in", "embed")
+    return ("embed",) if ndim == 1 else (None,) * ndim
 
 
 def _leaves(params):
@@ -91,7 +112,8 @@ def _spec(names: tuple, rules: dict) -> tuple:
     """Mesh axis per dimension; `mlp_gated` becomes two dimensions (2, mlp) while placed."""
     out = []
     for name in names:
-        axis = rules.get(name) if name else None
+        axes = _axes(rules.get(name)) if name else ()
+        axis = None if not axes else axes[0] if len(axes) == 1 else axes
         out += [None, axis] if name == "mlp_gated" else [axis]
     return tuple(out)
 
@@ -100,10 +122,12 @@ def placed(params, rules: dict, local_shapes=None, degrees: dict[str, int] | Non
     """(params laid out for placement, their PartitionSpecs). `mlp_gated` dimensions become
     (2, mlp) so that each device's share holds its part of both halves (a reshape, no copy).
     `local_shapes` (the modules' parameter shapes on one device) and the mesh `degrees` pad
-    split `heads` dimensions with zero heads up to local x degree, where the heads do not
+    `heads` split over `model` with zero heads up to local x degree, where the heads do not
     divide (DistriFusion's tensor parallelism splits them unevenly instead; a zero head adds
-    nothing to the output)."""
+    nothing to the output). Dimensions sharded at rest (FSDP) must divide: `check_sharded`."""
     check_rules(rules)
+    if degrees is not None:
+        check_sharded(params, rules, degrees)
     local = _leaves(local_shapes) if local_shapes is not None else {}
     out, specs = {}, {}
     for path, leaf in _leaves(params).items():
@@ -113,10 +137,11 @@ def placed(params, rules: dict, local_shapes=None, degrees: dict[str, int] | Non
             out[path], specs[path] = leaf, P()
             continue
         specs[path] = P(*axes)
-        if path in local:  # pad split heads to whole heads per device
+        if path in local:  # pad heads split over `model` to whole heads per device
             pad = []
             for i, name in enumerate(names):
-                k = (degrees or {}).get(rules.get(name), 1) if name else 1
+                split = name and MODEL in _axes(rules.get(name))
+                k = (degrees or {}).get(MODEL, 1) if split else 1
                 target = local[path].shape[i] * k
                 pad.append((0, target - leaf.shape[i]))
                 if target != leaf.shape[i] and name != "heads":
@@ -126,31 +151,74 @@ def placed(params, rules: dict, local_shapes=None, degrees: dict[str, int] | Non
         for dim, name in zip(leaf.shape, names, strict=True):
             shape += [2, dim // 2] if name == "mlp_gated" else [dim]
         out[path] = jnp.reshape(leaf, tuple(shape))
-    tree = lambda d: unflatten_dict({tuple(k.split("/")): v for k, v in d.items()})  # noqa: E731
-    return tree(out), tree(specs)
+    return _tree(out), _tree(specs)
 
 
-def unplaced(local_params):
+def _tree(flat: dict):
+    return unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
+
+
+def unplaced(local_params, rules: dict | None = None):
     """Inside `shard_map`: this device's shares back in the modules' shapes ((2, mlp / m) ->
-    2 x mlp / m for `mlp_gated`)."""
+    2 x mlp / m for `mlp_gated`). With `rules`, a share sharded at rest over axes other than
+    `model` (FSDP) comes boxed (`nn.Partitioned`, names = those axes per dimension) for the
+    layer that owns it to gather just before it runs (`PatchOps.layer`)."""
     out = {}
     for path, leaf in _leaves(local_params).items():
         names = logical_axes(path, leaf.ndim - 1)
         if "mlp_gated" in names and leaf.ndim == len(names) + 1:
             at = names.index("mlp_gated")
             leaf = leaf.reshape(leaf.shape[:at] + (-1,) + leaf.shape[at + 2 :])
+        names = logical_axes(path, leaf.ndim)
+        rest = [_axes(rules.get(n)) if rules and n else () for n in names]
+        rest = [tuple(a for a in axes if a != MODEL) or None for axes in rest]
+        if any(rest):
+            leaf = nn.Partitioned(leaf, names=tuple(rest))
         out[tuple(path.split("/"))] = leaf
     return unflatten_dict(out)
+
+
+def _split(path: str, ndim: int, rules: dict, degrees: dict[str, int]) -> list[tuple]:
+    """(dimension, logical name, ways) of every dimension `rules` split, for one parameter."""
+    out = []
+    for dim, name in enumerate(logical_axes(path, ndim)):
+        ways = math.prod(degrees.get(a, 1) for a in _axes(rules.get(name))) if name else 1
+        if ways > 1:
+            out.append((dim, name, ways))
+    return out
 
 
 def weight_bytes_per_device(params, rules: dict, degrees: dict[str, int]) -> int:
     """Parameter bytes one device holds under `rules` on a mesh of `degrees` ({axis: size})."""
     total = 0
     for path, leaf in _leaves(params).items():
-        axes = {rules.get(n) for n in logical_axes(path, leaf.ndim) if n and rules.get(n)}
-        split = math.prod(degrees.get(a, 1) for a in axes)
+        split = math.prod(w for _, _, w in _split(path, leaf.ndim, rules, degrees))
         total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
     return total
+
+
+def check_sharded(params, rules: dict, degrees: dict[str, int]) -> None:
+    """Every dimension sharded at rest (over axes other than `model`: FSDP) divides by its
+    degree; ValueError naming the parameter, the size and the degrees that divide them all."""
+    bad, sizes = [], set()
+    for path, leaf in _leaves(params).items():
+        for dim, name, _ in _split(path, leaf.ndim, rules, degrees):
+            axes = [a for a in _axes(rules.get(name)) if a != MODEL]
+            ways = math.prod(degrees.get(a, 1) for a in axes)
+            if ways == 1:
+                continue
+            sizes.add(leaf.shape[dim])
+            if leaf.shape[dim] % ways:
+                bad.append((path, name, leaf.shape[dim], ways, axes))
+    if bad:
+        path, name, size, ways, axes = bad[0]
+        fits = [d for d in divisors(max(sizes)) if all(s % d == 0 for s in sizes)]
+        raise ValueError(
+            f"fsdp over {' x '.join(axes)} = {ways} devices: {len(bad)} parameter(s) do not "
+            f"shard evenly, e.g. {path} ({name} = {size}); every sharded width is one of "
+            f"{sorted(sizes)}: the devices sharing weights (devices / model) must be one of "
+            f"{fits}"
+        )
 
 
 def check_split(unet_config, model: int) -> None:

@@ -16,15 +16,21 @@ Modes per site:
         `band` (own fresh + stale bands of the two neighbours, `portion` of their tokens),
         `context` (exact context-parallel attention: Ring, Ulysses or their hybrid,
         `patchpar.parallel.context`; `ulysses` = the Ulysses degree, ring = n / ulysses)
+
+Weights: `tp` splits layers over the `model` axis for good (an all-reduce after each row-split
+layer, site `tp`); `fsdp` > 1 means the parameters arrive sharded at rest (boxed by
+`parallel.rules.unplaced`) and every layer gathers its own just before it runs (site `fsdp`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from dataclasses import dataclass, replace
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -95,6 +101,43 @@ def _note(ops, kind: str, **info) -> None:
         log.append((ops, kind, info))
 
 
+_AFTER: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "patchpar_fsdp_after", default=None
+)
+
+
+@functools.cache
+def _gathering(cls: type, ops: PatchOps) -> type:
+    """`cls` whose parameters pass through `ops.gather_weights` on their way in (Flax
+    `map_variables`), after its input exists: one class per layer type and ops."""
+    mapped = nn.map_variables(cls, "params", trans_in_fn=ops.gather_weights, mutable=False)
+
+    class Gathering(mapped):
+        def __call__(self, *args, **kwargs):
+            arrays = [a for a in jax.tree.leaves((args, kwargs)) if isinstance(a, jax.Array)]
+            token = _AFTER.set(arrays[0] if arrays else None)
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                _AFTER.reset(token)
+
+    Gathering.__name__ = Gathering.__qualname__ = cls.__name__
+    return Gathering
+
+
+def _after_input(flat: jax.Array) -> jax.Array:
+    """`flat` (1-D) unchanged, but computed after the running layer's input: + (-0.0) made from
+    one element of the input (finite or not, -|0 x where(finite(t), t, 0)| is -0.0, and v + -0.0
+    is v for every v). Without it XLA's CPU scheduler (which drops optimization barriers) issues
+    every layer's all-gather at the start of the program, so all weights are whole at once."""
+    t = _AFTER.get()
+    if t is None:
+        return flat
+    t = t.reshape(-1)[0].astype(jnp.float32)
+    zero = -jnp.abs(0.0 * jnp.where(jnp.isfinite(t), t, 0.0))
+    return flat + zero.astype(flat.dtype)
+
+
 def band_tokens(tokens: int, portion: float) -> int:
     """Tokens of a neighbour's patch kept on each side: ceil(portion x tokens), at least one.
     (PCPP's code rounds the band above up and the band below down; they differ by <= 1 token.)"""
@@ -145,6 +188,7 @@ class PatchOps(SiteOps):
     input: bool = False  # the model's first conv (`input_layer()`): halo always fresh
     ulysses: int = 1  # kv="context": the Ulysses degree (a divisor of n); ring degree = n / ulysses
     tp: int = 1  # devices on the model axis: tensor-parallel layers split their weights tp ways
+    fsdp: int = 1  # devices each weight is sharded over at rest, gathered per layer (FSDP)
 
     def __post_init__(self):
         for name, value, known in (
@@ -189,6 +233,44 @@ class PatchOps(SiteOps):
             return y
         with jax.named_scope("pp_tp"):
             return lax.psum(y, MODEL)
+
+    # ------------------------------------------------------------------ FSDP
+
+    def layer(self, cls: type) -> type:
+        """With `fsdp` > 1: `cls` wrapped so that its parameters sharded at rest are all-gathered
+        when it runs (Flax `map_variables`), once its input exists; the gathered weights live
+        only while it runs."""
+        return cls if self.fsdp == 1 else _gathering(cls, self)
+
+    def gather_weights(self, variables):
+        """One layer's parameters, whole: its boxed shares (`nn.Partitioned`, names = the mesh
+        axes of the one sharded dimension) go out flattened into one buffer and come back by
+        one all-gather (PyTorch FSDP's flat parameter: one collective per layer, not one per
+        tensor), then are cut and laid back; anything not boxed stays as it is."""
+        is_box = lambda v: isinstance(v, nn.Partitioned)  # noqa: E731
+        leaves, treedef = jax.tree.flatten(variables, is_leaf=is_box)
+        groups: dict[tuple, list[tuple[int, int]]] = {}  # (dtype, axes) -> [(leaf, dim)]
+        for i, leaf in enumerate(leaves):
+            if is_box(leaf):
+                (dim,) = [d for d, a in enumerate(leaf.names) if a is not None]
+                groups.setdefault((leaf.value.dtype, leaf.names[dim]), []).append((i, dim))
+        k = self.fsdp
+        for (_, axes), members in groups.items():
+            shares = [leaves[i].value for i, _ in members]
+            flat = _after_input(jnp.concatenate([x.reshape(-1) for x in shares]))  # (L,)
+            _note(self, "fsdp", shape=flat.shape, itemsize=flat.dtype.itemsize)
+            if _LOCAL.get():  # stand-in: this device's buffer k times
+                full = jnp.broadcast_to(flat, (k,) + flat.shape)
+            else:
+                with jax.named_scope("pp_fsdp"):
+                    full = lax.all_gather(flat, axes, axis=0)  # (k, L), devices in mesh order
+            at = 0
+            for (i, dim), x in zip(members, shares, strict=True):
+                part = full[:, at : at + x.size].reshape((k,) + x.shape)  # (k, ..., s_dim, ...)
+                at += x.size
+                whole = x.shape[:dim] + (k * x.shape[dim],) + x.shape[dim + 1 :]
+                leaves[i] = jnp.moveaxis(part, 0, dim).reshape(whole)
+        return jax.tree.unflatten(treedef, leaves)
 
     # ------------------------------------------------------------------ conv halo
 
@@ -336,6 +418,8 @@ class PatchOps(SiteOps):
         size = math.prod(info["shape"]) * info["itemsize"]  # one device's operand
         if kind == "tp":  # ring all-reduce over the model axis
             return 2 * (self.tp - 1) * size // self.tp
+        if kind == "fsdp":  # all-gather of a layer's weight over the devices sharing it
+            return (self.fsdp - 1) * size
         if n == 1:
             return 0
         if kind == "halo":
@@ -378,7 +462,7 @@ class PatchOps(SiteOps):
           own (xDiT moves the same all-to-alls and ring hops).
         The UNet output's all-gather is not a site: `patchpar.measure.cost.released_count`."""
         n = self.n
-        if kind == "tp":
+        if kind in ("tp", "fsdp"):
             return self.received_bytes(kind, info, p)
         if n == 1 or self.halo_mode == "zero":
             return 0
