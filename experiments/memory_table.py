@@ -3,6 +3,8 @@ weights needed), at the papers' resolutions, per strategy, device count and atte
 
     .venv/bin/python experiments/memory_table.py                       # the whole grid
     .venv/bin/python experiments/memory_table.py --resolutions 1024 --attention chunked
+    .venv/bin/python experiments/memory_table.py --fsdp on --resolutions 1024 3840 \
+        --strategies sync_patch distrifusion --attention chunked     # weights sharded (FSDP)
 
 Each point compiles the steady-step program of `patchpar comm` (the one holding the stale
 buffers) on this CPU, in float32, and reports XLA's buffer assignment: arguments (weights,
@@ -39,6 +41,12 @@ def parse(argv):
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     p.add_argument("--attention", nargs="+", default=["chunked", "xla"])
     p.add_argument("--out", type=Path, default=Path("results/memory"))
+    p.add_argument(
+        "--fsdp",
+        choices=("off", "on", "both"),
+        default="off",
+        help="parallel points with the weights sharded over the devices, gathered per layer",
+    )
     a = p.parse_args(argv)
     bad = [s for s in a.strategies if s not in STRATEGIES]
     if bad:
@@ -55,17 +63,24 @@ def points(a) -> list[dict]:
                 for n in a.devices:
                     if (strategy == "single") != (n == 1):
                         continue
-                    out.append(
-                        dict(attention=attention, resolution=res, strategy=strategy, devices=n)
-                    )
+                    for fsdp in {"off": [False], "on": [True], "both": [False, True]}[a.fsdp]:
+                        if fsdp and n == 1:
+                            continue
+                        out.append(
+                            dict(
+                                attention=attention,
+                                resolution=res,
+                                strategy=strategy,
+                                devices=n,
+                                fsdp=fsdp,
+                            )  # fmt: skip
+                        )
     return out
 
 
 def key(p: dict) -> str:
-    return json.dumps(
-        {k: p[k] for k in ("model", "attention", "resolution", "strategy", "devices")},
-        sort_keys=True,
-    )
+    names = ("model", "attention", "resolution", "strategy", "devices")
+    return json.dumps({**{k: p[k] for k in names}, "fsdp": p.get("fsdp", False)}, sort_keys=True)
 
 
 def bf16_estimate(m: dict) -> int:
@@ -85,11 +100,20 @@ def main(argv=None) -> None:
     done = {key(r) for r in (read_records(path) if path.is_file() else [])}
     todo = [p for p in points(a) if key({**p, "model": a.model}) not in done]
     print(f"{len(todo)} point(s) to compile ({len(done)} already in {path})", flush=True)
+    import jax.numpy as jnp
+
+    from patchpar.models.presets import abstract_unet
+    from patchpar.parallel.rules import weight_bytes_per_device
+
+    whole_weights = weight_bytes_per_device(
+        abstract_unet(a.model, jnp.float32).abstract_params(), {}, {}
+    )
     for i, p in enumerate(todo):
         t0 = time.perf_counter()
         cfg = CommConfig(
             model=a.model, resolution=p["resolution"], strategy=p["strategy"],
             devices=p["devices"], dtype="float32", attention=p["attention"], memory=True,
+            fsdp=p["fsdp"],
         )  # fmt: skip
         rec = run_comm(cfg)
         m = rec["memory_per_device"]
@@ -98,6 +122,10 @@ def main(argv=None) -> None:
             "float32_bytes": m, "bf16_estimate_bytes": bf16_estimate(m),
             "stale_bytes_per_device_fp32": rec["stale_bytes_per_device"],
             "steady_bytes_per_device_fp32": rec["steady_bytes_per_device"],
+            "fsdp_bytes_per_device_fp32": rec["steady_by_site"].get("fsdp", {}).get("max", 0),
+            "weight_bytes_per_device_fp32": rec["weight_bytes_per_device"],
+            "weight_bytes_whole_fp32": whole_weights,
+            "weight_rules": rec["weight_rules"],
             "memory_backend": rec["memory_backend"],
             "seconds": round(time.perf_counter() - t0, 1),
             "command": "python experiments/memory_table.py", **provenance(),
@@ -105,7 +133,7 @@ def main(argv=None) -> None:
         append_record(path, row)
         print(
             f"[{i + 1}/{len(todo)}] {p['attention']:8s} {p['resolution']}px {p['strategy']:12s} "
-            f"{p['devices']} dev: bf16 {row['bf16_estimate_bytes'] / GIB:8.2f} GiB "
+            f"{p['devices']} dev{' fsdp' * p['fsdp']}: bf16 {row['bf16_estimate_bytes'] / GIB:8.2f} GiB "
             f"(fp32 temporaries {m['temporaries'] / GIB:.2f} GiB) in {row['seconds']} s",
             flush=True,
         )
@@ -134,9 +162,42 @@ def write_table(records: list[dict], out: Path) -> None:
                 cells.append("-" if r is None else f"{r['bf16_estimate_bytes'] / GIB:.2f}")
             if any(c != "-" for c in cells):
                 lines.append(f"| {res} | {att} | " + " | ".join(cells) + " |")
+    lines += fsdp_table(records, latest, model)
     commits = sorted({str(r.get("git_commit")) for r in records})
     lines += ["", f"Commits: {', '.join(commits)}. One H200 holds 141 GB = 131.3 GiB."]
     out.write_text("\n".join(lines) + "\n")
+
+
+def fsdp_table(records: list[dict], latest: dict, model: str) -> list[str]:
+    """Each FSDP point beside the same point with whole weights: weights per device, the
+    per-layer gathers' bytes per UNet call and the memory per device (bf16, GiB)."""
+    rows = sorted(
+        (r for r in latest.values() if r.get("fsdp")),
+        key=lambda r: (r["attention"], r["resolution"], r["strategy"], r["devices"]),
+    )
+    if not rows:
+        return []
+    lines = [
+        "",
+        "With the weights sharded over the devices and gathered per layer (`--fsdp`): bf16 GiB "
+        "per device (weights and gathers: the float32 program's bytes / 2, exact since every "
+        "weight is bf16 in a bf16 run).",
+        "",
+        "| resolution | attention | strategy | devices | weights (whole -> sharded) | weight "
+        "gathers per UNet call | memory per device (whole -> fsdp) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        whole = latest.get(key({**r, "fsdp": False}))
+        w = r["weight_bytes_per_device_fp32"] / 2 / GIB
+        w0 = f"{r['weight_bytes_whole_fp32'] / 2 / GIB:.2f}"
+        m0 = f"{whole['bf16_estimate_bytes'] / GIB:.2f}" if whole else "-"
+        lines.append(
+            f"| {r['resolution']} | {r['attention']} | {r['strategy']} | {r['devices']} | "
+            f"{w0} -> {w:.2f} | {r['fsdp_bytes_per_device_fp32'] / 2 / GIB:.2f} | "
+            f"{m0} -> {r['bf16_estimate_bytes'] / GIB:.2f} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":
