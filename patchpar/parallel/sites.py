@@ -257,7 +257,8 @@ class PatchOps(SiteOps):
         k = self.fsdp
         for (_, axes), members in groups.items():
             shares = [leaves[i].value for i, _ in members]
-            flat = _after_input(jnp.concatenate([x.reshape(-1) for x in shares]))  # (L,)
+            # each share flattened after the input exists, so that no copy is made earlier
+            flat = jnp.concatenate([_after_input(x.reshape(-1)) for x in shares])  # (L,)
             _note(self, "fsdp", shape=flat.shape, itemsize=flat.dtype.itemsize)
             if _LOCAL.get():  # stand-in: this device's buffer k times
                 full = jnp.broadcast_to(flat, (k,) + flat.shape)
