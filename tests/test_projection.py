@@ -402,3 +402,19 @@ def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
     assert "21 published points (15 checks)" in text and "cpu: 10 points" in text
     for png in ("paper_vs_projected", "projected_speedup_by_hardware", "cpu_projected_vs_measured"):
         assert (tmp_path / "plots" / f"{png}.png").stat().st_size > 0
+
+
+def test_workloads_differ_by_data_and_fsdp_and_fsdp_gathers_are_waited_for(tmp_path):
+    """A cache line names its mesh: data and FSDP plans are other workloads (lines written
+    before either existed read as data 1, no FSDP), and a layer waits for its weights."""
+    from patchpar.measure.projection import synchronous_sites
+
+    w = _workload([])
+    old = w.to_json()
+    del old["data"], old["fsdp"]
+    assert Workload.from_json(old).key() == w.key()
+    assert dataclasses.replace(w, fsdp=True).key() != w.key()
+    assert dataclasses.replace(w, data=2).key() != w.key()
+    plan = build_plan("distrifusion", {}, 4, 1, fsdp=True)
+    assert "fsdp" in synchronous_sites(plan, "steady")
+    assert "fsdp" in synchronous_sites(plan, "warmup")

@@ -130,6 +130,8 @@ def run_sweep(config: SweepConfig) -> list[dict]:
             state = "to run" if cfg in todo else "recorded"
             print(
                 f"{state:9s} {cfg.strategy.label()} | devices={cfg.mesh.devices} cfg={cfg.mesh.cfg}"
+                + (f" data={cfg.mesh.data}" if cfg.mesh.data > 1 else "")
+                + (" fsdp" if cfg.mesh.fsdp else "")
                 + (f" processes={cfg.mesh.processes}" if cfg.mesh.processes else "")
             )
         return []

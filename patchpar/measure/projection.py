@@ -56,6 +56,8 @@ class Workload:
     warmup_steps: int | None  # a stale strategy's warm-up (warmup_steps + 1 synchronous steps)
     encode_flops: float  # text encoders, the CFG pair, one device
     decode_flops: float  # VAE decode of the batch, one device
+    data: int = 1  # devices splitting the images (absent from cache lines written before)
+    fsdp: bool = False  # weights sharded, gathered per layer
 
     def key(self) -> tuple:
         return workload_key(
@@ -66,6 +68,8 @@ class Workload:
             self.cfg,
             self.batch,
             self.dtype,
+            self.data,
+            self.fsdp,
         )
 
     def to_json(self) -> dict:
@@ -73,10 +77,12 @@ class Workload:
 
     @classmethod
     def from_json(cls, d: dict) -> Workload:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def workload_key(model, resolution, strategy, devices, cfg, batch, dtype) -> tuple:
+def workload_key(
+    model, resolution, strategy, devices, cfg, batch, dtype, data=1, fsdp=False
+) -> tuple:
     return (
         str(model),
         int(resolution),
@@ -85,19 +91,21 @@ def workload_key(model, resolution, strategy, devices, cfg, batch, dtype) -> tup
         int(cfg),
         int(batch),
         str(dtype),
+        int(data),
+        bool(fsdp),
     )
 
 
 def synchronous_sites(plan, phase: str) -> list[str]:
     """Sites whose collectives a step waits for: all in the warm-up phase (and in every phase of
     a strategy without stale state); in the steady phase the CFG output gather, tensor
-    parallelism's all-reduces, anything outside a site, and GroupNorm statistics with
-    `gn=sync`."""
+    parallelism's all-reduces, FSDP's weight gathers (each waits for its layer's input),
+    anything outside a site, and GroupNorm statistics with `gn=sync`."""
     from patchpar.parallel.strategies.base import StaleStrategy
 
     if phase == "warmup" or not isinstance(plan.strategy, StaleStrategy):
-        return ["halo", "gn", "kv", "cfg", "tp", "other"]
-    sites = ["cfg", "tp", "other"]
+        return ["halo", "gn", "kv", "cfg", "tp", "fsdp", "other"]
+    sites = ["cfg", "tp", "fsdp", "other"]
     if getattr(plan.strategy, "gn", None) == "sync":
         sites.append("gn")
     return sites
@@ -148,6 +156,8 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
         warmup_steps=getattr(plan.strategy, "warmup_steps", None),
         encode_flops=encode,
         decode_flops=decode,
+        data=plan.data,
+        fsdp=plan.fsdp_degree > 1,
     )
 
 
@@ -207,7 +217,15 @@ class WorkloadCache:
 
     def get(self, model, resolution, plan, batch=1, dtype="bfloat16") -> Workload:
         key = workload_key(
-            model, resolution, plan.strategy.describe(), plan.devices, plan.cfg, batch, dtype
+            model,
+            resolution,
+            plan.strategy.describe(),
+            plan.devices,
+            plan.cfg,
+            batch,
+            dtype,
+            plan.data,
+            plan.fsdp_degree > 1,
         )
         if key not in self._items:
             w = compute_workload(model, resolution, plan, batch, dtype)
