@@ -133,7 +133,7 @@ def _after_input(flat: jax.Array) -> jax.Array:
     t = _AFTER.get()
     if t is None:
         return flat
-    t = t.reshape(-1)[0].astype(jnp.float32)
+    t = t[(0,) * t.ndim].astype(jnp.float32)  # one element, by index (no reshape of t)
     zero = -jnp.abs(0.0 * jnp.where(jnp.isfinite(t), t, 0.0))
     return flat + zero.astype(flat.dtype)
 
