@@ -69,7 +69,7 @@ def _axes(value: Axes) -> tuple[str, ...]:
     return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 
-def check_rules(rules: dict[str, str | None]) -> None:
+def check_rules(rules: dict[str, Axes]) -> None:
     """Errors naming the rule: an unknown logical axis, an unknown mesh axis, or one mesh axis
     given to two dimensions of the same parameter."""
     bad = sorted(set(rules) - set(LOGICAL_AXES))
