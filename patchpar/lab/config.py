@@ -375,6 +375,12 @@ def clip_ok(model: str, m: MeasureConfig) -> bool:
 # ---------------------------------------------------------------------------- dict <-> config
 
 
+def with_defaults(section: type, given: dict) -> dict:
+    """A config section as a record holds it, with the defaults of the fields the record
+    predates (`with_defaults(MeshConfig, record["config"]["mesh"])`)."""
+    return {**to_dict(section()), **given}
+
+
 def to_dict(cfg) -> dict:
     """Plain JSON/YAML types: nested dicts, lists for tuples, str for paths."""
 

@@ -29,7 +29,15 @@ from patchpar.lab.baselines import (
     load_or_make_baseline,
     weights_sha256,
 )
-from patchpar.lab.config import RunConfig, build_plan, dump_config, to_dict
+from patchpar.lab.config import (
+    MeshConfig,
+    RunConfig,
+    StrategyConfig,
+    build_plan,
+    dump_config,
+    to_dict,
+    with_defaults,
+)
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
 from patchpar.lab.launch import WorkerFailed, in_worker, launch
@@ -53,13 +61,8 @@ def point_key(config: RunConfig | dict) -> str:
     d.pop("results", None)
     d.pop("timeout_s", None)
     # records from before processes, the data axis, FSDP and context parallelism existed
-    d["mesh"] = {"processes": 0, "data": 1, "fsdp": False, **d.get("mesh", {})}
-    d["strategy"] = {
-        "ring_degree": None,
-        "ulysses_degree": None,
-        "tp_degree": None,
-        **d.get("strategy", {}),
-    }
+    d["mesh"] = with_defaults(MeshConfig, d.get("mesh", {}))
+    d["strategy"] = with_defaults(StrategyConfig, d.get("strategy", {}))
     # records from before attention kernels existed ran the whole-logits (xla) kernel in float32
     d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}
     d["sampler"] = {**d.get("sampler", {})}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from patchpar.lab.config import RunConfig, to_dict
+from patchpar.lab.config import MeshConfig, RunConfig, to_dict, with_defaults
 from patchpar.lab.results import read_records
 
 SPEEDUP_KEYS = ("speedup_vs_single", "speedup_vs_sync_patch", "steady_speedup_vs_single")
@@ -30,7 +30,7 @@ def _reference(records: list[dict], config: dict, strategy: str, mesh: dict) -> 
     found = None
     for r in records:
         c = r["config"]
-        m = {"processes": 0, "data": 1, "fsdp": False, **c.get("mesh", {})}  # older records
+        m = with_defaults(MeshConfig, c.get("mesh", {}))  # older records lack new fields
         if (
             r.get("status") == "ok"
             and not c.get("measure", {}).get("compute_only")
@@ -59,10 +59,8 @@ def speedups(config: RunConfig, metrics: dict, runs_file: Path) -> dict:
     records = read_records(runs_file, skip_bad=True, require=("config", "status"))
     own = {"denoise_s_median": metrics["denoise_s_median"],
            "step_s_median": metrics["step_s_median"]}  # fmt: skip
-    single_mesh = {"devices": 1, "cfg": 1, "data": 1, "fsdp": False,
-                   "processes": 1 if mesh.processes else 0}  # fmt: skip
-    this_mesh = {"devices": mesh.devices, "cfg": mesh.cfg, "data": mesh.data,
-                 "fsdp": mesh.fsdp, "processes": mesh.processes}  # fmt: skip
+    single_mesh = to_dict(MeshConfig(processes=1 if mesh.processes else 0))
+    this_mesh = to_dict(mesh)
     single = _metrics(_reference(records, cfg, "single", single_mesh), own,
                       config.strategy.name == "single" and this_mesh == single_mesh)  # fmt: skip
     sync = _metrics(_reference(records, cfg, "sync_patch", this_mesh), own,

@@ -43,12 +43,10 @@ def summary_columns(records: list[dict]) -> tuple[str, ...]:
     if any(r.get("config", {}).get("mesh", {}).get("processes") for r in records):
         timing = SPEEDUP_COLUMNS
     cols = DEFAULT_COLUMNS
-    if any(r.get("config", {}).get("mesh", {}).get("data", 1) > 1 for r in records):
-        at = cols.index("mesh.cfg") + 1
-        cols = cols[:at] + ("mesh.data",) + cols[at:]
-    if any(r.get("config", {}).get("mesh", {}).get("fsdp") for r in records):
-        at = cols.index("mesh.cfg") + 1
-        cols = cols[:at] + ("mesh.fsdp",) + cols[at:]
+    for key, default in (("data", 1), ("fsdp", False)):  # right after cfg, where a record set it
+        if any(r.get("config", {}).get("mesh", {}).get(key, default) != default for r in records):
+            at = cols.index("mesh.cfg") + 1
+            cols = cols[:at] + (f"mesh.{key}",) + cols[at:]
     return cols[:-1] + timing + extra + cols[-1:]
 
 

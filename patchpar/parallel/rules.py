@@ -57,6 +57,8 @@ LOGICAL: tuple[tuple[str, tuple], ...] = (
     (r"(^|/)conv_out/bias$", ("conv_out",)),
 )
 
+_KERNEL = ("conv_in", "embed")  # any kernel LOGICAL does not name: (..., in, out)
+
 Axes = str | tuple[str, ...] | None  # what a rule maps a logical axis to: mesh axis (or axes)
 RULES: dict[str, dict[str, Axes]] = {
     "replicated": {},
@@ -81,7 +83,7 @@ def check_rules(rules: dict[str, Axes]) -> None:
             f"rules map to unknown mesh axes {sorted(set(axes) - set(AXES))}; mesh axes: "
             f"{list(AXES)}"
         )
-    for pattern, names in LOGICAL + (("any other kernel", ("conv_in", "embed")),):
+    for pattern, names in LOGICAL + (("any other kernel", _KERNEL),):
         mapped = [(n, a) for n in names if n for a in _axes(rules.get(n))]
         seen: dict[str, str] = {}
         for name, axis in mapped:
@@ -100,7 +102,7 @@ def logical_axes(path: str, ndim: int) -> tuple:
         if re.search(pattern, path):
             return names
     if path.endswith("/kernel") and ndim >= 2:  # (kh, kw,) in, out: a layer writing `embed`
-        return (None,) * (ndim - 2) + ("conv_in", "embed")
+        return (None,) * (ndim - 2) + _KERNEL
     return ("embed",) if ndim == 1 else (None,) * ndim
 
 
