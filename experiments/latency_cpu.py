@@ -147,8 +147,8 @@ def main(argv=None) -> None:
         if a is not None:
             m = a["metrics"]
             timed = {
-                "warmup": m["sync_step_s_median"],
-                "steady": m["steady_step_s_median"] or m["sync_step_s_median"],
+                "warmup": m["warmup_step_s_median"],
+                "steady": m["steady_step_s_median"] or m["warmup_step_s_median"],
                 "single": single_step,
             }
             p = project(w, ws, hw, steps, overlap="none", measured=timed)
@@ -179,7 +179,9 @@ def main(argv=None) -> None:
 
 def _mean_step(p, steps: int) -> float:
     ph = p.phases
-    return (p.sync_steps * ph["warmup"]["step_s"] + p.steady_steps * ph["steady"]["step_s"]) / steps
+    return (
+        p.warmup_phase_steps * ph["warmup"]["step_s"] + p.steady_steps * ph["steady"]["step_s"]
+    ) / steps
 
 
 def cpu_md(rows, eff, call, median, largest) -> str:

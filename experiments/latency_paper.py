@@ -104,7 +104,7 @@ def no_comm(w):
 
 def fit_points(wl: dict, peak: float, hbm: float) -> list[tuple]:
     """(flops, calls, seconds) per fit point: the UNet calls, text encoding and VAE decode."""
-    from patchpar.measure.projection import sync_steps
+    from patchpar.measure.projection import warmup_phase_steps
 
     pts = []
     for (src, method, r, n), s in PUBLISHED.items():
@@ -112,7 +112,7 @@ def fit_points(wl: dict, peak: float, hbm: float) -> list[tuple]:
             continue
         w = wl[("single", r, 1)] if n == 1 else wl[("distrifusion", r, n)]
         flops = STEPS * w.phases["steady"]["flops_per_device"] + w.encode_flops + w.decode_flops
-        k = sync_steps(w, STEPS)
+        k = warmup_phase_steps(w, STEPS)
         stale = (k + 2 * (STEPS - k)) * w.stale_bytes_per_device / hbm  # a fixed known term
         pts.append((flops, STEPS + 2, s - stale, (src, method, r, n)))
     return pts

@@ -48,7 +48,7 @@ def step_cost(pipe, plan, phase: str, config: dict, batch: int) -> tuple[float, 
     params = pipe.unet_params
     state = None
     if phase == "steady":
-        warm = make_step(pipe.unet, plan, "sync", axis, s["guidance_scale"], mesh)
+        warm = make_step(pipe.unet, plan, "warmup", axis, s["guidance_scale"], mesh)
         _, state = jax.eval_shape(warm, params, x, t, cond, None)
     step = make_step(pipe.unet, plan, phase, axis, s["guidance_scale"], mesh)
     lowered = jax.jit(step).lower(params, x, t, cond, state)
@@ -72,7 +72,7 @@ def main(folder: Path, alone_folder: Path) -> None:
     if (alone_folder / "runs.jsonl").is_file():
         for r in read_records(alone_folder / "runs.jsonl", skip_bad=True):
             if r["status"] == "ok" and r["config"]["measure"].get("compute_only"):
-                for phase in ("sync", "steady"):
+                for phase in ("warmup", "steady"):
                     t = r["metrics"].get(f"{phase}_step_s_median")
                     if t:
                         alone[(r["config"]["model"]["name"], r["label"], phase)] = t
@@ -87,7 +87,7 @@ def main(folder: Path, alone_folder: Path) -> None:
         pipe = get_pipeline(model, cfg["sampler"]["dtype"])
         batch = single["metrics"]["batch"]
         one = build_plan("sync_patch", {}, 1, 1)
-        flops_single, _, _ = step_cost(pipe, one, "sync", cfg, batch)
+        flops_single, _, _ = step_cost(pipe, one, "warmup", cfg, batch)
         t_single = single["metrics"]["step_s_median"]
         rate = flops_single / t_single
         latest = {}
@@ -98,7 +98,7 @@ def main(folder: Path, alone_folder: Path) -> None:
             m, c = r["metrics"], r["config"]
             n = c["mesh"]["devices"]
             plan = build_plan(c["strategy"]["name"], _options(c["strategy"]), n, c["mesh"]["cfg"])
-            for phase in ("sync", "steady"):
+            for phase in ("warmup", "steady"):
                 measured = m.get(f"{phase}_step_s_median")
                 if not measured:
                     continue

@@ -56,7 +56,7 @@ def child(args) -> dict:
     from patchpar.lab.config import load_config
     from patchpar.lab.runner import get_pipeline
     from patchpar.parallel.mesh import PATCH
-    from patchpar.parallel.sites import PatchOps
+    from patchpar.parallel.sites import patch_ops
 
     cfg = load_config(Path(__file__).parent / "configs" / "fmnist.yaml")
     pipe = get_pipeline(cfg.model.name, cfg.sampler.dtype, cfg.model.attention_spec())
@@ -73,7 +73,7 @@ def child(args) -> dict:
         return jax.lax.fori_loop(0, args.calls, body, x)
 
     one = jax.jit(lambda x: loop(lambda x, t: module.apply({"params": params}, x, t, ctx), x))
-    sharded_module = module.clone(ops=PatchOps(n=n))
+    sharded_module = module.clone(ops=patch_ops(n))
     mesh = jax.make_mesh((n,), (PATCH,), axis_types=(jax.sharding.AxisType.Explicit,))
     step = jax.shard_map(
         lambda x, t, c: sharded_module.apply({"params": params}, x, t, c),

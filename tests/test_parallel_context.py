@@ -11,8 +11,8 @@ from parallel_helpers import GUIDANCE, inputs, micro_unet, single_guided
 
 from patchpar.measure.comm import count_hlo, hlo_text_with_metadata, parse_collectives
 from patchpar.measure.cost import measure
-from patchpar.parallel.context import padded_heads, ring_pairs
 from patchpar.parallel.engine import Plan, denoise, make_step
+from patchpar.parallel.sites.context import padded_heads, ring_pairs
 from patchpar.parallel.strategies import make_strategy
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 
@@ -50,7 +50,7 @@ def test_context_parallel_forward_equals_single(kind, name, options, devices, cf
     x, t, cond = inputs(kind)
     p = plan(name, devices, cfg, data, **options)
     p.validate(unet, x.shape[1:3], 10, GUIDANCE, x.shape[0])
-    out, state = jax.jit(make_step(unet, p, "sync", "row", GUIDANCE, p.mesh()))(
+    out, state = jax.jit(make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh()))(
         params, x, t, cond, None
     )
     assert state == {}
@@ -132,7 +132,7 @@ def _kv_collectives(name, options, devices=8):
     unet, params = micro_unet("sdxl")
     p = plan(name, devices, **options)
     x, t, cond = inputs("sdxl")
-    step = make_step(unet, p, "sync", "row", GUIDANCE, p.mesh())
+    step = make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh())
     text = hlo_text_with_metadata(jax.jit(step).lower(params, x, t, cond, None))
     return [c for c in parse_collectives(text, devices) if c.site == "kv"]
 
@@ -196,7 +196,7 @@ def test_ring_with_the_xla_kernel_is_exact_and_counts_every_flop():
     unet = unet.with_attention(AttentionSpec("xla", block_q=16, block_kv=16))
     x, t, cond = inputs("sd")
     p = plan("ring", 4)
-    out, _ = jax.jit(make_step(unet, p, "sync", "row", GUIDANCE, p.mesh()))(
+    out, _ = jax.jit(make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh()))(
         params, x, t, cond, None
     )
     assert max_diff(out, single_guided(unet, params, x, t, cond)) <= 1e-4

@@ -33,7 +33,7 @@ def test_sync_patch_forward_equals_single(kind, patch, cfg):
     x, t, cond = inputs(kind)
     plan = Plan(make_strategy("sync_patch"), patch * cfg, cfg)
     plan.validate(unet, x.shape[1:3], 10, GUIDANCE)
-    step = jax.jit(make_step(unet, plan, "sync", "row", GUIDANCE, plan.mesh()))
+    step = jax.jit(make_step(unet, plan, "warmup", "row", GUIDANCE, plan.mesh()))
     out, state = step(params, x, t, cond, None)
     assert state == {}
     assert max_diff(out, single_guided(unet, params, x, t, cond)) <= 1e-4

@@ -48,7 +48,7 @@ def test_fsdp_forward_equals_single_and_the_same_plan_without_it(
     for fsdp in (False, True):
         p = plan(name, devices, cfg, data, fsdp, **options)
         p.validate(unet, x.shape[1:3], 10, GUIDANCE, x.shape[0])
-        step = jax.jit(make_step(unet, p, "sync", "row", GUIDANCE, p.mesh()))
+        step = jax.jit(make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh()))
         outs.append(step(params, x, t, cond, None)[0])
     assert max_diff(outs[1], single_guided(unet, params, x, t, cond)) <= 1e-4
     assert max_diff(outs[1], outs[0]) <= 1e-6  # the same weights, only gathered
@@ -113,7 +113,7 @@ def test_one_gather_per_layer_and_hlo_bytes_equal_the_analytic_model(
         # each device receives the other k-1 shares of every sharded weight once per call
         assert phase["hlo"]["fsdp"]["max"] == (k - 1) * (whole - unsharded) // k
     x, t, cond = inputs(kind, batch=2 * data)
-    step = make_step(unet, p, "sync", "row", GUIDANCE, p.mesh())
+    step = make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh())
     text = hlo_text_with_metadata(jax.jit(step).lower(params, x, t, cond, None))
     gathers = [c for c in parse_collectives(text, devices) if c.site == "fsdp"]
     assert {c.op for c in gathers} == {"all-gather"}
@@ -130,7 +130,7 @@ def test_gathers_run_layer_by_layer_not_all_at_the_start():
     mem = {}
     for fsdp in (False, True):
         p = plan("sync_patch", 8, fsdp=fsdp)
-        step = make_step(unet, p, "sync", "row", GUIDANCE, p.mesh())
+        step = make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh())
         mem[fsdp] = memory_per_device(jax.jit(step).lower(params, x, t, cond, None).compile())
     assert mem[True]["arguments"] < mem[False]["arguments"] - 0.8 * whole
     assert mem[True]["temporaries"] - mem[False]["temporaries"] < 0.5 * whole, mem

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models.layers import Attention, Conv, Downsample2D, GroupNorm, Upsample2D
 from patchpar.parallel.mesh import PATCH, make_mesh
-from patchpar.parallel.sites import STALE, PatchOps, band_tokens
+from patchpar.parallel.sites import STALE, band_tokens, patch_ops
 
 B, H, W, C = 2, 16, 6, 8
 
@@ -25,7 +25,7 @@ def init(module, x):
 
 
 def sharded(module, params, x, n, state=None, token_axis=1):
-    """Apply `module` (with PatchOps) to row patches of x on n devices; state in/out carries a
+    """Apply `module` (with patch ops) to row patches of x on n devices; state in/out carries a
     leading device axis. Returns (output, new state)."""
     mesh = make_mesh(n, 1)
     spec = P(*([None] * token_axis + [PATCH]))
@@ -61,9 +61,9 @@ CONVS = {
 @pytest.mark.parametrize("name", sorted(CONVS))
 def test_conv_with_fresh_halo_equals_unsharded(name, n):
     x = rand(B, H, W, C)
-    ref_mod = CONVS[name](PatchOps(1))
+    ref_mod = CONVS[name](patch_ops(1))
     params = init(ref_mod, x)
-    out, state = sharded(CONVS[name](PatchOps(n, "sync")), params, x, n)
+    out, state = sharded(CONVS[name](patch_ops(n, "warmup")), params, x, n)
     assert state == {}
     np.testing.assert_allclose(out, ref_mod.apply({"params": params}, x), atol=1e-5, rtol=0)
 
@@ -73,7 +73,7 @@ def test_conv_with_fresh_halo_equals_unsharded(name, n):
 def test_groupnorm_sync_equals_unsharded(n, gn):
     """In the sync (warm-up) phase every GroupNorm mode is exact, `separate` included."""
     x = rand(B, H, W, C) * 3 + 1
-    mod = GroupNorm(4, 1e-5, ops=PatchOps(n, "sync", gn=gn))
+    mod = GroupNorm(4, 1e-5, ops=patch_ops(n, "warmup", gn=gn))
     params = init(GroupNorm(4, 1e-5), x)
     out, _ = sharded(mod, params, x, n)
     np.testing.assert_allclose(
@@ -84,7 +84,7 @@ def test_groupnorm_sync_equals_unsharded(n, gn):
 @pytest.mark.parametrize("n", [2, 4])
 def test_self_attention_all_gather_equals_unsharded(n):
     x = rand(B, H * W, C)
-    mod = Attention(2, 4, C, ops=PatchOps(n, "sync", kv="all"))
+    mod = Attention(2, 4, C, ops=patch_ops(n, "warmup", kv="all"))
     params = init(Attention(2, 4, C), x)
     out, _ = sharded(mod, params, x, n)
     np.testing.assert_allclose(
@@ -127,7 +127,7 @@ def test_stale_groupnorm_matches_numpy_formula(mode):
     loc = rand(n, 2, B, 4, seed=3) * 0.3 + jnp.asarray([0.4, 1.5])[None, :, None, None]
     if mode == "corrected":  # device 0: stale local E[x^2] large -> negative estimated variance
         loc = loc.at[0, 1].add(6.0)
-    mod = GroupNorm(4, 1e-5, ops=PatchOps(n, "steady", gn=mode))
+    mod = GroupNorm(4, 1e-5, ops=patch_ops(n, "steady", gn=mode))
     out, new = sharded(mod, params, x, n, {"gn_global": g, "gn_local": loc})
     ref = numpy_groupnorm(x, params, g, loc, n, mode)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
@@ -149,7 +149,7 @@ def kv_of(mod_params, x):
 def test_stale_halo_reads_previous_step_and_refreshes():
     n, top = 4, 1
     x1, x2 = rand(B, H, W, C, seed=4), rand(B, H, W, C, seed=5)
-    mod = Conv(5, ops=PatchOps(n, "steady", halo_mode="stale"))
+    mod = Conv(5, ops=patch_ops(n, "steady", halo="stale"))
     params = init(Conv(5), x1)
     state0 = {"halo": rand(n, B, 2 * top, W, C, seed=6)}
     _, state1 = sharded(mod, params, x1, n, state0)
@@ -171,7 +171,7 @@ def test_stale_halo_reads_previous_step_and_refreshes():
 def test_stale_groupnorm_buffers_hold_previous_step_statistics():
     n = 4
     x1 = rand(B, H, W, C, seed=7)
-    mod = GroupNorm(4, ops=PatchOps(n, "steady", gn="corrected"))
+    mod = GroupNorm(4, ops=patch_ops(n, "steady", gn="corrected"))
     params = init(GroupNorm(4), x1)
     state0 = {"gn_global": rand(n, 2, B, 4, seed=8), "gn_local": rand(n, 2, B, 4, seed=9)}
     _, state1 = sharded(mod, params, x1, n, state0)
@@ -188,7 +188,7 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send):
     n, portion = 4, 0.3
     tokens = H * W
     x1, x2 = rand(B, tokens, C, seed=10), rand(B, tokens, C, seed=11)
-    mod = Attention(2, 4, C, ops=PatchOps(n, "steady", kv=kv, portion=portion, send=send))
+    mod = Attention(2, 4, C, ops=patch_ops(n, "steady", kv=kv, portion=portion, send=send))
     params = init(Attention(2, 4, C), x1)
     length = tokens // n
     band = band_tokens(length, portion)
@@ -241,7 +241,7 @@ def attention_ref(q, k, v, params, heads=2):
 def test_no_sync_keeps_buffers_frozen():
     n = 4
     x = rand(B, H, W, C, seed=14)
-    mod = Conv(5, ops=PatchOps(n, "steady", halo_mode="stale", gn="separate", exchange=False))
+    mod = Conv(5, ops=patch_ops(n, "steady", halo="stale", gn="separate", exchange=False))
     state0 = {"halo": rand(n, B, 2, W, C, seed=15)}
     _, state1 = sharded(mod, init(Conv(5), x), x, n, state0)
     np.testing.assert_array_equal(state1["halo"], state0["halo"])
@@ -249,16 +249,16 @@ def test_no_sync_keeps_buffers_frozen():
 
 def test_no_sync_needs_local_groupnorm():
     with pytest.raises(ValueError, match="gn must be 'separate'.*got gn='corrected'"):
-        PatchOps(4, "steady", gn="corrected", exchange=False)
+        patch_ops(4, "steady", gn="corrected", exchange=False)
 
 
 def test_input_layer_halo_is_fresh():
     """conv_in's ops: the stale halo becomes fresh (no buffer, exact); zero stays zero."""
     n = 4
     x = rand(B, H, W, C, seed=16)
-    ops = PatchOps(n, "steady", halo_mode="stale", gn="corrected", kv="stale").input_layer()
-    assert ops.halo_mode == "fresh" and ops.input and ops.gn == "corrected"
-    assert PatchOps(n, halo_mode="zero").input_layer().halo_mode == "zero"
+    ops = patch_ops(n, "steady", halo="stale", gn="corrected", kv="stale").input_layer()
+    assert ops.halo_op.mode == "fresh" and ops.halo_op.input and ops.gn_op.mode == "corrected"
+    assert patch_ops(n, halo="zero").input_layer().halo_op.mode == "zero"
     params = init(Conv(5), x)
     out, state = sharded(Conv(5, ops=ops), params, x, n)
     assert state == {}

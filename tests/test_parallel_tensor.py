@@ -51,7 +51,7 @@ def test_tensor_forward_equals_single(kind, devices, cfg, data, tp):
     x, t, cond = inputs(kind)
     p = plan(devices, cfg, data, tp_degree=tp)
     p.validate(unet, x.shape[1:3], 10, GUIDANCE, x.shape[0])
-    out, state = jax.jit(make_step(unet, p, "sync", "row", GUIDANCE, p.mesh()))(
+    out, state = jax.jit(make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh()))(
         params, x, t, cond, None
     )
     assert state == {}
@@ -86,7 +86,7 @@ def test_hlo_bytes_equal_the_analytic_model_and_only_the_model_axis_reduces(
         assert phase["analytic_matches_hlo"], phase
         assert phase["hlo"]["tp"]["max"] > 0
     x, t, cond = inputs(kind, batch=2 * data)
-    step = make_step(unet, p, "sync", "row", GUIDANCE, p.mesh())
+    step = make_step(unet, p, "warmup", "row", GUIDANCE, p.mesh())
     text = hlo_text_with_metadata(jax.jit(step).lower(params, x, t, cond, None))
     tp_ops = [c for c in parse_collectives(text, devices) if c.site == "tp"]
     assert {c.op for c in tp_ops} == {"all-reduce"}

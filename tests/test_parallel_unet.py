@@ -106,7 +106,7 @@ def test_conv_in_keeps_no_stale_halo():
     x, t, cond = inputs("sd")
     for name in ("distrifusion", "pcpp"):
         plan = Plan(make_strategy(name), 4, 1)
-        warm = make_step(unet, plan, "sync", "row", GUIDANCE, plan.mesh())
+        warm = make_step(unet, plan, "warmup", "row", GUIDANCE, plan.mesh())
         _, state = jax.eval_shape(warm, params, x, t, cond, None)
         assert "conv_in" not in state
         assert (
@@ -119,7 +119,7 @@ def hlo(strategy, phase, patch=4, cfg=1, **options):
     x, t, cond = inputs("sd")
     plan = Plan(make_strategy(strategy, **options), patch * cfg, cfg)
     mesh = plan.mesh()
-    warm = make_step(unet, plan, "sync", "row", GUIDANCE, mesh)
+    warm = make_step(unet, plan, "warmup", "row", GUIDANCE, mesh)
     state = jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(warm, params, x, t, cond, None)[1]
     )
@@ -138,7 +138,7 @@ def test_hlo_pcpp_steady_step_permutes_and_never_gathers(send):
     text = hlo("pcpp", "steady", send=send)
     assert "collective-permute" in text
     assert "all-gather" not in text
-    assert "all-gather" in hlo("pcpp", "sync", send=send)  # the warm-up gathers exactly
+    assert "all-gather" in hlo("pcpp", "warmup", send=send)  # the warm-up gathers exactly
 
 
 @pytest.mark.parametrize(
@@ -176,7 +176,7 @@ def test_phases_chained_equal_the_whole_denoising():
     sched = smp.schedule(SchedulerConfig(), 4)
     plan = Plan(make_strategy("distrifusion", warmup_steps=0), 2, 1)
     whole, state = denoise(unet, plan, smp, params, cond, sched, x, GUIDANCE)
-    assert list(phase_steps(plan, 4)) == ["sync", "steady"]
+    assert list(phase_steps(plan, 4)) == ["warmup", "steady"]
     y, loop = x, None
     for phase in phase_steps(plan, 4):
         y, loop = denoise_phase(unet, plan, smp, phase, params, cond, sched, y, loop, GUIDANCE)
@@ -187,7 +187,7 @@ def test_phases_chained_equal_the_whole_denoising():
 
 @pytest.mark.parametrize(
     "strategy, phase, cfg",
-    [pytest.param("sync_patch", "sync", 2, marks=pytest.mark.slow), ("pcpp", "steady", 1)],
+    [pytest.param("sync_patch", "warmup", 2, marks=pytest.mark.slow), ("pcpp", "steady", 1)],
 )
 def test_compute_only_plan_has_no_collectives_and_the_same_shapes(strategy, phase, cfg):
     """`Plan(comm=False)`: every collective is a local stand-in (no collective in the HLO), and
@@ -197,7 +197,7 @@ def test_compute_only_plan_has_no_collectives_and_the_same_shapes(strategy, phas
     unet, params = micro_unet("sd")
     x, t, cond = inputs("sd")
     real, alone = (Plan(make_strategy(strategy), 4, cfg, comm=c) for c in (True, False))
-    warm = make_step(unet, real, "sync", "row", GUIDANCE, real.mesh())
+    warm = make_step(unet, real, "warmup", "row", GUIDANCE, real.mesh())
     _, state = jax.eval_shape(warm, params, x, t, cond, None)
     state = state if phase == "steady" else None
     shapes, texts = [], []

@@ -92,10 +92,10 @@ def test_a_run_in_two_processes_writes_one_record_with_layout_and_phases(micro_f
     assert rec["status"] == "ok" and rec["config"]["mesh"]["processes"] == 2
     assert m["layout"]["processes"] == 2 and m["layout"]["launched"]
     assert m["layout"]["local_devices"] == 1 and m["layout"]["threads_per_process"] == 1
-    assert (m["sync_steps"], m["steady_steps"]) == (2, 2)
-    assert m["sync_step_s_median"] > 0 and m["steady_step_s_median"] > 0
+    assert (m["warmup_phase_steps"], m["steady_steps"]) == (2, 2)
+    assert m["warmup_step_s_median"] > 0 and m["steady_step_s_median"] > 0
     assert m["denoise_s_median"] == pytest.approx(
-        2 * m["sync_step_s_median"] + 2 * m["steady_step_s_median"]
+        2 * m["warmup_step_s_median"] + 2 * m["steady_step_s_median"]
     )
     assert m["speedup_vs_single"] is None and "no single run" in m["speedup_note"]
 
@@ -152,7 +152,7 @@ def test_processes_run_and_sweep_record_layout_phases_and_speedups(micro_folder,
     assert df["speedup_vs_sync_patch"] == pytest.approx(
         sync["denoise_s_median"] / df["denoise_s_median"]
     )
-    assert (df["sync_steps"], df["steady_steps"]) == (2, 2)
+    assert (df["warmup_phase_steps"], df["steady_steps"]) == (2, 2)
     assert df["steady_step_s_median"] > 0 and sync["steady_step_s_median"] is None
     assert df["bytes_per_device_per_step"] > 0 and "psnr" in df
     assert df["latent_max_abs_diff"] < 1.0 and sync["latent_max_abs_diff"] < 1e-3

@@ -275,9 +275,9 @@ def test_record_schema(swept):
     )
     assert by["pcpp warmup_steps=1 portion=1.0"]["strategy"]["send"] == "full"  # default filled in
     # the phases timed apart: 2 warm-up steps, 1 stale step, adding up to the whole
-    assert (m["sync_steps"], m["steady_steps"]) == (2, 1)
+    assert (m["warmup_phase_steps"], m["steady_steps"]) == (2, 1)
     assert m["denoise_s_median"] == pytest.approx(
-        2 * m["sync_step_s_median"] + m["steady_step_s_median"]
+        2 * m["warmup_step_s_median"] + m["steady_step_s_median"]
     )
     # fake devices in one process: no speedup, and the record says why
     assert m["speedup_vs_single"] is None and "fake CPU devices" in m["speedup_note"]
@@ -285,7 +285,7 @@ def test_record_schema(swept):
     # the kernel and dtype `auto` resolved to, and the compiled programs' memory per device
     assert (m["attention"], m["compute_dtype"]) == ("chunked", "float32")
     mem = m["memory_per_device"]
-    assert set(mem) == {"sync", "steady"} and mem["steady"]["aliased"] >= 0
+    assert set(mem) == {"warmup", "steady"} and mem["steady"]["aliased"] >= 0
     assert m["memory_per_device_bytes"] == max(v["total"] for v in mem.values()) > 0
     # the mesh and the weights each device holds
     assert m["mesh_degrees"] == {"data": 1, "cfg": 1, "patch": 2, "model": 1}

@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         for n in a.patches:
             name = "single" if n == 1 else a.strategy
             plan = build_plan(name, {}, n, 1, comm=False)
-            phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "sync"
+            phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "warmup"
             rec = {
                 "hardware": a.hardware,
                 "device_kind": dev.device_kind,
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
                 axis = plan.strategy.patch_axis(0)
                 state = None
                 if phase == "steady":
-                    warm = make_step(unet, plan, "sync", axis, 5.0, mesh)
+                    warm = make_step(unet, plan, "warmup", axis, 5.0, mesh)
                     _, shapes = jax.eval_shape(warm, params, x, t, cond, None)
                     state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
                 step = jax.jit(make_step(unet, plan, phase, axis, 5.0, mesh))

@@ -26,6 +26,7 @@ STRATEGY_OPTIONS = (
     "ring_degree",
     "ulysses_degree",
     "tp_degree",
+    "comm_groups",
 )
 
 
@@ -75,6 +76,10 @@ class StrategyOptions:
     of an image's devices); must divide the block widths and the GroupNorm groups (heads that
     do not divide are padded with zero heads). Below the devices an image has, the rest are
     exact row patches (a hybrid)."""
+    comm_groups: int | str | None = None
+    """distrifusion/pcpp: the steady phase's stale sends exchanged together in G groups of
+    sites in layer order, one collective per site kind and dtype per group (distrifuser's
+    comm_checkpoint; default 1), or per_site (each site its own collectives)."""
 
     def options(self) -> dict:
         return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
@@ -416,8 +421,14 @@ def _coerce(tp, v, key: str):
     if origin in (typing.Union, types.UnionType):
         if v is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, v, key)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(inner[0], v, key)
+        for a in inner:  # e.g. int | str: the first type the value is
+            if isinstance(v, a) and not (a is not bool and isinstance(v, bool)):
+                return v
+        names = " or ".join(a.__name__ for a in inner)
+        raise ValueError(f"{key}={v!r}: expected {names}")
     if is_dataclass(tp):
         return from_dict(tp, v, key)
     if origin is tuple:

@@ -94,7 +94,7 @@ def format_project(rows: list[dict]) -> str:
     r0 = rows[0]
     head = (
         f"{r0['strategy']} | {r0['model']} {r0['resolution']}px {r0['dtype']}, batch {r0['batch']}, "
-        f"{r0['steps']} steps ({r0['sync_steps']} synchronous) | {r0['devices']} devices "
+        f"{r0['steps']} steps ({r0['warmup_phase_steps']} synchronous) | {r0['devices']} devices "
         f"(cfg={r0['cfg']})"
     )
     lines = [

@@ -99,6 +99,21 @@ def provenance() -> dict:
     }
 
 
+# Metric keys of the phases: the warm-up phase (exact exchanges) was once called `sync`. Records
+# written before keep loading, under the names of today (`upgraded`); the files stay as written.
+PHASE_STEPS = {"warmup": "warmup_phase_steps", "steady": "steady_steps"}
+RENAMED_METRICS = {"sync_steps": "warmup_phase_steps", "sync_step_s_median": "warmup_step_s_median"}
+
+
+def upgraded(record: dict) -> dict:
+    """A record as today's code reads it: old metric names mapped to today's."""
+    metrics = record.get("metrics")
+    if not isinstance(metrics, dict) or not set(RENAMED_METRICS) & set(metrics):
+        return record
+    metrics = {RENAMED_METRICS.get(k, k): v for k, v in metrics.items()}
+    return {**record, "metrics": metrics}
+
+
 class RecordError(ValueError):
     """A line of a runs.jsonl that is not a usable record (the message names file and line)."""
 
@@ -131,7 +146,7 @@ def read_records(
             elif missing := [k for k in require if k not in rec]:
                 problem = f"a record without {missing}"
         if problem is None:
-            out.append(rec)
+            out.append(upgraded(rec))
         elif skip_bad:
             warn(f"{path}:{number}: {problem}; skipped")
         else:

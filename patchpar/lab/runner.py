@@ -41,7 +41,7 @@ from patchpar.lab.config import (
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
 from patchpar.lab.launch import WorkerFailed, in_worker, launch
-from patchpar.lab.results import append_record, provenance, read_records
+from patchpar.lab.results import PHASE_STEPS, append_record, provenance, read_records
 from patchpar.lab.speedup import speedups
 
 Log = Callable[[str], None]
@@ -84,7 +84,7 @@ def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
     )  # fmt: skip
     wu, st = r["phases"]["warmup"], r["phases"]["steady"]
     n = config.sampler.steps
-    sync = plan.strategy.sync_steps(n)
+    sync = plan.strategy.warmup_phase_steps(n)
     w_bytes, s_bytes = wu["hlo"]["all"]["max"], st["hlo"]["all"]["max"]
     rw, rs = wu["released"]["all"]["max"], st["released"]["all"]["max"]
     return {
@@ -141,9 +141,9 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     memory = {phase: memory_per_device(c) for phase, _, c in compiled}
     out["memory_per_device"] = memory
     out["memory_per_device_bytes"] = max((v["total"] or 0 for v in memory.values()), default=None)
-    for phase in ("sync", "steady"):  # per-step medians of each phase (null: no such step)
+    for phase in ("warmup", "steady"):  # per-step medians of each phase (null: no such step)
         ph = t["phases"].get(phase)
-        out[f"{phase}_steps"] = steps.get(phase, 0)
+        out[PHASE_STEPS[phase]] = steps.get(phase, 0)
         out[f"{phase}_step_s_median"] = ph["median"] / steps[phase] if ph else None
     return final, out
 
@@ -186,7 +186,9 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     metrics["height"], metrics["width"] = hw
     metrics["strategy"] = plan.strategy.describe()
     metrics["mesh_degrees"] = plan.degrees()  # data x cfg x patch x model
-    metrics["sync_steps"] = plan.strategy.sync_steps(s.steps) if plan.strategy.parallel else s.steps
+    metrics["warmup_phase_steps"] = (
+        plan.strategy.warmup_phase_steps(s.steps) if plan.strategy.parallel else s.steps
+    )
     if writer and m.quality:
         check_quality_inputs(config)  # before generating, not after
 

@@ -62,7 +62,7 @@ FORMATS = {
     "warmup_bytes_per_device": ("warm-up MiB/device/step", lambda v: f"{v / 2**20:.3f}"),
     "stale_bytes_per_device": ("stale MiB/device", lambda v: f"{v / 2**20:.3f}"),
     "step_s_median": ("ms/step (median)", lambda v: f"{v * 1e3:.1f}"),
-    "sync_step_s_median": ("warm-up ms/step", lambda v: f"{v * 1e3:.1f}"),
+    "warmup_step_s_median": ("warm-up ms/step", lambda v: f"{v * 1e3:.1f}"),
     "steady_step_s_median": ("steady ms/step", lambda v: f"{v * 1e3:.1f}"),
     "speedup_vs_single": ("speedup vs single", lambda v: f"{v:.2f}x"),
     "speedup_vs_sync_patch": ("vs sync_patch", lambda v: f"{v:.2f}x"),

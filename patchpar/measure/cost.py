@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from patchpar.measure.comm import (
@@ -19,42 +18,21 @@ from patchpar.measure.comm import (
     parse_collectives,
 )
 from patchpar.models import UNetFn
-from patchpar.parallel.engine import Plan, make_step, stale_bytes_per_device
+from patchpar.parallel.engine import Plan, abstract_inputs, make_step, stale_bytes_per_device
 from patchpar.parallel.rules import weight_bytes_per_device
-from patchpar.parallel.sites import record_sites
-from patchpar.sampling.guidance import Conditioning
+from patchpar.parallel.sites import PHASES, record_sites
 
-PHASES = {"warmup": "sync", "steady": "steady"}
-
-
-def abstract_inputs(
-    unet: UNetFn, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2
-):
-    """x (B, H, W, C), t and a guidance-stacked Conditioning, all abstract, in the UNet's dtype."""
-    cfg, dt = unet.config, unet.module.dtype
-    sds = jax.ShapeDtypeStruct
-    x = sds((batch, *latent_hw, cfg.in_channels), dt)
-    ctx = sds((cfg_stack, batch, seq, cfg.cross_attention_dim), dt)
-    if cfg.addition_embed_type == "text_time":
-        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        cond = Conditioning(
-            ctx, sds((cfg_stack, batch, pooled), dt), sds((cfg_stack, batch, 6), jnp.float32)
-        )
-    else:
-        cond = Conditioning(ctx)
-    return x, sds((), jnp.float32), cond
+__all__ = ["abstract_inputs", "analytic_count", "measure", "memory_per_device", "released_count"]
 
 
 def _site_count(plan: Plan, log, rule: str) -> CommCount:
-    """Bytes per device from the recorded site calls by one of PatchOps' per-site rules
+    """Bytes per device from the recorded site calls by one of the site ops' byte models
     (`received_bytes`: patchpar's own; `released_bytes`: the released code's pattern)."""
     count = CommCount(plan.devices)
-    for ops, kind, info in log:
-        per_patch = np.array(
-            [getattr(ops, rule)(kind, info, p) for p in range(plan.patch)], np.int64
-        )
+    for op, info in log:
+        per_patch = np.array([getattr(op, rule)(info, p) for p in range(plan.patch)], np.int64)
         # device id = ((data_index * cfg + cfg_index) * patch + patch_index) * model + model_index
-        count.add(kind, np.tile(np.repeat(per_patch, plan.model), plan.data * plan.cfg))
+        count.add(op.kind, np.tile(np.repeat(per_patch, plan.model), plan.data * plan.cfg))
     return count
 
 
@@ -68,7 +46,7 @@ def analytic_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
 
 def released_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
     """Bytes per device that the released DistriFusion / PCPP code's pattern would move for the
-    same UNet call (analytic, from the recorded site calls; `PatchOps.released_bytes`), plus
+    same UNet call (analytic, from the recorded site calls; each op's `released_bytes`), plus
     the all-gather of the UNet output over all devices that it runs every step to hand the
     full latent to the scheduler (patchpar keeps the latent sharded instead)."""
     count = _site_count(plan, log, "released_bytes")
@@ -97,7 +75,7 @@ def measure(
     params = unet.abstract_params() if params is None else params
     x, t, cond = abstract_inputs(unet, latent_hw, batch)
     axis = plan.strategy.patch_axis(0)
-    warm = make_step(unet, plan, "sync", axis, guidance_scale, mesh)
+    warm = make_step(unet, plan, "warmup", axis, guidance_scale, mesh)
     out_shape, state = jax.eval_shape(warm, params, x, t, cond, None)
     local_b = batch // plan.data
     local_out = (
@@ -113,7 +91,7 @@ def measure(
         "mesh": plan.degrees(),
         "phases": {},
     }
-    for name, phase in PHASES.items():
+    for phase in PHASES:
         t0 = time.perf_counter()
         with record_sites() as log:
             # the stale buffers are donated: inside the denoising loop they are a loop carry,
@@ -137,11 +115,11 @@ def measure(
         if flops:
             cost = lowered.cost_analysis()
             entry["flops_per_device"] = float((cost or {}).get("flops", float("nan")))
-        if memory and name == "steady":  # the steady program holds the stale buffers in and out
+        if memory and phase == "steady":  # the steady program holds the stale buffers in and out
             t0 = time.perf_counter()
             entry["memory"] = memory_per_device(lowered.compile())
             entry["compile_s"] = round(time.perf_counter() - t0, 2)
-        record["phases"][name] = entry
+        record["phases"][phase] = entry
     return record
 
 

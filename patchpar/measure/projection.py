@@ -289,7 +289,7 @@ class Projection:
     compute_s: float  # all steps, compute and stale-buffer traffic
     exposed_comm_s: float  # all steps
     other_s: float  # text encoding and VAE decode (one device)
-    sync_steps: int
+    warmup_phase_steps: int
     steady_steps: int
     overlap: str
     compute_source: str
@@ -339,7 +339,7 @@ def _queue_overrun(parts: list[tuple[int, float]], compute: float) -> float:
     return max(0.0, finish - compute)
 
 
-def sync_steps(w: Workload, steps: int) -> int:
+def warmup_phase_steps(w: Workload, steps: int) -> int:
     """Steps run as the warm-up program: all of a strategy without stale state, else DistriFusion's
     `warmup_steps + 1` (its counter runs synchronously while counter <= warmup_steps)."""
     return steps if w.warmup_steps is None else min(steps, w.warmup_steps + 1)
@@ -363,18 +363,18 @@ def project(
     if overlap == "auto":
         overlap = "next-step" if hw.async_collectives else "none"
     m = measured or {}
-    n_sync = sync_steps(w, steps)
+    n_warm = warmup_phase_steps(w, steps)
     times = {ph: phase_time(w, ph, hw, overlap, m.get(ph)) for ph in PHASES}
     other = hw.compute_s(w.encode_flops) + hw.compute_s(w.decode_flops)
-    steady = steps - n_sync
-    latency = n_sync * times["warmup"].step_s + steady * times["steady"].step_s + other
+    steady = steps - n_warm
+    latency = n_warm * times["warmup"].step_s + steady * times["steady"].step_s + other
     single_step = m.get("single", hw.compute_s(single.phases["warmup"]["flops_per_device"]))
     single_latency = steps * single_step + other
     compute = sum(
         k * (times[ph].compute_s + times[ph].stale_traffic_s)
-        for k, ph in ((n_sync, "warmup"), (steady, "steady"))
+        for k, ph in ((n_warm, "warmup"), (steady, "steady"))
     )
-    exposed = n_sync * times["warmup"].exposed_comm_s + steady * times["steady"].exposed_comm_s
+    exposed = n_warm * times["warmup"].exposed_comm_s + steady * times["steady"].exposed_comm_s
     return Projection(
         hardware=hw.name,
         latency_s=latency,
@@ -383,7 +383,7 @@ def project(
         compute_s=compute,
         exposed_comm_s=exposed,
         other_s=other,
-        sync_steps=n_sync,
+        warmup_phase_steps=n_warm,
         steady_steps=steady,
         overlap=overlap,
         compute_source="measured" if measured else hw.compute_note,

@@ -85,5 +85,10 @@ class SiteOps:
         latent), whatever the strategy does elsewhere."""
         return self
 
+    def with_stand_ins(self) -> SiteOps:
+        """The same ops with every collective replaced by a local stand-in of the same shape
+        (each device's compute alone); the identity has none."""
+        return self
+
 
 IDENTITY = SiteOps()

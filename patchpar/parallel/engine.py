@@ -27,11 +27,12 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models import UNetFn
 from patchpar.models.sites import IDENTITY
+from patchpar.parallel.exchange import check_groups, exchange_packed, merged
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
 from patchpar.parallel.rules import FSDP_AXES, RULES, check_sharded, check_split, placed, unplaced
-from patchpar.parallel.sites import STALE, local_stand_ins, shapes_only
+from patchpar.parallel.sites import SEND, STALE, FSDPGather, TensorSum, shapes_only
 from patchpar.parallel.strategies import Strategy
-from patchpar.sampling.guidance import call_on_stack
+from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
 
@@ -45,7 +46,7 @@ class Plan:
     devices: int = 1
     cfg: int = 1
     comm: bool = True
-    """False: every collective is a local stand-in of the same shape (`sites.local_stand_ins`):
+    """False: every collective is a local stand-in of the same shape (`PatchOps.with_stand_ins`):
     wrong images, but the time is each device's compute alone (DistriFusion Table 2's
     "no communication (ideal)" row). Static, so such programs never share a jit cache entry."""
     data: int = 1
@@ -118,6 +119,8 @@ class Plan:
                 f"devices = data is pure data parallelism)"
             )
         s.validate(steps, self.patch, self.cfg)
+        if (groups := s.packed_groups()) is not None and groups > 1:
+            check_groups(groups, stale_sites(unet, self, tuple(latent_hw)))
         if batch is not None and batch % self.data:
             raise ValueError(
                 f"batch of {batch} image(s) per call is not divisible by data={self.data}: every "
@@ -157,35 +160,45 @@ STATE_SPEC = P(*AXES)  # stale buffers: leading (data, cfg, patch, model) device
 def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
     """step(params, x (B,H,W,C), t, cond, state) -> (guided model output (B,H,W,C), state).
 
-    `state` is None in the `sync` phase (buffers are written, not read)."""
+    `state` is None in the `warmup` phase (buffers are written, not read). In the steady phase
+    of a strategy with packed exchange, the sites' pending sends are exchanged after the model
+    call, in the strategy's `comm_groups` groups (`patchpar.parallel.exchange`)."""
     ops = plan.strategy.ops(phase, plan.patch)
     if plan.model > 1:
-        ops = replace(ops, tp=plan.model)
+        ops = replace(ops, tp_op=TensorSum(degree=plan.model))
     # the modules' own (local) parameter shapes: split over `model`, whole otherwise
     local_shapes = (
-        _local_param_shapes(UNetFn(unet.module.clone(ops=ops))) if plan.model > 1 else None
+        _local_param_shapes(UNetFn(unet.module.clone(ops=ops.with_stand_ins())))
+        if plan.model > 1
+        else None
     )
     if plan.fsdp_degree > 1:
-        ops = replace(ops, fsdp=plan.fsdp_degree)
+        ops = replace(ops, fsdp_op=FSDPGather(degree=plan.fsdp_degree))
+    if not plan.comm:
+        ops = ops.with_stand_ins()
     module = unet.module.clone(ops=ops)
     rules = plan.rules()
     cfg = plan.cfg
     reads_state = phase == "steady"
+    groups = plan.strategy.packed_groups() if plan.strategy.packs(phase) else None
 
     def local(params, x, t, cond, state):
         # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
         variables = {"params": unplaced(params, rules)}  # this device's share of each weight
         if reads_state:
             variables[STALE] = jax.tree.map(lambda a: a[0, 0, 0, 0], state)  # drop device axes
-        apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=[STALE])  # noqa: E731
-        with local_stand_ins(not plan.comm):
-            out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+        mutable = [STALE, SEND] if groups else [STALE]
+        apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=mutable)  # noqa: E731
+        out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+        stale = mutated.get(STALE, {})
+        if groups:  # the steady phase's stale sends, exchanged together
+            stale = merged(stale, exchange_packed(mutated.get(SEND, {}), ops, groups))
         if cfg == 2 and not plan.comm:
             out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below
         elif cfg == 2:
             with jax.named_scope("pp_cfg"):
                 out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
-        new_state = jax.tree.map(lambda a: a[None, None, None, None], mutated.get(STALE, {}))
+        new_state = jax.tree.map(lambda a: a[None, None, None, None], stale)
         return guided(out, guidance_scale), new_state
 
     xs = _x_spec(axis)
@@ -231,11 +244,60 @@ def _local_param_shapes(unet: UNetFn):
 
 
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
-    """Zeros shaped like the stale buffers (global, with the mesh's device axes), from the sync
-    phase."""
-    warm = make_step(unet, plan, "sync", plan.strategy.patch_axis(0), guidance_scale, mesh)
+    """Zeros shaped like the stale buffers (global, with the mesh's device axes), from the
+    warm-up phase."""
+    warm = make_step(unet, plan, "warmup", plan.strategy.patch_axis(0), guidance_scale, mesh)
     _, shapes = jax.eval_shape(warm, params, x, jnp.zeros((), jnp.float32), cond, None)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def abstract_inputs(
+    unet: UNetFn, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2
+):
+    """x (B, H, W, C), t and a guidance-stacked Conditioning, all abstract, in the UNet's dtype."""
+    cfg, dt = unet.config, unet.module.dtype
+    sds = jax.ShapeDtypeStruct
+    x = sds((batch, *latent_hw, cfg.in_channels), dt)
+    ctx = sds((cfg_stack, batch, seq, cfg.cross_attention_dim), dt)
+    if cfg.addition_embed_type == "text_time":
+        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        cond = Conditioning(
+            ctx, sds((cfg_stack, batch, pooled), dt), sds((cfg_stack, batch, 6), jnp.float32)
+        )
+    else:
+        cond = Conditioning(ctx)
+    return x, sds((), jnp.float32), cond
+
+
+_BUFFERS = ("halo", "gn_global", "kv", "kv_above")  # one of each sending site's buffers
+
+
+@cache
+def stale_sites(unet: UNetFn, plan: Plan, latent_hw: tuple[int, int]) -> int:
+    """How many sites send stale activations in the steady phase (what `comm_groups` splits):
+    the modules whose warm-up writes a buffer, none under no_sync. Traced abstractly."""
+    if not plan.strategy.packs("steady"):
+        return 0
+    steady = plan.strategy.ops("steady", plan.patch)
+    if not (steady.halo_op.exchange or getattr(steady.attn_op, "exchange", False)):
+        return 0
+    x, t, cond = abstract_inputs(unet, latent_hw, plan.data)
+    warm = make_step(
+        unet,
+        plan,
+        "warmup",
+        plan.strategy.patch_axis(0),
+        5.0 if plan.cfg == 2 else 1.0,
+        plan.mesh(),
+    )
+    with shapes_only():
+        _, state = jax.eval_shape(warm, _param_shapes(unet), x, t, cond, None)
+
+    def count(node) -> int:
+        here = any(k in _BUFFERS for k in node)
+        return here + sum(count(v) for v in node.values() if isinstance(v, dict))
+
+    return count(state)
 
 
 def stale_bytes_per_device(state) -> int:
@@ -268,10 +330,10 @@ def _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh):
 
 
 def phase_steps(plan: Plan, steps: int) -> dict[str, tuple[int, int]]:
-    """{phase: (first step, stop)} of the phases that have steps: `sync` (warm-up, fresh
-    exchanges) then `steady` (stale exchanges, if the strategy has any)."""
-    warm = plan.strategy.sync_steps(steps)
-    spans = {"sync": (0, warm), "steady": (warm, steps)}
+    """{phase: (first step, stop)} of the phases that have steps: `warmup` (fresh exchanges)
+    then `steady` (stale exchanges, if the strategy has any)."""
+    warm = plan.strategy.warmup_phase_steps(steps)
+    spans = {"warmup": (0, warm), "steady": (warm, steps)}
     return {k: v for k, v in spans.items() if v[1] > v[0]}
 
 
@@ -286,7 +348,7 @@ def denoise(
     x,
     guidance_scale: float,
 ):
-    """All steps of one image batch under `plan`: the sync phase (warm-up), then the steady phase,
+    """All steps of one image batch under `plan`: the warm-up phase, then the steady phase,
     each a single compiled loop. Returns (final latent, final stale state)."""
     loop = None
     for phase in phase_steps(plan, schedule.timesteps.shape[0]):

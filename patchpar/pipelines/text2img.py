@@ -164,11 +164,11 @@ class Pipeline:
         phases apart: ([(phase, steps in it, fn)], args). Starting from `loop = None`,
         `x, loop = fn(*args, loop)` with `args = (params, cond, schedule, x)` for each phase in
         order, x carried from one to the next, gives `denoise`'s latent. One device: a single
-        phase `sync` with every step."""
+        phase `warmup` with every step."""
         fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
         static, dynamic, gs = args[:3], args[3:7], args[7]
         if fn is _denoise_single:
-            spans, phase_fn = {"sync": (0, steps)}, _single_phase
+            spans, phase_fn = {"warmup": (0, steps)}, _single_phase
         else:
             spans, phase_fn = phase_steps(plan, steps), denoise_phase
         programs = [

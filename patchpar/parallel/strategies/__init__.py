@@ -45,6 +45,9 @@ COMBINE = {
     "strategies' buffers hold whole activations",
     "ring_degree": _CONTEXT,
     "ulysses_degree": _CONTEXT,
+    "comm_groups": "comm_groups packs the steady phase's stale exchange, which only "
+    "distrifusion and pcpp have; the other strategies exchange fresh activations at each site, "
+    "as the layer needs them",
 }
 
 

@@ -20,9 +20,19 @@ class Strategy:
     def option_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def sync_steps(self, steps: int) -> int:
-        """How many of the first steps run in the `sync` phase (the rest run `steady`)."""
+    def warmup_phase_steps(self, steps: int) -> int:
+        """How many of the first steps run in the `warmup` phase (exact exchanges); the rest
+        run in the `steady` phase."""
         return steps
+
+    def packed_groups(self) -> int | None:
+        """Groups of the steady phase's packed stale exchange (`patchpar.parallel.exchange`);
+        None: no packed exchange (each site exchanges its own, or nothing is stale)."""
+        return None
+
+    def packs(self, phase: str) -> bool:
+        """Whether the sites leave their sends for the packed exchange in `phase`."""
+        return phase == "steady" and self.packed_groups() is not None
 
     def model_degree(self, devices: int) -> int:
         """Devices on the model axis (tensor parallel) out of the `devices` an image has (after
@@ -51,6 +61,7 @@ class Strategy:
 
 
 GN_MODES = ("separate", "stale", "corrected", "sync")
+PER_SITE = "per_site"
 
 
 @dataclass(frozen=True)
@@ -61,13 +72,25 @@ class StaleStrategy(Strategy):
     warmup_steps: int = 4
     # GroupNorm after warm-up (DistriFusion Table 5): separate | stale | corrected (Eq. 2) | sync
     gn: str = "corrected"
+    # steady-phase stale sends exchanged together in G groups of sites in layer order
+    # (distrifuser's comm_checkpoint), or `per_site`: each site its own collectives
+    comm_groups: int | str = 1
 
     def __post_init__(self):
         if self.gn not in GN_MODES:
             raise ValueError(f"{self.name}: gn={self.gn!r}; known: {list(GN_MODES)}")
+        g = self.comm_groups
+        if g != PER_SITE and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
+            raise ValueError(
+                f"{self.name}: comm_groups={g!r} must be a positive integer (groups of stale "
+                f"sites exchanged together, in layer order) or {PER_SITE!r}"
+            )
 
-    def sync_steps(self, steps: int) -> int:
+    def warmup_phase_steps(self, steps: int) -> int:
         return min(steps, self.warmup_steps + 1)
+
+    def packed_groups(self) -> int | None:
+        return None if self.comm_groups == PER_SITE else self.comm_groups
 
     def validate(self, steps: int, patch: int, cfg: int) -> None:
         w = self.warmup_steps

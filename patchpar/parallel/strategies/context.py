@@ -2,14 +2,14 @@
 (xDiT's sequence parallelism; diffusers' `ContextParallelConfig(ring_degree, ulysses_degree)`).
 Convolution halos and GroupNorm are exchanged fresh every step as in `sync_patch`; self-attention
 is Ring (K/V passed around the patch axis), Ulysses (all-to-all to head-sharded and back) or
-their hybrid, `ring_degree x ulysses_degree` = the patch axis (`patchpar.parallel.context`).
+their hybrid, `ring_degree x ulysses_degree` = the patch axis (`patchpar.parallel.sites.context`).
 The output equals `single`."""
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from patchpar.parallel.context import check_degrees
-from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.sites import PatchOps, patch_ops
+from patchpar.parallel.sites.context import check_degrees
 from patchpar.parallel.strategies.base import Strategy
 
 
@@ -32,7 +32,7 @@ class ContextParallel(Strategy):
     def ops(self, phase: str, n: int) -> PatchOps:
         del phase
         _, ulysses = self.degrees(n)
-        return PatchOps(n, "sync", halo_mode="fresh", gn="sync", kv="context", ulysses=ulysses)
+        return patch_ops(n, ulysses=ulysses)
 
     def validate(self, steps: int, patch: int, cfg: int) -> None:
         self.degrees(patch)

@@ -1,13 +1,14 @@
 """`distrifusion`: displaced patch parallelism (Li et al., CVPR 2024, arXiv 2402.19430).
 After `warmup_steps + 1` exact steps, every site uses the previous step's activations of the
-other patches (halos, all K/V, GroupNorm statistics) and refreshes them asynchronously.
+other patches (halos, all K/V, GroupNorm statistics) and refreshes them for the next step,
+exchanged together in `comm_groups` groups (or per site).
 
 `no_sync=True` is the released code's `no_sync` mode: after warm-up nothing is exchanged; halos
 and K/V stay as at the last warm-up step and GroupNorm is local, so it needs `gn='separate'`."""
 
 from dataclasses import dataclass
 
-from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.strategies.base import StaleStrategy
 
 
@@ -27,6 +28,12 @@ class DistriFusion(StaleStrategy):
             )
 
     def ops(self, phase: str, n: int) -> PatchOps:
-        return PatchOps(
-            n, phase, halo_mode="stale", gn=self.gn, kv="stale", exchange=not self.no_sync
+        return patch_ops(
+            n,
+            phase,
+            halo="stale",
+            gn=self.gn,
+            kv="stale",
+            exchange=not self.no_sync,
+            packed=self.packs(phase),
         )

@@ -4,7 +4,7 @@ neighbours: the last `portion` of the patch above and the first `portion` of the
 
 from dataclasses import dataclass
 
-from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.strategies.base import StaleStrategy
 
 SENDS = ("full", "band")
@@ -28,12 +28,13 @@ class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
             raise ValueError(f"pcpp: send={self.send!r}; known: {list(SENDS)}")
 
     def ops(self, phase: str, n: int) -> PatchOps:
-        return PatchOps(
+        return patch_ops(
             n,
             phase,
-            halo_mode="stale",
+            halo="stale",
             gn=self.gn,
             kv="band",
             portion=float(self.portion),
             send=self.send,
+            packed=self.packs(phase),
         )

@@ -3,7 +3,7 @@ statistics and all-gathers self-attention K/V; the output equals `single` (docs/
 
 from dataclasses import dataclass
 
-from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.strategies.base import Strategy
 
 
@@ -12,4 +12,4 @@ class SyncPatch(Strategy):
     name = "sync_patch"
 
     def ops(self, phase: str, n: int) -> PatchOps:
-        return PatchOps(n, "sync", halo_mode="fresh", gn="sync", kv="all")
+        return patch_ops(n)

@@ -9,7 +9,7 @@ axis with `sync_patch`'s exact sites (a hybrid). The output equals `single`."""
 from dataclasses import dataclass
 
 from patchpar.parallel.mesh import divisors
-from patchpar.parallel.sites import PatchOps
+from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.strategies.base import Strategy
 
 
@@ -34,4 +34,4 @@ class Tensor(Strategy):
 
     def ops(self, phase: str, n: int) -> PatchOps:
         del phase
-        return PatchOps(n, "sync", halo_mode="fresh", gn="sync", kv="all")
+        return patch_ops(n)

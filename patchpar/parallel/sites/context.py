@@ -15,10 +15,12 @@ equals attention over the whole image's tokens.
   next group).
 
 Every collective sits in `pp_kv` (the self-attention site), and `context_bytes` is its analytic
-byte model (the convention of `patchpar.measure.comm`).
+byte model (the convention of `patchpar.measure.comm`). `ContextAttention` is the site op.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,32 @@ from jax import lax
 
 from patchpar.models.attention import AttentionSpec, OnlineSoftmax, attend
 from patchpar.parallel.mesh import PATCH, divisors
+from patchpar.parallel.sites.common import PatchSite, note
+
+
+@dataclass(frozen=True)
+class ContextAttention(PatchSite):
+    """Exact context-parallel self-attention: `ulysses` = the Ulysses degree (a divisor of n),
+    ring degree = n / ulysses. No stale state: every phase is exact."""
+
+    kind = "kv"
+    ulysses: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ulysses < 1 or self.n % self.ulysses:
+            raise ValueError(f"ulysses={self.ulysses} must divide the patch axis n={self.n}")
+
+    def __call__(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
+        note(self, shape=q.shape, itemsize=q.dtype.itemsize, heads=heads)
+        if self.n == 1:
+            return attend(spec, q, k, v, heads)
+        return context_attention(q, k, v, heads, spec, self.n, self.ulysses, self.local)
+
+    def received_bytes(self, info, p):
+        if self.n == 1:
+            return 0
+        return context_bytes(info["shape"], info["itemsize"], info["heads"], self.n, self.ulysses)
 
 
 def padded_heads(heads: int, ulysses: int) -> int:

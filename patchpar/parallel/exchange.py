@@ -1,0 +1,71 @@
+"""The packed stale exchange (docs/design.md §2): in the steady phase a stale site reads its
+buffer and leaves what it would send in the Flax collection `send`; after the model call the
+engine exchanges those pending sends together, in `groups` groups of sites in layer order
+(distrifuser's `comm_checkpoint`), one collective per site kind, collective and dtype over one
+flat buffer per group, and lays what comes back into the buffers step t+1 reads.
+
+Group g's collectives depend only on its own sites' sends, so a backend with asynchronous
+collectives (GPU, TPU) may start them as soon as the group's last site has run and overlap them
+with the compute of groups g+1..; on XLA:CPU collectives run synchronously, and the gain is the
+number of collectives (each pays gloo's latency). Exchanging is data movement (and an
+elementwise mean for GroupNorm statistics), so the buffers equal those of per-site exchanges
+bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from patchpar.parallel.sites import PatchOps, exchange
+from patchpar.parallel.sites.common import COLLECTIVES
+
+Pending = tuple[tuple[str, ...], str, dict]  # (module path, site kind, {collective: payload})
+
+
+def pending_sends(tree: dict, path: tuple[str, ...] = ()) -> Iterator[Pending]:
+    """The pending sends of a model call's `send` collection, in the order the sites ran (Flax
+    keeps the order in which variables were made; `jax.tree` would sort the keys)."""
+    for key, node in tree.items():
+        if isinstance(node, dict) and node and set(node) <= set(COLLECTIVES):
+            yield path, key, node
+        elif isinstance(node, dict):
+            yield from pending_sends(node, path + (key,))
+
+
+def exchange_packed(tree: dict, ops: PatchOps, groups: int) -> dict:
+    """Exchange the pending sends of `tree` in `groups` groups of consecutive sites; returns the
+    new stale buffers as a nested dict {module path...: {buffer name: value}}."""
+    pending = list(pending_sends(tree))
+    check_groups(groups, len(pending))
+    out: dict = {}
+    for chunk in np.array_split(np.arange(len(pending)), groups):
+        by_kind: dict[str, list[Pending]] = {}
+        for i in chunk:
+            by_kind.setdefault(pending[i][1], []).append(pending[i])
+        for kind, items in by_kind.items():
+            op = ops.site(kind)
+            got = exchange(kind, [sends for _, _, sends in items], op.n, op.local)
+            for (path, _, _), received in zip(items, got, strict=True):
+                node = out
+                for part in path:
+                    node = node.setdefault(part, {})
+                node.update(op.receive(received))
+    return out
+
+
+def check_groups(groups: int, sites: int) -> None:
+    if groups > 1 and groups > sites:
+        raise ValueError(
+            f"comm_groups={groups} is larger than the {sites} stale site(s) that send in the "
+            f"steady phase of this model and plan: use comm_groups between 1 and {max(sites, 1)}"
+        )
+
+
+def merged(stale: dict, updates: dict) -> dict:
+    """`stale` with the buffers of `updates` put in (nested dicts; neither is changed)."""
+    out = dict(stale)
+    for key, value in updates.items():
+        out[key] = merged(stale.get(key, {}), value) if isinstance(value, dict) else value
+    return out

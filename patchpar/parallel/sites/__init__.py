@@ -1,0 +1,161 @@
+"""Site ops for row patches inside `shard_map` (docs/design.md §2): one small frozen op per site
+kind, each in its own module with its exchange, its stale buffers and its two byte models
+(patchpar's and the released code's):
+
+| module | op | site | collectives |
+|---|---|---|---|
+| `halo.py` | `Halo` | conv halo | neighbour permutes |
+| `groupnorm.py` | `GroupStats` | GroupNorm statistics | mean over the patch axis |
+| `kv.py` | `KV` | self-attention K/V (all, local, stale, band) | all-gather or permutes |
+| `context.py` | `ContextAttention` | self-attention, Ring / Ulysses | ring hops, all-to-alls |
+| `tensor.py` | `TensorSum` | a row-split layer's output (tensor parallel) | all-reduce over `model` |
+| `fsdp.py` | `FSDPGather` | a layer's weights (FSDP) | all-gather of its shares |
+
+`PatchOps` bundles one op per site for one strategy and phase: it is the `SiteOps` the model
+calls. Stale state is explicit: each site keeps its buffer in the Flax collection `stale` of
+the module that calls it; in the warm-up phase a site exchanges exactly and writes the buffer
+the steady phase reads first; in the steady phase it reads the buffer written at step t-1 and
+sends its fresh activation for step t+1, exchanged at the site (`per_site`) or left in the
+collection `send` for the engine's packed exchange (`patchpar.parallel.exchange`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import jax
+
+from patchpar.models.attention import AttentionSpec
+from patchpar.models.sites import SiteOps
+from patchpar.parallel.sites.common import (
+    PHASES,
+    SEND,
+    STALE,
+    PatchSite,
+    Site,
+    exchange,
+    record_sites,
+    shapes_only,
+)
+from patchpar.parallel.sites.context import ContextAttention
+from patchpar.parallel.sites.fsdp import FSDPGather
+from patchpar.parallel.sites.groupnorm import GroupStats
+from patchpar.parallel.sites.halo import Halo
+from patchpar.parallel.sites.kv import KV, band_tokens
+from patchpar.parallel.sites.tensor import TensorSum
+
+
+@dataclass(frozen=True)
+class PatchOps(SiteOps):
+    """One op per site kind, for one strategy and phase."""
+
+    halo_op: Halo = field(default_factory=Halo)
+    gn_op: GroupStats = field(default_factory=GroupStats)
+    attn_op: KV | ContextAttention = field(default_factory=KV)
+    tp_op: TensorSum = field(default_factory=TensorSum)
+    fsdp_op: FSDPGather = field(default_factory=FSDPGather)
+
+    def sites(self) -> tuple[Site, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def site(self, kind: str) -> Site:
+        """The op of a site kind (`halo`, `gn`, `kv`, `tp`, `fsdp`)."""
+        for op in self.sites():
+            if op.kind == kind:
+                return op
+        raise ValueError(f"unknown site kind {kind!r}; known: {[s.kind for s in self.sites()]}")
+
+    @property
+    def n(self) -> int:
+        return self.halo_op.n
+
+    @property
+    def packed(self) -> bool:
+        return any(isinstance(op, PatchSite) and op.packed for op in self.sites())
+
+    def with_stand_ins(self) -> PatchOps:
+        """Every collective replaced by a local stand-in of the same shape (`Plan(comm=False)`,
+        and tracing outside a mesh)."""
+        return replace(
+            self, **{f.name: replace(getattr(self, f.name), local=True) for f in fields(self)}
+        )
+
+    # the SiteOps interface, each call answered by its site's op
+
+    def halo(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
+        return self.halo_op(mod, x, top, bottom)
+
+    def group_stats(self, mod, mean, mean_sq):
+        return self.gn_op(mod, mean, mean_sq)
+
+    def self_attn_kv(self, mod, k, v):
+        return self.attn_op.keys(mod, k, v)
+
+    def self_attention(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
+        return self.attn_op(mod, q, k, v, heads, spec)
+
+    def model_degree(self) -> int:
+        return self.tp_op.degree
+
+    def model_sum(self, mod, y: jax.Array) -> jax.Array:
+        return self.tp_op(mod, y)
+
+    def layer(self, cls: type) -> type:
+        return self.fsdp_op.layer(cls)
+
+    def input_layer(self) -> PatchOps:
+        return replace(self, halo_op=self.halo_op.input_layer())
+
+
+def patch_ops(
+    n: int,
+    phase: str = "warmup",
+    *,
+    halo: str = "fresh",
+    gn: str = "sync",
+    kv: str = "all",
+    portion: float = 1.0,
+    send: str = "full",
+    exchange: bool = True,
+    ulysses: int | None = None,
+    packed: bool = False,
+) -> PatchOps:
+    """The ops of the row-patch sites on `n` patch devices in `phase`, by mode words (see each
+    site's module): halo fresh | stale | zero, gn sync | separate | stale | corrected, kv all |
+    local | stale | band (with `portion` and `send`), or `ulysses` = d for context-parallel
+    attention (Ring x Ulysses, ring degree n / d). `exchange=False` is DistriFusion's no_sync;
+    `packed`: steady sends go to the engine's packed exchange."""
+    if not exchange and gn != "separate":
+        raise ValueError(
+            f"exchange=False (no_sync) keeps no GroupNorm statistics fresh: gn must be "
+            f"'separate' (local after warm-up), got gn={gn!r}"
+        )
+    common = dict(n=n, phase=phase, packed=packed)
+    if ulysses is None:
+        attn = KV(**common, mode=kv, portion=portion, sends=send, exchange=exchange)
+    else:
+        attn = ContextAttention(n=n, phase=phase, ulysses=ulysses)
+    return PatchOps(
+        Halo(**common, mode=halo, exchange=exchange), GroupStats(**common, mode=gn), attn
+    )
+
+
+__all__ = [
+    "KV",
+    "PHASES",
+    "SEND",
+    "STALE",
+    "ContextAttention",
+    "FSDPGather",
+    "GroupStats",
+    "Halo",
+    "PatchOps",
+    "PatchSite",
+    "Site",
+    "TensorSum",
+    "band_tokens",
+    "exchange",
+    "patch_ops",
+    "record_sites",
+    "shapes_only",
+]

@@ -1,0 +1,205 @@
+"""What every site op shares (docs/design.md §2): the phase names, the Flax collections that
+hold stale buffers and pending sends, the trace-time log of site calls for the analytic byte
+models, and `exchange`, the one place where the patch axis's collectives are issued.
+
+A site op is a small frozen dataclass, one per site kind, built by a strategy for one phase.
+Its collectives all go through `exchange`, which sends a list of payloads (one dict per site)
+with one collective per (collective, dtype) over their flat concatenation, inside the site's
+`pp_<site>` named scope (so that `patchpar.measure.comm` attributes the bytes to the site):
+- `gather`: all-gather over `patch` -> (n, *shape), patches in order;
+- `down`: device i receives device i-1's payload, device 0 zeros;
+- `up`: device i receives device i+1's payload, the last device zeros;
+- `mean`: the mean over `patch` (all-reduce).
+On a patch axis of 2, `down` and `up` of the same dtype and size go as one swap (a single
+collective-permute 0 <-> 1: the same bytes, one collective fewer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from patchpar.parallel.mesh import PATCH
+
+PHASES = ("warmup", "steady")  # exact exchanges (and buffers written), then stale ones
+STALE = "stale"  # Flax collection: the buffers a stale site reads at step t (written at t-1)
+SEND = "send"  # Flax collection: a steady site's pending sends, exchanged packed by the engine
+COLLECTIVES = ("gather", "down", "up", "mean")
+
+_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "patchpar_site_log", default=None
+)
+
+
+@contextlib.contextmanager
+def record_sites():
+    """Collect (op, info) for every site call traced inside the block (for the analytic byte
+    models, `op.received_bytes(info, p)`; tracing only, nothing is computed)."""
+    log: list = []
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Inside the block site calls are not recorded (for tracing a module's parameter shapes:
+    `jax.eval_shape` of its init; the ops there should be `with_stand_ins()` ones)."""
+    token = _LOG.set(None)
+    try:
+        yield
+    finally:
+        _LOG.reset(token)
+
+
+def note(op, **info) -> None:
+    """Record one site call (shapes and sizes) for the analytic byte models."""
+    log = _LOG.get()
+    if log is not None:
+        log.append((op, info))
+
+
+def nbytes(info: dict) -> int:
+    """One device's operand bytes of a recorded site call."""
+    return math.prod(info["shape"]) * info["itemsize"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One site kind's op. `local`: every collective is a stand-in of the same shape (no
+    communication, wrong values: each device's compute alone, `Plan(comm=False)`)."""
+
+    kind: ClassVar[str] = "site"
+    local: bool = False
+
+    def received_bytes(self, info: dict, p: int) -> int:
+        """Bytes device p of the patch axis receives for one call (the conventions of
+        `patchpar.measure.comm`), from the op's rules and the call's local shapes alone."""
+        raise NotImplementedError
+
+    def released_bytes(self, info: dict, p: int) -> int:
+        """The same for the released code's traffic pattern (analytic only); patchpar's own by
+        default."""
+        return self.received_bytes(info, p)
+
+
+@dataclass(frozen=True)
+class PatchSite(Site):
+    """A site over the row patches: `n` devices on the patch axis, in one phase. `packed`:
+    in the steady phase, leave the sends for the engine's packed exchange
+    (`patchpar.parallel.exchange`) instead of exchanging at the site."""
+
+    n: int = 1
+    phase: str = "warmup"
+    packed: bool = False
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            raise ValueError(f"phase={self.phase!r}; known: {list(PHASES)}")
+
+    @property
+    def warmup(self) -> bool:
+        return self.phase == "warmup"
+
+    def send(self, mod, sends: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
+        """A stale site's exchange for step t+1: with `packed`, left in the `send` collection
+        for the engine (None comes back); otherwise exchanged here (what was received)."""
+        if self.packed:
+            mod.variable(SEND, self.kind, lambda: sends)
+            return None
+        return exchange(self.kind, [sends], self.n, self.local)[0]
+
+    def receive(self, got: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """The stale buffers for step t+1 from what a send received: {buffer name: value}."""
+        raise NotImplementedError
+
+
+def exchange(
+    site: str, sends: Sequence[dict[str, jax.Array]], n: int, local: bool = False
+) -> list[dict[str, jax.Array]]:
+    """Exchange every payload of `sends` (one dict {collective: array} per site) over the patch
+    axis of `n` devices: one collective per (collective, dtype) over the flat concatenation of
+    those payloads, in the `pp_<site>` scope. Returns what each site received, in its shapes
+    (`gather`: a leading axis of n)."""
+    got: list[dict[str, jax.Array]] = [{} for _ in sends]
+    groups: dict[tuple[str, jnp.dtype], list[int]] = {}
+    for i, s in enumerate(sends):
+        for c, a in s.items():
+            if c not in COLLECTIVES:
+                raise ValueError(f"unknown collective {c!r}; known: {list(COLLECTIVES)}")
+            groups.setdefault((c, jnp.dtype(a.dtype)), []).append(i)
+    with jax.named_scope(f"pp_{site}"):
+        for (c, dt), members in groups.items():
+            if c == "up" and n == 2 and ("down", dt) in groups:
+                continue  # went with `down` as one swap
+            flat = _pack([sends[i][c] for i in members])
+            if c == "down" and n == 2 and ("up", dt) in groups:
+                ups = groups[("up", dt)]
+                flat_up = _pack([sends[i]["up"] for i in ups])
+                if flat_up.shape == flat.shape:
+                    down, up = _swap(flat, flat_up, local)
+                    _unpack(down, members, sends, "down", got)
+                    _unpack(up, ups, sends, "up", got)
+                    continue
+                _unpack(_collective("up", flat_up, n, local), ups, sends, "up", got)
+            _unpack(_collective(c, flat, n, local), members, sends, c, got)
+    return got
+
+
+def _pack(parts: list[jax.Array]) -> jax.Array:
+    if len(parts) == 1:
+        return parts[0]
+    return jnp.concatenate([p.reshape(-1) for p in parts])
+
+
+def _unpack(received, members, sends, c, got) -> None:
+    """Cut a collective's result back into the members' shapes (a gather keeps its n axis)."""
+    if len(members) == 1:
+        got[members[0]][c] = received
+        return
+    lead = received.shape[:1] if c == "gather" else ()
+    at = 0
+    for i in members:
+        shape = sends[i][c].shape
+        size = math.prod(shape)
+        piece = received[:, at : at + size] if lead else received[at : at + size]
+        got[i][c] = piece.reshape(lead + shape)
+        at += size
+
+
+def _collective(c: str, x: jax.Array, n: int, local: bool) -> jax.Array:
+    if c == "gather":  # (n, *x.shape); the stand-in repeats the local part n times (n, not the
+        # mesh's axis size: experiments/device/shard_timing.py runs one device's program of an
+        # n-way plan on a one-device mesh)
+        if local:
+            return jnp.broadcast_to(x, (n,) + x.shape)
+        return lax.all_gather(x, PATCH, axis=0)
+    if local:
+        return x
+    if c == "mean":
+        return lax.pmean(x, PATCH)
+    if c == "down":
+        return lax.ppermute(x, PATCH, [(i, i + 1) for i in range(n - 1)])
+    return lax.ppermute(x, PATCH, [(i + 1, i) for i in range(n - 1)])
+
+
+def _swap(down: jax.Array, up: jax.Array, local: bool) -> tuple[jax.Array, jax.Array]:
+    """On a patch axis of 2: device 0 sends its `down` payload to device 1, device 1 its `up`
+    payload to device 0, by one collective-permute. -> (received down, received up), zeros
+    where nothing comes (as `down` and `up` apart)."""
+    if local:  # the stand-in: the same shapes (and no axis index: it may run outside a mesh)
+        return down, up
+    first = lax.axis_index(PATCH) == 0
+    got = lax.ppermute(jnp.where(first, down, up), PATCH, [(0, 1), (1, 0)])
+    zero = jnp.zeros_like(got)
+    return jnp.where(first, zero, got), jnp.where(first, got, zero)

@@ -1,0 +1,159 @@
+"""Site 3, self-attention keys/values: local queries attend to keys/values of other patches
+(docs/design.md §2). Keys and values travel as one (2, B, L, D) payload.
+
+Modes: `all` (every patch's fresh K/V, all-gathered every step), `local` (own only), `stale`
+(own fresh + every other patch's as at step t-1: DistriFusion; buffer `kv`, (2, B, n*L, D)),
+`band` (own fresh + the last `portion` of the patch above and the first `portion` of the patch
+below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each). During
+warm-up `stale` and `band` gather exactly and write their buffers. `send=full` sends the whole
+neighbour K/V and crops at the receiver (PCPP's code); `send=band` only the rows used.
+`exchange=False` is DistriFusion's no_sync (buffers stay as at the last warm-up step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from patchpar.models.attention import AttentionSpec, attend
+from patchpar.parallel.mesh import PATCH
+from patchpar.parallel.sites.common import STALE, PatchSite, exchange, nbytes, note
+
+MODES = ("all", "local", "stale", "band")
+SENDS = ("full", "band")
+
+
+def band_tokens(tokens: int, portion: float) -> int:
+    """Tokens of a neighbour's patch kept on each side: ceil(portion x tokens), at least one.
+    (PCPP's code rounds the band above up and the band below down; they differ by <= 1 token.)"""
+    return max(1, min(tokens, math.ceil(portion * tokens - 1e-9)))
+
+
+def _whole(gathered: jax.Array) -> jax.Array:
+    """(n, 2, B, L, D) gathered patches -> (2, B, n*L, D), patches in order."""
+    n, two, b, length, d = gathered.shape
+    return jnp.moveaxis(gathered, 0, 2).reshape(two, b, n * length, d)
+
+
+@dataclass(frozen=True)
+class KV(PatchSite):
+    kind = "kv"
+    mode: str = "all"
+    portion: float = 1.0  # band: share of each neighbour patch's tokens kept
+    sends: str = "full"  # band: send whole K/V and crop at the receiver, or only the band
+    exchange: bool = True  # steady phase: refresh the buffers (False: DistriFusion's no_sync)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, value, known in (("kv", self.mode, MODES), ("send", self.sends, SENDS)):
+            if value not in known:
+                raise ValueError(f"{name}={value!r}; known: {list(known)}")
+
+    def __call__(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
+        """Self-attention of the local queries (B, L, H*D) over the keys/values the mode gives."""
+        k, v, mask = self.keys(mod, k, v)
+        return attend(spec, q, k, v, heads, mask)
+
+    def keys(self, mod, k: jax.Array, v: jax.Array):
+        """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a (T,) mask of
+        the keys that exist (None: all)."""
+        note(self, shape=(2,) + k.shape, itemsize=k.dtype.itemsize)
+        if self.mode == "local" or self.n == 1:
+            return k, v, None
+        kv = jnp.stack([k, v])  # (2, B, L, D): one payload for both
+        if self.warmup or self.mode == "all":
+            got = exchange(self.kind, [{"gather": kv}], self.n, self.local)[0]
+            full = _whole(got["gather"])  # (2, B, n*L, D)
+            if self.mode == "stale":
+                mod.variable(STALE, "kv", lambda: full)
+            elif self.mode == "band":
+                above, below = self._bands_from_full(full, kv.shape[2])
+                mod.variable(STALE, "kv_above", lambda: above)
+                mod.variable(STALE, "kv_below", lambda: below)
+            return full[0], full[1], None
+        if self.mode == "stale":
+            return self._stale_all(mod, kv)
+        return self._stale_band(mod, kv)
+
+    def _stale_all(self, mod, kv):
+        n, length = self.n, kv.shape[2]
+        shape = kv.shape[:2] + (n * length,) + kv.shape[3:]
+        buf = mod.variable(STALE, "kv", jnp.zeros, shape, kv.dtype)
+        idx = lax.axis_index(PATCH)
+        full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)  # own fresh
+        if self.exchange and (got := self.send(mod, {"gather": kv})) is not None:
+            buf.value = self.receive(got)["kv"]
+        return full[0], full[1], None
+
+    def _stale_band(self, mod, kv):
+        length = kv.shape[2]
+        band = band_tokens(length, self.portion)
+        shape = kv.shape[:2] + (band,) + kv.shape[3:]
+        above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
+        below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
+        keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
+        if self.exchange:
+            if self.sends == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
+                sends = {"down": kv, "up": kv}
+            else:  # only the rows used
+                sends = {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
+            if (got := self.send(mod, sends)) is not None:
+                new = self.receive(got)
+                above.value, below.value = new["kv_above"], new["kv_below"]
+        return keys[0], keys[1], self._band_mask(band, length)
+
+    def receive(self, got):
+        if self.mode == "stale":
+            return {"kv": _whole(got["gather"])}
+        down, up = got["down"], got["up"]  # (2, B, L or band, D) from the patches above, below
+        band = band_tokens(down.shape[2], self.portion) if self.sends == "full" else down.shape[2]
+        return {"kv_above": down[:, :, down.shape[2] - band :], "kv_below": up[:, :, :band]}
+
+    def _bands_from_full(self, full, length):
+        """The neighbours' bands out of an exact all-gather (zeros where there is no neighbour)."""
+        band = band_tokens(length, self.portion)
+        idx = lax.axis_index(PATCH)
+        start_above = jnp.maximum(idx * length - band, 0)
+        above = lax.dynamic_slice_in_dim(full, start_above, band, axis=2)
+        below = lax.dynamic_slice_in_dim(
+            full, jnp.minimum((idx + 1) * length, full.shape[2] - band), band, axis=2
+        )
+        above = jnp.where(idx > 0, above, jnp.zeros_like(above))
+        below = jnp.where(idx < self.n - 1, below, jnp.zeros_like(below))
+        return above, below
+
+    def _band_mask(self, band: int, length: int) -> jax.Array:
+        """(band + L + band,) keys that exist: no band above device 0 or below the last device."""
+        idx = lax.axis_index(PATCH)
+        has_above = jnp.broadcast_to(idx > 0, (band,))
+        has_below = jnp.broadcast_to(idx < self.n - 1, (band,))
+        return jnp.concatenate([has_above, jnp.ones((length,), bool), has_below])
+
+    def _exchanged(self) -> bool:
+        return self.mode != "local" and (self.warmup or self.mode == "all" or self.exchange)
+
+    def received_bytes(self, info, p):
+        n = self.n
+        if n == 1 or not self._exchanged():
+            return 0
+        size = nbytes(info)
+        if self.warmup or self.mode in ("all", "stale"):
+            return (n - 1) * size  # all-gather
+        length = info["shape"][2]
+        sent = size if self.sends == "full" else size // length * band_tokens(length, self.portion)
+        return sent * ((p > 0) + (p < n - 1))
+
+    def released_bytes(self, info, p):
+        """The released code all-gathers K/V (warm-up, DistriFusion); PCPP's steady phase sends
+        the whole K/V to each neighbour (its code has no band-only send)."""
+        n = self.n
+        if n == 1 or not self._exchanged():
+            return 0
+        size = nbytes(info)
+        if not self.warmup and self.mode == "band":
+            return size * ((p > 0) + (p < n - 1))
+        return (n - 1) * size
