@@ -64,7 +64,7 @@ def step_cost(pipe, plan, phase: str, config: dict, batch: int) -> tuple[float, 
 def main(folder: Path, alone_folder: Path) -> None:
     from patchpar.lab.config import build_plan
     from patchpar.lab.generation import get_pipeline
-    from patchpar.lab.results import read_records
+    from patchpar.lab.results import PHASE_STEPS, read_records
 
     fit = json.loads((folder / "collectives_fit.json").read_text())["fit"]
     records = [r for r in read_records(folder / "runs.jsonl", skip_bad=True) if r["status"] == "ok"]
@@ -112,7 +112,7 @@ def main(folder: Path, alone_folder: Path) -> None:
                 compute = alone.get((model, label, phase))
                 rows.append({
                     "model": model, "label": label, "devices": n, "phase": phase,
-                    "steps": m[f"{phase}_steps"], "measured_s": measured,
+                    "steps": m[PHASE_STEPS[phase]], "measured_s": measured,
                     "ideal_s": t_single / n, "compute_s": compute, "compute_flops_s": flops_s,
                     "comm_s": comm,
                     "other_s": None if compute is None else measured - compute - comm,

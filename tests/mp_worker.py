@@ -40,6 +40,19 @@ STRATEGIES = {  # name: (strategy, options, data parallel, fsdp)
     "sync_patch": ("sync_patch", {}, False, False),
     "distrifusion": ("distrifusion", {"warmup_steps": 1}, False, False),
     "pcpp": ("pcpp", {"warmup_steps": 1, "portion": 0.5}, False, False),
+    # the stale sends exchanged at each site (the two above: packed, in one group)
+    "distrifusion_per_site": (
+        "distrifusion",
+        {"warmup_steps": 1, "comm_groups": "per_site"},
+        False,
+        False,
+    ),
+    "pcpp_per_site": (
+        "pcpp",
+        {"warmup_steps": 1, "portion": 0.5, "comm_groups": "per_site"},
+        False,
+        False,
+    ),
     "ring": ("ring", {}, False, False),
     "ulysses": ("ulysses", {}, False, False),
     "tensor": ("tensor", {}, False, False),

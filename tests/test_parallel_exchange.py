@@ -90,30 +90,42 @@ def _steady_collectives(strategy, patch, cfg=1, kind="sd", **options):
 @pytest.mark.parametrize("patch", [2, 4])
 def test_steady_step_has_the_collectives_its_grouping_implies(strategy, options, patch):
     """Per group: one collective per site kind and collective (halos and PCPP's bands: one
-    permute per direction, one swap on 2 devices; K/V: one all-gather; GroupNorm: one
-    all-reduce), plus conv_in's fresh halo. Per site: one per site and collective."""
+    permute per direction; K/V: one all-gather; GroupNorm: one all-reduce; on 2 devices each
+    is one swap), plus conv_in's fresh halo. Per site: one per site and collective."""
     unet, _ = micro_unet("sd")
     plan = Plan(make_strategy(strategy, **options), patch, 1)
     sites = stale_sites(unet, plan, (16, 16))
-    permutes = 1 if patch == 2 else 2  # one halo or band exchange: a swap, or down and up
-    kv = ("all-gather", "kv") if strategy == "distrifusion" else ("collective-permute", "kv")
-    kv_count = 1 if strategy == "distrifusion" else permutes
+    perm = "collective-permute"
+    directions = 1 if patch == 2 else 2  # one halo or band exchange: a swap, or down and up
+    if strategy == "distrifusion":
+        kv, kv_count = (perm if patch == 2 else "all-gather", "kv"), 1
+    else:
+        kv, kv_count = (perm, "kv"), directions
+    gn = (perm if patch == 2 else "all-reduce", "gn")
     one = _steady_collectives(strategy, patch, **options, comm_groups=1)
-    assert one == {
-        ("collective-permute", "halo"): permutes + permutes,  # + conv_in's fresh halo
-        kv: kv_count,
-        ("all-reduce", "gn"): 1,
-    }
+    assert one == {(perm, "halo"): 2 * directions, kv: kv_count, gn: 1}  # + conv_in's halo
     two = _steady_collectives(strategy, patch, **options, comm_groups=2)
-    assert two == {k: 2 * v - (permutes if k[1] == "halo" else 0) for k, v in one.items()}
+    assert two == {k: 2 * v - (directions if k[1] == "halo" else 0) for k, v in one.items()}
     # as many groups as sites: each site's collectives apart, as per_site issues them
     per_site = _steady_collectives(strategy, patch, **options, comm_groups="per_site")
     assert _steady_collectives(strategy, patch, **options, comm_groups=sites) == per_site
     assert sum(per_site.values()) > 3 * sum(one.values())
-    halos, norms, attns = (
-        per_site[k] for k in (("collective-permute", "halo"), ("all-reduce", "gn"), kv)
-    )
-    assert (halos // permutes - 1) + norms + attns // kv_count == sites
+    halos, norms, attns = (per_site[k] for k in ((perm, "halo"), gn, kv))
+    assert (halos // directions - 1) + norms + attns // kv_count == sites
+
+
+def test_two_devices_exchange_by_swaps_only():
+    """On a patch axis of 2 every collective of every phase is one collective-permute 0 <-> 1
+    (halo, K/V and GroupNorm alike; over gloo a permute costs a fraction of the others)."""
+    unet, params = micro_unet("sd")
+    x, t, cond = inputs("sd")
+    plan = Plan(make_strategy("distrifusion"), 2, 1)
+    for phase in ("warmup", "steady"):
+        state = state_template(unet, plan, GUIDANCE, plan.mesh(), params, x, cond)
+        step = make_step(unet, plan, phase, "row", GUIDANCE, plan.mesh())
+        lowered = jax.jit(step).lower(params, x, t, cond, state if phase == "steady" else None)
+        cs = parse_collectives(hlo_text_with_metadata(lowered), 2)
+        assert cs and {(c.op, c.pairs) for c in cs} == {("collective-permute", ((0, 1), (1, 0)))}
 
 
 @pytest.mark.parametrize(

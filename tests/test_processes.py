@@ -68,6 +68,18 @@ def test_two_processes_equal_one_device(tmp_path):
     _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data", "fsdp"], tmp_path)
 
 
+def test_two_processes_packed_exchange_equals_per_site_bit_for_bit(tmp_path):
+    """Over gloo, DistriFusion's and PCPP's stale sends exchanged together (one group) give the
+    final latents of the per-site exchanges exactly."""
+    out = tmp_path / "latents.npz"
+    names = ["distrifusion", "distrifusion_per_site", "pcpp", "pcpp_per_site"]
+    launch.launch(["denoise", str(out), "1", *names], 2, 400, quiet, program=WORKER_PROGRAM)
+    got = dict(np.load(out))
+    np.testing.assert_array_equal(got["distrifusion"], got["distrifusion_per_site"])
+    np.testing.assert_array_equal(got["pcpp"], got["pcpp_per_site"])
+    assert _rel(got["pcpp"], got["distrifusion"]) > 1e-5
+
+
 @pytest.mark.slow
 def test_two_processes_stale_strategies_and_four_processes_with_cfg_split(tmp_path):
     _check(2, 1, ["sync_patch", "distrifusion"], tmp_path / "distrifusion")
