@@ -59,10 +59,10 @@ def main(argv=None) -> None:
     from patchpar.lab.config import build_plan
     from patchpar.lab.generation import get_pipeline
     from patchpar.lab.results import append_record, provenance
+    from patchpar.models.attention import AttentionSpec
     from patchpar.parallel.engine import make_step, phase_steps
     from patchpar.parallel.mesh import make_mesh
-
-    from patchpar.models.attention import AttentionSpec
+    from patchpar.sampling.guidance import Conditioning
 
     pipe = get_pipeline(a.model, "auto", AttentionSpec(a.attention))
     unet, params = pipe.unet, pipe.unet_params
@@ -72,8 +72,6 @@ def main(argv=None) -> None:
     rng = np.random.RandomState(0)
     cfg = unet.config
     x = jnp.asarray(rng.randn(a.batch // 2, latent // n, latent, cfg.in_channels), jnp.float32)
-    from patchpar.sampling.guidance import Conditioning
-
     ctx = jnp.asarray(rng.randn(2, a.batch // 2, 77, cfg.cross_attention_dim), jnp.float32)
     cond = Conditioning(ctx)
     t = jnp.asarray(500.0, jnp.float32)
@@ -95,9 +93,9 @@ def main(argv=None) -> None:
         compiled = step.lower(params, x, t, cond, state if phase == "steady" else None).compile()
         carry = {"state": state if phase == "steady" else None}
 
-        def run():
+        def run(compiled=compiled, carry=carry, steady=phase == "steady"):
             out, new = compiled(params, x, t, cond, carry["state"])
-            if phase == "steady":
+            if steady:
                 carry["state"] = new
             jax.block_until_ready(out)
 

@@ -44,8 +44,10 @@ def test_every_profile_loads_with_a_source_for_every_figure():
 
 def test_profile_arithmetic():
     p = hardware.load("a100-sxm")
-    # ring-free log2 growth for reductions, one hop for a permute
-    assert p.latency_s("all-reduce", 8) == pytest.approx(3 * p.latency_s("all-reduce", 2))
+    # rings: n - 1 steps for gathers and reductions; direct sends: log2 n; one hop for a permute
+    assert p.latency_s("all-reduce", 8) == pytest.approx(7 * p.latency_s("all-reduce", 2))
+    assert p.latency_s("all-gather", 4) == pytest.approx(3 * p.latency_s("all-gather", 2))
+    assert p.latency_s("all-to-all", 8) == pytest.approx(3 * p.latency_s("all-to-all", 2))
     assert p.latency_s("collective-permute", 8) == p.latency_s("collective-permute", 2)
     assert p.bytes_per_s("all-gather") == pytest.approx(300e9 * 0.8)
     assert hardware.load("rtx4090").bytes_per_s("all-gather") == pytest.approx(31.5e9 * 0.8 / 2)

@@ -42,10 +42,12 @@ MAX_FITTED = 3
 
 @dataclass(frozen=True)
 class Profile:
-    """One chip and interconnect. Latency per collective of `op` over n devices: alpha(op) x
-    log2(n) for all-reduce / all-gather / all-to-all / reduce-scatter (tree or ring steps),
-    alpha(op) for a collective-permute (one hop); bandwidth from the link, its efficiency and
-    the topology, or measured per op (`collective_bytes_per_s`)."""
+    """One chip and interconnect. Latency per collective of `op` over n devices, alpha(op) being
+    its latency at 2 devices: alpha x (n - 1) for all-gather, reduce-scatter and all-reduce,
+    which run as rings (n - 1 steps, each a hop; NCCL's rings, and its intra-node tree, a
+    chain, alike), alpha x log2(n) for an all-to-all (direct sends), alpha for a
+    collective-permute (one hop); bandwidth from the link, its efficiency and the topology, or
+    measured per op (`collective_bytes_per_s`)."""
 
     name: str
     description: str
@@ -75,7 +77,11 @@ class Profile:
 
     def latency_s(self, op: str, n: int) -> float:
         alpha = self.collective_latency_s.get(op, max(self.collective_latency_s.values()))
-        return alpha if op == "collective-permute" else alpha * max(1.0, math.log2(n))
+        if op == "collective-permute":
+            return alpha
+        if op == "all-to-all":
+            return alpha * max(1.0, math.log2(n))
+        return alpha * max(1, n - 1)  # ring steps
 
     def bytes_per_s(self, op: str) -> float:
         if op in self.collective_bytes_per_s:

@@ -15,8 +15,11 @@ GroupNorm with `gn=sync`) are exposed in full. A stale collective's result is ne
 step t+1, so it can overlap compute; how much is the `overlap` window:
 - `none`: the runtime runs collectives synchronously (XLA's CPU backend: all exposed);
 - `step`: patchpar's compiled loop: a collective issued in step t must finish within step t's
-  loop iteration; collectives are issued evenly over the step's compute and queue on the link,
-  and what runs past the end of the compute is exposed;
+  loop iteration; collectives are issued as their sites run and queue on the link, and what
+  runs past the end of the compute is exposed. Per-site stale sends are issued evenly over the
+  step's compute; a packed exchange in G groups (`comm_groups`) issues group g's collectives
+  when its last site has run, after g/G of the compute (one group: at the end of the step,
+  so none of it overlaps);
 - `next-step`: the released DistriFusion code: a collective may run until the same layer of
   step t+1, so only communication beyond one whole step's compute is exposed.
 Each issued collective's host cost (`launch_s`) is exposed whatever the window.
@@ -58,6 +61,7 @@ class Workload:
     decode_flops: float  # VAE decode of the batch, one device
     data: int = 1  # devices splitting the images (absent from cache lines written before)
     fsdp: bool = False  # weights sharded, gathered per layer
+    comm_groups: int | None = None  # the packed stale exchange's groups (None: per site)
 
     def key(self) -> tuple:
         return workload_key(
@@ -158,6 +162,7 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
         decode_flops=decode,
         data=plan.data,
         fsdp=plan.fsdp_degree > 1,
+        comm_groups=plan.strategy.packed_groups(),
     )
 
 
@@ -322,19 +327,25 @@ def phase_time(
     if async_parts and overlap == "next-step":
         exposed += max(0.0, sum(n * d for n, d in async_parts) - compute)
     elif async_parts and overlap == "step":
-        exposed += _queue_overrun(async_parts, compute)
+        exposed += _queue_overrun(_issued(async_parts, w.comm_groups), compute)
     return PhaseTime(compute, stale, total, exposed, count)
 
 
-def _queue_overrun(parts: list[tuple[int, float]], compute: float) -> float:
-    """Collectives issued evenly over `compute` seconds (each group's spread over the whole
-    step), run one at a time on the link: how long the last one finishes after the compute."""
-    issue = []
-    for n, d in parts:
-        issue += [((j + 0.5) / n, d) for j in range(n)]
-    issue.sort()
+def _issued(parts: list[tuple[int, float]], groups: int | None) -> list[tuple[float, float]]:
+    """(fraction of the step's compute done when issued, seconds) of each stale collective:
+    `parts` = (count, seconds each) per kind of collective. Per site (groups None): each kind's
+    spread evenly over the step. Packed in G groups: each kind's count split evenly over the
+    groups, group g's issued after g/G of the compute (its last site has run then)."""
+    if groups is None:
+        return [((j + 0.5) / n, d) for n, d in parts for j in range(n)]
+    return [((g + 1) / groups, n * d / groups) for n, d in parts for g in range(groups)]
+
+
+def _queue_overrun(issue: list[tuple[float, float]], compute: float) -> float:
+    """Collectives issued at the given fractions of `compute` seconds, run one at a time on the
+    link: how long the last one finishes after the compute."""
     finish = 0.0
-    for frac, d in issue:
+    for frac, d in sorted(issue):
         finish = max(finish, frac * compute) + d
     return max(0.0, finish - compute)
 

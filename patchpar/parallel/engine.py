@@ -30,7 +30,7 @@ from patchpar.models.sites import IDENTITY
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
 from patchpar.parallel.rules import FSDP_AXES, RULES, check_sharded, check_split, placed, unplaced
-from patchpar.parallel.sites import SEND, STALE, FSDPGather, TensorSum, shapes_only
+from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
@@ -166,11 +166,11 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
     ops = plan.strategy.ops(phase, plan.patch)
     if plan.model > 1:
         ops = replace(ops, tp_op=TensorSum(degree=plan.model))
-    # the modules' own (local) parameter shapes: split over `model`, whole otherwise
+    # the modules' own (local) parameter shapes: split over `model`, whole otherwise (traced
+    # outside any mesh: one patch, stand-in collectives)
+    split = PatchOps(tp_op=TensorSum(degree=plan.model, local=True))
     local_shapes = (
-        _local_param_shapes(UNetFn(unet.module.clone(ops=ops.with_stand_ins())))
-        if plan.model > 1
-        else None
+        _local_param_shapes(UNetFn(unet.module.clone(ops=split))) if plan.model > 1 else None
     )
     if plan.fsdp_degree > 1:
         ops = replace(ops, fsdp_op=FSDPGather(degree=plan.fsdp_degree))

@@ -7,14 +7,15 @@ Its collectives all go through `exchange`, which sends a list of payloads (one d
 with one collective per (collective, dtype) over their flat concatenation, inside the site's
 `pp_<site>` named scope (so that `patchpar.measure.comm` attributes the bytes to the site):
 - `gather`: all-gather over `patch` -> (n, *shape), patches in order;
+- `other`: on a patch axis of 2, the other device's payload (a gather's other half);
 - `down`: device i receives device i-1's payload, device 0 zeros;
 - `up`: device i receives device i+1's payload, the last device zeros;
 - `mean`: the mean over `patch` (all-reduce).
 On a patch axis of 2 every collective is a swap, one collective-permute 0 <-> 1 (the same
 bytes; over gloo a permute's latency is a fraction of an all-gather's or all-reduce's):
-`down` and `up` of the same dtype and size go as one swap; `gather` swaps and lays the two
-parts in patch order; `mean` swaps and averages the two (x + other) / 2, the same value on
-both devices, as the all-reduce's.
+`other` is one; `down` and `up` of the same dtype and size go as one; `mean` swaps and
+averages the two, (x + other) / 2, the same value on both devices, as the all-reduce's.
+A stand-in (`local`) does the same arithmetic on its own payload in place of the other's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from patchpar.parallel.mesh import PATCH
 PHASES = ("warmup", "steady")  # exact exchanges (and buffers written), then stale ones
 STALE = "stale"  # Flax collection: the buffers a stale site reads at step t (written at t-1)
 SEND = "send"  # Flax collection: a steady site's pending sends, exchanged packed by the engine
-COLLECTIVES = ("gather", "down", "up", "mean")
+COLLECTIVES = ("gather", "other", "down", "up", "mean")
 
 _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "patchpar_site_log", default=None
@@ -140,6 +141,8 @@ def exchange(
         for c, a in s.items():
             if c not in COLLECTIVES:
                 raise ValueError(f"unknown collective {c!r}; known: {list(COLLECTIVES)}")
+            if c == "other" and n != 2:
+                raise ValueError(f"collective 'other' needs a patch axis of 2, not {n}")
             groups.setdefault((c, jnp.dtype(a.dtype)), []).append(i)
     with jax.named_scope(f"pp_{site}"):
         for (c, dt), members in groups.items():
@@ -186,14 +189,15 @@ def _collective(c: str, x: jax.Array, n: int, local: bool) -> jax.Array:
         # n-way plan on a one-device mesh)
         if local:
             return jnp.broadcast_to(x, (n,) + x.shape)
-        if n == 2:
-            first, other = lax.axis_index(PATCH) == 0, _swapped(x)
-            return jnp.stack([jnp.where(first, x, other), jnp.where(first, other, x)])
         return lax.all_gather(x, PATCH, axis=0)
+    if c == "other":
+        return x if local else _swapped(x)
+    if c == "mean" and n == 2:
+        return (x + (x if local else _swapped(x))) / 2
     if local:
         return x
     if c == "mean":
-        return (x + _swapped(x)) / 2 if n == 2 else lax.pmean(x, PATCH)
+        return lax.pmean(x, PATCH)
     if c == "down":
         return lax.ppermute(x, PATCH, [(i, i + 1) for i in range(n - 1)])
     return lax.ppermute(x, PATCH, [(i + 1, i) for i in range(n - 1)])
@@ -208,9 +212,8 @@ def _swap(down: jax.Array, up: jax.Array, local: bool) -> tuple[jax.Array, jax.A
     """On a patch axis of 2: device 0 sends its `down` payload to device 1, device 1 its `up`
     payload to device 0, by one collective-permute. -> (received down, received up), zeros
     where nothing comes (as `down` and `up` apart)."""
-    if local:  # the stand-in: the same shapes (and no axis index: it may run outside a mesh)
-        return down, up
     first = lax.axis_index(PATCH) == 0
-    got = _swapped(jnp.where(first, down, up))
+    got = jnp.where(first, down, up)
+    got = got if local else _swapped(got)
     zero = jnp.zeros_like(got)
     return jnp.where(first, zero, got), jnp.where(first, got, zero)

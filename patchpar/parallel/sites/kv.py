@@ -2,7 +2,8 @@
 (docs/design.md §2). Keys and values travel as one (2, B, L, D) payload.
 
 Modes: `all` (every patch's fresh K/V, all-gathered every step), `local` (own only), `stale`
-(own fresh + every other patch's as at step t-1: DistriFusion; buffer `kv`, (2, B, n*L, D)),
+(own fresh + every other patch's as at step t-1: DistriFusion; buffer `kv`, (2, B, n*L, D),
+or on a patch axis of 2 the other patch's alone, (2, B, L, D)),
 `band` (own fresh + the last `portion` of the patch above and the first `portion` of the patch
 below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each). During
 warm-up `stale` and `band` gather exactly and write their buffers. `send=full` sends the whole
@@ -39,6 +40,13 @@ def _whole(gathered: jax.Array) -> jax.Array:
     return jnp.moveaxis(gathered, 0, 2).reshape(two, b, n * length, d)
 
 
+def _pair(own: jax.Array, other: jax.Array) -> jax.Array:
+    """On a patch axis of 2: (2, B, L, D) own and other -> (2, B, 2L, D), patches in order
+    (one fused copy, where a gather would lay out (2, ...) and transpose it)."""
+    first = lax.axis_index(PATCH) == 0
+    return jnp.where(first, jnp.concatenate([own, other], 2), jnp.concatenate([other, own], 2))
+
+
 @dataclass(frozen=True)
 class KV(PatchSite):
     kind = "kv"
@@ -66,10 +74,10 @@ class KV(PatchSite):
             return k, v, None
         kv = jnp.stack([k, v])  # (2, B, L, D): one payload for both
         if self.warmup or self.mode == "all":
-            got = exchange(self.kind, [{"gather": kv}], self.n, self.local)[0]
-            full = _whole(got["gather"])  # (2, B, n*L, D)
+            got = exchange(self.kind, [self._others(kv)], self.n, self.local)[0]
+            full = self._full(kv, got)  # (2, B, n*L, D)
             if self.mode == "stale":
-                mod.variable(STALE, "kv", lambda: full)
+                mod.variable(STALE, "kv", lambda: self.receive(got)["kv"])
             elif self.mode == "band":
                 above, below = self._bands_from_full(full, kv.shape[2])
                 mod.variable(STALE, "kv_above", lambda: above)
@@ -79,13 +87,24 @@ class KV(PatchSite):
             return self._stale_all(mod, kv)
         return self._stale_band(mod, kv)
 
+    def _others(self, kv) -> dict:
+        """What a device sends for the K/V of the other patches."""
+        return {"other": kv} if self.n == 2 else {"gather": kv}
+
+    def _full(self, kv, got) -> jax.Array:
+        """(2, B, n*L, D): own fresh K/V with the others' received."""
+        return _pair(kv, got["other"]) if self.n == 2 else _whole(got["gather"])
+
     def _stale_all(self, mod, kv):
         n, length = self.n, kv.shape[2]
-        shape = kv.shape[:2] + (n * length,) + kv.shape[3:]
+        shape = kv.shape[:2] + ((n if n > 2 else 1) * length,) + kv.shape[3:]
         buf = mod.variable(STALE, "kv", jnp.zeros, shape, kv.dtype)
-        idx = lax.axis_index(PATCH)
-        full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)  # own fresh
-        if self.exchange and (got := self.send(mod, {"gather": kv})) is not None:
+        if n == 2:  # the buffer holds the other patch alone
+            full = _pair(kv, buf.value)
+        else:  # own slot fresh
+            idx = lax.axis_index(PATCH)
+            full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)
+        if self.exchange and (got := self.send(mod, self._others(kv))) is not None:
             buf.value = self.receive(got)["kv"]
         return full[0], full[1], None
 
@@ -108,7 +127,7 @@ class KV(PatchSite):
 
     def receive(self, got):
         if self.mode == "stale":
-            return {"kv": _whole(got["gather"])}
+            return {"kv": got["other"] if self.n == 2 else _whole(got["gather"])}
         down, up = got["down"], got["up"]  # (2, B, L or band, D) from the patches above, below
         band = band_tokens(down.shape[2], self.portion) if self.sends == "full" else down.shape[2]
         return {"kv_above": down[:, :, down.shape[2] - band :], "kv_below": up[:, :, :band]}
