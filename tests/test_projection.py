@@ -219,6 +219,25 @@ def test_patchpars_window_exposes_the_tail_of_the_queue():
         assert step == pytest.approx(want_step) and nxt == pytest.approx(want_next)
 
 
+def test_a_packed_exchange_is_issued_after_its_groups_sites():
+    # The same 0.4 s of stale collectives in a 1 s step. Packed in one group they are issued
+    # when the step's compute ends: in patchpar's window all of it is exposed. In 4 groups,
+    # group g (0.1 s) is issued after g/4 of the compute: groups 1-3 finish under the compute,
+    # the last one is issued at the end: 0.1 s exposed. The released code's window hides both.
+    single = _workload([], warmup_steps=None)
+    kv = [{"op": "all-gather", "group": 2, "site": "kv", "count": 1, "received_bytes": 0.4e9}]
+    for groups, count, want in ((1, 1, 0.4), (4, 4, 0.1)):
+        w = dataclasses.replace(_workload([{**kv[0], "count": count}]), comm_groups=groups)
+        step = project(w, single, _hw(), 10, overlap="step").phases["steady"]["exposed_comm_s"]
+        nxt = project(w, single, _hw(), 10, overlap="next-step").phases["steady"]["exposed_comm_s"]
+        assert step == pytest.approx(want) and nxt == pytest.approx(0.0)
+    # per site (no groups) the four are spread over the step: 1/8, 3/8, 5/8, 7/8 -> none exposed
+    per_site = _workload([{**kv[0], "count": 4}])
+    assert project(per_site, single, _hw(), 10, overlap="step").phases["steady"][
+        "exposed_comm_s"
+    ] == pytest.approx(0.0)
+
+
 def test_launch_cost_and_stale_traffic_are_charged():
     kv = [{"op": "all-gather", "group": 2, "site": "kv", "count": 10, "received_bytes": 0.0}]
     w = _workload(kv, stale=int(1e9))
@@ -400,7 +419,7 @@ def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
         shutil.copy(LATENCY / name, tmp_path / name)
     monkeypatch.setenv("PATCHPAR_LATENCY", str(tmp_path))
     text, _ = run_notebook(REPO / "experiments" / "notebooks" / "latency.ipynb")
-    assert "21 published points (15 checks)" in text and "cpu: 10 points" in text
+    assert "21 published points (15 checks)" in text and "cpu: 16 points" in text
     for png in ("paper_vs_projected", "projected_speedup_by_hardware", "cpu_projected_vs_measured"):
         assert (tmp_path / "plots" / f"{png}.png").stat().st_size > 0
 
