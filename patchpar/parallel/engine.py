@@ -269,17 +269,12 @@ def abstract_inputs(
     return x, sds((), jnp.float32), cond
 
 
-_BUFFERS = ("halo", "gn_global", "kv", "kv_above")  # one of each sending site's buffers
-
-
 @cache
 def stale_sites(unet: UNetFn, plan: Plan, latent_hw: tuple[int, int]) -> int:
     """How many sites send stale activations in the steady phase (what `comm_groups` splits):
     the modules whose warm-up writes a buffer, none under no_sync. Traced abstractly."""
-    if not plan.strategy.packs("steady"):
-        return 0
-    steady = plan.strategy.ops("steady", plan.patch)
-    if not (steady.halo_op.exchange or getattr(steady.attn_op, "exchange", False)):
+    names = plan.strategy.ops("steady", plan.patch).stale_buffers()
+    if not plan.strategy.packs("steady") or not names:
         return 0
     x, t, cond = abstract_inputs(unet, latent_hw, plan.data)
     warm = make_step(
@@ -294,7 +289,7 @@ def stale_sites(unet: UNetFn, plan: Plan, latent_hw: tuple[int, int]) -> int:
         _, state = jax.eval_shape(warm, _param_shapes(unet), x, t, cond, None)
 
     def count(node) -> int:
-        here = any(k in _BUFFERS for k in node)
+        here = any(k in names for k in node)
         return here + sum(count(v) for v in node.values() if isinstance(v, dict))
 
     return count(state)

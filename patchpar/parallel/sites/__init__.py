@@ -73,6 +73,10 @@ class PatchOps(SiteOps):
     def packed(self) -> bool:
         return any(isinstance(op, PatchSite) and op.packed for op in self.sites())
 
+    def stale_buffers(self) -> set[str]:
+        """The stale buffers that this (steady-phase) ops' sends refresh."""
+        return {b for op in self.sites() if op.sends_stale() for b in op.buffers}
+
     def with_stand_ins(self) -> PatchOps:
         """Every collective replaced by a local stand-in of the same shape (`Plan(comm=False)`,
         and tracing outside a mesh)."""

@@ -96,6 +96,10 @@ class Site:
         default."""
         return self.received_bytes(info, p)
 
+    def sends_stale(self) -> bool:
+        """Whether this op, in the steady phase, sends for a stale buffer (what is packed)."""
+        return False
+
 
 @dataclass(frozen=True)
 class PatchSite(Site):
@@ -106,6 +110,7 @@ class PatchSite(Site):
     n: int = 1
     phase: str = "warmup"
     packed: bool = False
+    buffers: ClassVar[tuple[str, ...]] = ()  # the stale buffers a send of this site refreshes
 
     def __post_init__(self):
         if self.phase not in PHASES:

@@ -24,6 +24,7 @@ MODES = ("sync", "separate", "stale", "corrected")
 @dataclass(frozen=True)
 class GroupStats(PatchSite):
     kind = "gn"
+    buffers = ("gn_global", "gn_local")
     mode: str = "sync"
 
     def __post_init__(self):
@@ -62,6 +63,9 @@ class GroupStats(PatchSite):
 
     def receive(self, got):
         return {"gn_global": got["mean"]}
+
+    def sends_stale(self) -> bool:
+        return self.mode in ("stale", "corrected")
 
     def _exchanged(self) -> bool:
         return self.warmup or self.mode != "separate"

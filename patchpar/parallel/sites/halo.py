@@ -23,6 +23,7 @@ MODES = ("fresh", "stale", "zero")
 @dataclass(frozen=True)
 class Halo(PatchSite):
     kind = "halo"
+    buffers = ("halo",)
     mode: str = "fresh"
     exchange: bool = True  # steady phase: refresh the buffer (False: DistriFusion's no_sync)
     input: bool = False  # the model's first conv (`input_layer()`): fresh whatever the mode
@@ -68,6 +69,9 @@ class Halo(PatchSite):
 
     def receive(self, got):
         return {"halo": jnp.concatenate([got[c] for c in ("down", "up") if c in got], axis=1)}
+
+    def sends_stale(self) -> bool:
+        return self.mode == "stale" and self.exchange and not self.input
 
     def _exchanged(self) -> bool:
         """Whether this call exchanges anything (no_sync's steady phase does not)."""

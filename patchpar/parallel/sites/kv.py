@@ -50,6 +50,7 @@ def _pair(own: jax.Array, other: jax.Array) -> jax.Array:
 @dataclass(frozen=True)
 class KV(PatchSite):
     kind = "kv"
+    buffers = ("kv", "kv_above", "kv_below")
     mode: str = "all"
     portion: float = 1.0  # band: share of each neighbour patch's tokens kept
     sends: str = "full"  # band: send whole K/V and crop at the receiver, or only the band
@@ -151,6 +152,9 @@ class KV(PatchSite):
         has_above = jnp.broadcast_to(idx > 0, (band,))
         has_below = jnp.broadcast_to(idx < self.n - 1, (band,))
         return jnp.concatenate([has_above, jnp.ones((length,), bool), has_below])
+
+    def sends_stale(self) -> bool:
+        return self.mode in ("stale", "band") and self.exchange
 
     def _exchanged(self) -> bool:
         return self.mode != "local" and (self.warmup or self.mode == "all" or self.exchange)
