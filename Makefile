@@ -31,11 +31,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # Every strategy side by side on the tiny preset, 8 fake devices: table on stdout, records,
-# images, plots and a grid image in results/quickstart/ (re-made from scratch each time).
+# images, plots and a grid image in runs/quickstart/ (re-made from scratch each time).
 run: $(STAMP) $(FMNIST)
-	rm -rf results/quickstart
+	rm -rf runs/quickstart
 	$(TEST_ENV) $(VENV)/bin/patchpar sweep experiments/sweeps/quickstart.yaml
-	$(TEST_ENV) $(VENV)/bin/patchpar plot results/quickstart
+	$(TEST_ENV) $(VENV)/bin/patchpar plot runs/quickstart
 
 # One pytest worker per core (at most 2: each worker's 8 fake devices use the cores too); a
 # file's tests stay on one worker, so the reference runs it caches are computed once.

@@ -4,7 +4,7 @@ GroupNorm statistics), at operand sizes from a few bytes to megabytes, between l
 processes with one core and one thread each (as `--processes`).
 
     .venv/bin/python experiments/bench_collectives.py                 # 2 processes
-    .venv/bin/python experiments/bench_collectives.py --processes 2 --out results/speedup_cpu
+    .venv/bin/python experiments/bench_collectives.py --processes 2 --out runs/speedup_cpu
 
 Each point times a compiled loop of `--chain` collectives, each fed by the one before it (so
 none can be dropped or overlapped), median of `--repeats` calls, divided by the chain length.
@@ -36,7 +36,7 @@ def parse(argv):
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     p.add_argument("--chain", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path("results/speedup_cpu"))
+    p.add_argument("--out", type=Path, default=Path("runs/speedup_cpu"))
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument(
         "--compute-ms", type=float, default=0.0,

@@ -63,7 +63,7 @@ def parse(argv):
     p.add_argument("--attention", default="auto", help="patchpar's model.attention")
     p.add_argument("--block-q", type=int, default=None, help="default: AttentionSpec's")
     p.add_argument("--block-kv", type=int, default=None, help="default: AttentionSpec's")
-    p.add_argument("--out", type=Path, default=Path("results/bench_unet"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench_unet"))
     p.add_argument("--work", type=Path, default=Path(".bench_unet"))
     p.add_argument("--profile", action="store_true")
     p.add_argument("--child", choices=("torch", "jax"), help=argparse.SUPPRESS)

@@ -24,7 +24,7 @@ def parse(argv):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--sampler", default="ddim")
-    p.add_argument("--out", type=Path, default=Path("results/bf16"))
+    p.add_argument("--out", type=Path, default=Path("runs/bf16"))
     return p.parse_args(argv)
 
 

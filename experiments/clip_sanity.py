@@ -3,12 +3,13 @@ single-device outputs and the random-weight `fmnist-random` outputs, all scored 
 fmnist-clip with "a photo of a <class>" captions. The check is the order real >= trained >>
 random.
 
-    .venv/bin/python experiments/clip_sanity.py
+    .venv/bin/python experiments/clip_sanity.py [RECORDS_ROOT]     # default runs
 
 Real images: the first 50 test images of each class (500), padded 28 -> 32 as the model's
-frame. Generated: the newest `ok` records with a clip_score of results/fmnist_quality (strategy
-single) and results/fmnist_random (made by the commands in experiments/configs/fmnist.yaml and
-experiments/sweeps/quality.yaml). Writes results/fmnist_clip/sanity.json and sanity.md.
+frame. Generated: the newest `ok` records with a clip_score of <root>/fmnist_quality (strategy
+single) and <root>/fmnist_random (made by the commands in experiments/configs/fmnist.yaml and
+experiments/sweeps/quality.yaml; root `results` reads the published ones). Writes
+<root>/fmnist_clip/sanity.json and sanity.md.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from patchpar.measure import quality as q
 from patchpar.measure.classifier import FASHION_MNIST_CLASSES
 from patchpar.models.presets import CLIP_MODELS
 
-OUT = Path("results/fmnist_clip")
-
 
 def newest(path: Path, where) -> dict | None:
     if not path.is_file():
@@ -37,7 +36,8 @@ def newest(path: Path, where) -> dict | None:
     return rows[-1] if rows else None
 
 
-def main() -> dict:
+def main(root: Path = Path("runs")) -> dict:
+    out_dir = root / "fmnist_clip"
     x, y = fashion_mnist("test")
     pick = np.concatenate([np.flatnonzero(y == k)[:50] for k in range(10)])
     images = to_rgb(pad32(x[pick]))
@@ -47,9 +47,9 @@ def main() -> dict:
         ("real Fashion-MNIST test images", max(float(cos.mean()), 0.0), q.sem(cos), len(cos), None)
     ]
     for label, path, where in (
-        ("fmnist outputs (single device)", "results/fmnist_quality/runs.jsonl",
+        ("fmnist outputs (single device)", root / "fmnist_quality/runs.jsonl",
          lambda r: r["config"]["strategy"]["name"] == "single"),
-        ("fmnist-random outputs (single device)", "results/fmnist_random/runs.jsonl",
+        ("fmnist-random outputs (single device)", root / "fmnist_random/runs.jsonl",
          lambda r: r["config"]["model"]["name"] == "fmnist-random"),
     ):  # fmt: skip
         rec = newest(Path(path), where)
@@ -68,21 +68,23 @@ def main() -> dict:
             for a, b, c, n, rid in rows
         ],
         "provenance": provenance(),
-        "command": "python experiments/clip_sanity.py",
+        "command": f"python experiments/clip_sanity.py {root}",
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    tmp = OUT / "sanity.json.tmp"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "sanity.json.tmp"
     tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, OUT / "sanity.json")
+    os.replace(tmp, out_dir / "sanity.json")
     lines = ["| images | CLIP score | ± s.e. | samples |", "|---|---|---|---|"]
     for a, b, c, n, _ in rows:
         lines.append(
             f"| {a} | {'—' if b is None else f'{b:.2f}'} | {'—' if c is None else f'{c:.2f}'} | {n} |"
         )
-    (OUT / "sanity.md").write_text("\n".join(lines) + "\n")
+    (out_dir / "sanity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return out
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs"))

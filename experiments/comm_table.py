@@ -3,8 +3,8 @@ parameters (no weights): DistriFusion Table 2's setting and beyond.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python experiments/comm_table.py
 
-Writes results/comm/runs.jsonl (resumable: points already recorded are skipped) and
-results/comm/table.md. One UNet call with the CFG pair in its batch (cfg=1, batch 1 -> UNet
+Writes runs/comm/runs.jsonl (resumable: points already recorded are skipped) and
+runs/comm/table.md (`--out results/comm`: the published). One UNet call with the CFG pair in its batch (cfg=1, batch 1 -> UNet
 batch 2), 77 text tokens, bfloat16.
 """
 
@@ -24,7 +24,7 @@ from patchpar.models.presets import abstract_unet
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
 
-OUT = Path("results/comm")
+OUT = Path("runs/comm")
 GRID = {"sdxl": (1024, 2048, 3840), "sd15": (512, 1024, 2048)}
 DEVICES = (2, 4, 8)
 STRATEGIES = (
@@ -49,11 +49,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--table-only", action="store_true", help="only rewrite the tables from runs.jsonl"
     )
+    ap.add_argument("--out", type=Path, default=OUT, help="records folder (default runs/comm)")
     args = ap.parse_args(argv)
+    out = args.out
     if args.table_only:
-        write_table(read_records(OUT / "runs.jsonl", skip_bad=True), OUT / "table.md")
+        write_table(read_records(out / "runs.jsonl", skip_bad=True), out / "table.md")
         return 0
-    runs = OUT / "runs.jsonl"
+    runs = out / "runs.jsonl"
     done = {key(r) for r in read_records(runs, skip_bad=True)}
     points = [
         (m, res, n, s, o)
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
                 seconds=round(time.perf_counter() - t0, 1),
             )
         append_record(runs, rec)
-    write_table(read_records(runs, skip_bad=True), OUT / "table.md")
+    write_table(read_records(runs, skip_bad=True), out / "table.md")
     return 0
 
 

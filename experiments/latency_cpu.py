@@ -4,12 +4,13 @@ each device's compute timed alone predict the measured 2-process speedups of iss
     .venv/bin/python experiments/latency_cpu.py                 # check (and fit cpu-gloo)
     taskset -c 0 .venv/bin/python experiments/latency_cpu.py --measure-peak   # one core's peak
 
-Measured (records): results/speedup_cpu/runs.jsonl (every strategy in 2 launched processes,
+Measured (records): <measured>/runs.jsonl (default runs/speedup_cpu, a user's own sweep;
+`--measured results/speedup_cpu --compute results/speedup_cpu_compute` reads the published; every strategy in 2 launched processes,
 `single` on one core; tiny at 512x512 and fmnist at 32x32, 20 DDIM steps, warm-up 4) and
-results/speedup_cpu_compute/runs.jsonl (the same points with every collective replaced by a
+<compute>/runs.jsonl (the same points with every collective replaced by a
 local stand-in: each device's compute alone, per phase).
 Projected: per phase, the timed compute plus the step's collectives priced by the cpu-gloo
-profile (latency + bytes / rate per op, from results/speedup_cpu/collectives_fit.json), all
+profile (latency + bytes / rate per op, patchpar/hardware/cpu-gloo.yaml, measured by bench_collectives.py), all
 exposed (XLA's CPU runtime runs collectives synchronously); speedup = single's measured step
 over the projected mean step. The collectives are read from the lowered programs of the same
 points (workloads cached in <out>/workloads_cpu.jsonl).
@@ -35,9 +36,9 @@ sys.path.insert(0, str(REPO))
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "results" / "latency")
-    p.add_argument("--measured", type=Path, default=REPO / "results" / "speedup_cpu")
-    p.add_argument("--compute", type=Path, default=REPO / "results" / "speedup_cpu_compute")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "latency")
+    p.add_argument("--measured", type=Path, default=REPO / "runs" / "speedup_cpu")
+    p.add_argument("--compute", type=Path, default=REPO / "runs" / "speedup_cpu_compute")
     p.add_argument("--measure-peak", action="store_true", help="time one core's matmul and copy")
     p.add_argument("--no-write-profile", action="store_true")
     return p.parse_args(argv)
@@ -119,7 +120,7 @@ def main(argv=None) -> None:
         pts.append((w.phases["warmup"]["flops_per_device"], 1, r["metrics"]["step_s_median"]))
     eff, call = fit_compute(pts, hw.peak_flops)
     fitted_on = (
-        "the one-core single-device step of tiny 512x512 and fmnist 32x32 (results/speedup_cpu)"
+        f"the one-core single-device step of tiny 512x512 and fmnist 32x32 ({args.measured})"
     )
     if not args.no_write_profile:
         hardware.write_fit("cpu-gloo", eff, call, fitted_on, "python experiments/latency_cpu.py")
@@ -172,7 +173,8 @@ def main(argv=None) -> None:
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     tmp.replace(args.out / "cpu.jsonl")
     errs = [abs(r["error"]) for r in rows if "error" in r]
-    text = cpu_md(rows, eff, call, float(np.median(errs)) if errs else None, max(errs or [0]))
+    median = float(np.median(errs)) if errs else None
+    text = cpu_md(rows, eff, call, median, max(errs or [0]), args.compute)
     (args.out / "cpu.md").write_text(text)
     print(text)
 
@@ -184,12 +186,12 @@ def _mean_step(p, steps: int) -> float:
     ) / steps
 
 
-def cpu_md(rows, eff, call, median, largest) -> str:
+def cpu_md(rows, eff, call, median, largest, compute_dir) -> str:
     lines = [
         "# Measured 2-process speedups on this CPU against the projection (cpu-gloo)",
         "",
         "`python experiments/latency_cpu.py`: projected = each device's compute timed alone "
-        "(results/speedup_cpu_compute) + the step's collectives priced by cpu-gloo, all "
+        f"({compute_dir}) + the step's collectives priced by cpu-gloo, all "
         "exposed; modelled = compute from FLOPs too (cpu-gloo fit: flop_efficiency "
         f"{eff:.4f}, call_overhead_s {call * 1e3:.2f} ms, on the two single rows).",
         "",

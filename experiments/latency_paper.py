@@ -73,7 +73,7 @@ PREDICT_ON = ("a100-sxm", "a100-pcie", "h100-sxm", "h200-sxm", "l40s", "rtx4090"
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "results" / "latency")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "latency")
     p.add_argument("--workloads-only", action="store_true", help="compute the workloads, stop")
     p.add_argument(
         "--no-write-profile", action="store_true", help="do not rewrite a100-sxm.yaml's fit"

@@ -40,7 +40,7 @@ def parse(argv):
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     p.add_argument("--attention", nargs="+", default=["chunked", "xla"])
-    p.add_argument("--out", type=Path, default=Path("results/memory"))
+    p.add_argument("--out", type=Path, default=Path("runs/memory"))
     p.add_argument(
         "--fsdp",
         choices=("off", "on", "both"),

@@ -1,7 +1,7 @@
 """Where the time of a multi-process run goes: each phase's measured step time split into
 compute, communication and everything else, beside the ideal (single / N).
 
-    .venv/bin/python experiments/speedup_breakdown.py [results/speedup_cpu [results/speedup_cpu_compute]]
+    .venv/bin/python experiments/speedup_breakdown.py [runs/speedup_cpu [runs/speedup_cpu_compute]]  # results/... : the published
 
 Reads the sweep's records (runs.jsonl), the same points run with every collective replaced by
 a local stand-in (`measure.compute_only`, experiments/sweeps/speedup_cpu_compute.yaml) and the
@@ -181,6 +181,6 @@ def markdown(rows: list[dict], fit: dict) -> str:
 if __name__ == "__main__":
     args = sys.argv[1:]
     main(
-        Path(args[0] if args else "results/speedup_cpu"),
-        Path(args[1] if len(args) > 1 else "results/speedup_cpu_compute"),
+        Path(args[0] if args else "runs/speedup_cpu"),
+        Path(args[1] if len(args) > 1 else "runs/speedup_cpu_compute"),
     )

@@ -39,7 +39,7 @@ def parse(argv=None):
     p.add_argument("--devices", type=int, default=2, help="N of the N-way plan")
     p.add_argument("--attention", default="auto", help="the attention kernel (model.attention)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path("results/stale_compute"))
+    p.add_argument("--out", type=Path, default=Path("runs/stale_compute"))
     return p.parse_args(argv)
 
 

@@ -95,11 +95,12 @@ class TrainConfig:
     """Use only the first N training images (0: all); for tests."""
     test_limit: int = 0
     """Evaluate on the first N test images (0: all 10,000); for tests."""
-    work: Path = Path("results/train_clip_fmnist/work")
+    work: Path = Path("runs/train_clip_fmnist/work")
     """Checkpoint and loss log (git-ignored)."""
-    out: Path = Path("patchpar/weights/fmnist-clip")
-    """The exported model: open_clip_config.json, open_clip_model.safetensors, training.json."""
-    plots: Path = Path("results/train_clip_fmnist/plots")
+    out: Path = Path("runs/train_clip_fmnist/weights")
+    """The exported model: open_clip_config.json, open_clip_model.safetensors, training.json
+    (the shipped one is patchpar/weights/fmnist-clip: written only when named here)."""
+    plots: Path = Path("runs/train_clip_fmnist/plots")
 
 
 def captions(templates) -> list[str]:

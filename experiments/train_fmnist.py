@@ -19,8 +19,9 @@ classifier behind the `prompt_accuracy` metric.
   captions (for CFG), Adam with gradient clipping, EMA of the weights (the EMA weights of UNet
   and text encoder are exported).
 - Checkpoints and the loss log go to --work (git-ignored; a work folder made with a different
-  recipe is refused); the loss curve PNG to results/train_fmnist/plots/; the diffusers-format
-  folder to patchpar/weights/fmnist/.
+  recipe is refused); the loss curve PNG to runs/train_fmnist/plots/; the diffusers-format
+  folder to --out (default runs/train_fmnist/weights; the shipped model is
+  patchpar/weights/fmnist/, written only with --out patchpar/weights/fmnist).
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ class TrainConfig:
     """Share of empty captions (classifier-free guidance)."""
     seed: int = 0
     classifier_epochs: int = 4
-    work: Path = Path("results/train_fmnist/work")
+    work: Path = Path("runs/train_fmnist/work")
     """Checkpoints and loss log (git-ignored)."""
-    out: Path = Path("patchpar/weights/fmnist")
+    out: Path = Path("runs/train_fmnist/weights")
     """The diffusers-format folder (the `fmnist` preset)."""
-    plots: Path = Path("results/train_fmnist/plots")
+    plots: Path = Path("runs/train_fmnist/plots")
     export_only: bool = False
     """Export the last checkpoint without training."""
 

@@ -9,7 +9,7 @@ CPU devices of this process. Exact ops: the two must agree to float rounding. Ea
     .venv/bin/python experiments/xla_cpu_race.py                       # the table below
     .venv/bin/python experiments/xla_cpu_race.py --devices 8 --batch 200 --calls 5
 
-Writes results/xla_cpu_race/runs.jsonl and table_d<devices>_b<batch>_c<calls>.md: per setting, the images off by > 1e-3 and
+Writes runs/xla_cpu_race/runs.jsonl (--out) and table_d<devices>_b<batch>_c<calls>.md: per setting, the images off by > 1e-3 and
 the largest difference. With jaxlib 0.10.2 on 2 cores: `individual_dot` (patchpar's one-device
 default), `none` and `reduce` give the first images of the batch wrong; `individual_dot,eltwise`
 (patchpar's multi-device default) and `jaxlib` give none wrong; `--pin` (the same process on one
@@ -36,7 +36,7 @@ def parse(argv=None):
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS))
     p.add_argument("--pin", action="store_true", help="pin each child to core 0")
-    p.add_argument("--out", type=Path, default=Path("results/xla_cpu_race"))
+    p.add_argument("--out", type=Path, default=Path("runs/xla_cpu_race"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name, least in (("devices", 2), ("batch", 1), ("calls", 1)):

@@ -99,6 +99,14 @@ def test_unsupported_pipeline_class_is_named(model, cls, what):
             {"sampler.guidance_scale": float("inf")},
             r"sampler.guidance_scale=inf: must be a finite number",
         ),
+        (
+            {"sampler.guidance_scale": -3},
+            r"sampler.guidance_scale=-3.0: must be a finite number >= 0",
+        ),
+        (
+            {"sampler.guidance_scale": 1.0, "prompts.negative_prompt": "blurry"},
+            r"prompts.negative_prompt='blurry': must be empty with sampler.guidance_scale=1.0",
+        ),
     ],
 )
 def test_run_config_rejects(overrides, message):
@@ -152,6 +160,44 @@ def test_seed_and_guidance_checked_in_the_library(micro_folder):
         pipe.initial_latents(1, 32, 32, 2**32)
     with pytest.raises(ValueError, match="guidance_scale=nan: must be a finite number"):
         pipe("a bag", steps=2, guidance_scale=float("nan"))
+    with pytest.raises(ValueError, match="guidance_scale=-2: must be a finite number >= 0"):
+        pipe("a bag", steps=2, guidance_scale=-2)
+    with pytest.raises(ValueError, match="negative prompt with guidance_scale=1.0: guidance <= 1"):
+        pipe("a bag", steps=2, guidance_scale=1.0, negative_prompts=["blurry"])
+
+
+def test_generate_refuses_negative_guidance_and_a_negative_prompt_without_it(
+    micro_folder, tmp_path, capsys
+):
+    base = ["generate", "--model", str(micro_folder), "--steps", "2", "--out", str(tmp_path)]
+    assert main(base + ["--guidance-scale", "-2"]) == 2
+    assert "guidance_scale=-2.0: must be a finite number >= 0" in capsys.readouterr().err
+    assert main(base + ["--guidance-scale", "1", "--negative-prompt", "blurry"]) == 2
+    assert "the negative prompt would be dropped" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_dry_run_checks_every_point_and_says_where_it_writes(tmp_path, micro_folder, capsys):
+    sweep = tmp_path / "ablation.yaml"
+    sweep.write_text(
+        f"set: {{model.name: '{micro_folder}', results: '{tmp_path}', sampler.steps: 3, "
+        "sampler.height: 32}\n"
+        "grid:\n"
+        "  - {mesh.devices: [2], sampler.name: [ddim, euler], strategy: [{name: sync_patch}]}\n"
+        "  - {mesh.devices: [2], strategy: [{name: pcpp, portion: 2.0}]}\n"
+        "  - {mesh.devices: [3], strategy: [{name: sync_patch}]}\n"
+        "  - {mesh.devices: [2], mesh.processes: [3], strategy: [{name: sync_patch}]}\n"
+    )
+    assert main(["sweep", str(sweep), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "to run    sync_patch | devices=2 cfg=1"
+    assert lines[1] == "to run    sync_patch sampler.name=euler | devices=2 cfg=1"
+    assert lines[2].startswith("invalid   pcpp portion=2.0 | devices=2 cfg=1  <- ")
+    assert "portion=2.0 must be in (0, 1]" in lines[2]
+    assert lines[3].startswith("invalid   sync_patch | devices=3") and "not divisible" in lines[3]
+    assert lines[4].startswith("invalid") and "mesh.processes=3" in lines[4]
+    assert lines[5] == f"records -> {tmp_path / 'ablation' / 'runs.jsonl'}"
+    assert not (tmp_path / "ablation").exists()  # nothing run, nothing written
 
 
 def test_long_prompt_warns_what_was_cut(micro_folder):

@@ -62,9 +62,9 @@ def test_malformed_line_is_named_and_skipped_where_asked(tmp_path, capsys):
     ):
         assert f"runs.jsonl:{line}: {what}" in err
     # table reads the good record and says which it skipped
-    from patchpar.lab.tables import load_records
+    from patchpar.lab.tables import read_runs
 
-    assert len(load_records([tmp_path])) == 1
+    assert len(read_runs([tmp_path])) == 1
     assert "runs.jsonl:4: a record without ['config']; skipped" in capsys.readouterr().err
 
 

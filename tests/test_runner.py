@@ -23,7 +23,7 @@ from patchpar.lab.config import (
 )
 from patchpar.lab.results import read_records
 from patchpar.lab.sweep import SweepConfig, load_sweep, run_sweep
-from patchpar.lab.tables import DEFAULT_COLUMNS, get, load_records, markdown, summary_columns
+from patchpar.lab.tables import DEFAULT_COLUMNS, get, markdown, read_runs, summary_columns
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -210,7 +210,9 @@ def swept(tmp_path_factory, micro_folder):
     (root / "base.yaml").write_text(yaml.safe_dump(micro_base(micro_folder, root / "results")))
     sweep = root / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({"base": "base.yaml", "grid": SWEEP_GRID}))
-    runs = root / "results" / "micro" / "runs.jsonl"
+    # no `experiment:` in the sweep file: its records go to a folder named after the file, not
+    # to the base config's (`micro`, which could hold other records)
+    runs = root / "results" / "sweep" / "runs.jsonl"
     child = subprocess.Popen(
         [sys.executable, "-m", "patchpar.lab.cli", "sweep", str(sweep)],
         env=os.environ.copy(),
@@ -226,7 +228,8 @@ def swept(tmp_path_factory, micro_folder):
     first = read_records(runs)
     assert len(first) == 1, f"expected the child to be killed after one record, found {len(first)}"
     run_sweep(SweepConfig(sweep))
-    return sweep, root / "results" / "micro", first[0]
+    assert not (root / "results" / "micro").exists()
+    return sweep, root / "results" / "sweep", first[0]
 
 
 def test_killed_sweep_resumes_with_every_point_once(swept):
@@ -257,7 +260,7 @@ def test_record_schema(swept):
     for r in records:
         assert {"run_id", "time", "experiment", "label", "strategy", "config", "status", "error",
                 "metrics", "images", "provenance", "baseline"} <= set(r)  # fmt: skip
-        assert r["experiment"] == "micro"
+        assert r["experiment"] == "sweep"  # the sweep file's name
         prov = r["provenance"]
         assert {"git_commit", "versions", "device_kind", "platform", "device_count"} <= set(prov)
         assert isinstance(from_dict(RunConfig, r["config"]), RunConfig)  # the full config
@@ -307,7 +310,7 @@ def test_record_schema(swept):
 
 def test_table_groups_and_sorts(swept, tmp_path):
     _, folder, _ = swept
-    records = load_records([folder])
+    records = read_runs([folder])
     assert len(records) == 6  # the latest of each point (the failed one was run twice)
     text = markdown(records, sort_by=("mesh.devices", "label"))
     lines = [ln for ln in text.splitlines() if ln.startswith("| ") and "strategy" not in ln]
@@ -316,8 +319,8 @@ def test_table_groups_and_sorts(swept, tmp_path):
         "naive_patch",
         "pcpp warmup_steps=1 portion=0.3",
         "pcpp warmup_steps=1 portion=1.0",
-        "sync_patch",  # data parallel, 2 devices
-        "sync_patch",
+        "sync_patch mesh.data=2",  # data parallel, 2 devices: told apart from the one below
+        "sync_patch",  # 3 devices (failed)
     ]
     assert "∞ (identical)" in lines[0] and "(error)" in text
     grouped = markdown(

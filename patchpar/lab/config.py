@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from patchpar.lab.paths import RUNS
+
 DTYPES = ("auto", "float32", "bfloat16")
 STRATEGY_OPTIONS = (
     "warmup_steps",
@@ -242,8 +244,10 @@ class RunConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
-    results: Path = Path("results")
-    """Root folder of the records; also holds the single-device baselines (.baselines/)."""
+    results: Path = RUNS
+    """Root folder of the records; also holds the single-device baselines (.baselines/).
+    Default `runs/` (git-ignored, a user's own runs); the published records are under
+    `results/` (patchpar.lab.paths)."""
     timeout_s: float = 7200.0
     """mesh.processes >= 1: every worker is ended, and the run recorded as an error, after this
     many seconds (a hung collective cannot block a sweep)."""
@@ -311,8 +315,11 @@ class RunConfig:
             (len(self.prompts.seeds) > 0, "prompts.seeds", self.prompts.seeds, "at least one seed"),
             (seeds_ok, "prompts.seeds", self.prompts.seeds,
              "integers in [0, 2^32) (larger seeds wrap around: 2^32 would repeat seed 0)"),
-            (isinstance(gs, int | float) and math.isfinite(gs), "sampler.guidance_scale", gs,
-             "a finite number (<= 1 turns guidance off)"),
+            (isinstance(gs, int | float) and math.isfinite(gs) and gs >= 0,
+             "sampler.guidance_scale", gs, "a finite number >= 0 (<= 1 turns guidance off)"),
+            (not self.prompts.negative_prompt or gs > 1, "prompts.negative_prompt",
+             self.prompts.negative_prompt, f"empty with sampler.guidance_scale={gs}: guidance "
+             "<= 1 is off, so the negative prompt would be dropped; set guidance_scale > 1"),
             (self.prompts.batch_size >= 0, "prompts.batch_size", self.prompts.batch_size,
              "0 (all at once) or a positive integer"),
             (m.warmup_runs >= 0, "measure.warmup_runs", m.warmup_runs, "an integer >= 0"),

@@ -39,7 +39,7 @@ class GenerateConfig(PlanFlags):
     """auto, float32 or bfloat16 (auto: bfloat16 for sd15/sd21/sdxl-size models, else float32)."""
     attention: str = "auto"
     """Attention kernel: auto, xla, chunked, cudnn or splash (patchpar/models/attention.py)."""
-    out: Path = Path("results/generate")
+    out: Path = Path("runs/generate")
     """Output folder."""
     processes: int = 0
     """0: this process, on the devices it sees. N: launch N processes here, one CPU device,
@@ -78,7 +78,7 @@ def generate(config: GenerateConfig) -> dict:
     guidance = (
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
-    check_guidance(guidance)
+    check_guidance(guidance, [config.negative_prompt])
     plan = config.plan()  # unknown strategy or option: error before loading anything
     t0 = time.perf_counter()
     pipe = load_pipeline(

@@ -1,7 +1,9 @@
 """`patchpar plot RESULTS`: matplotlib figures drawn from records only (never from stdout).
 
-Each `plot_*` takes records (`patchpar.lab.tables.load_records`) and an Axes, so a notebook draws
-the same figures; each returns False, drawing nothing, when the records lack its data.
+Each `plot_*` takes run records (`patchpar.lab.tables.read_runs`) and an Axes, so a notebook draws
+the same figures; each returns False, drawing nothing, when the records lack its data. Series,
+bars and image columns are named by `point_labels`: the strategy and every config field that
+varies among the records drawn (other than the axes), so that no two points share a name.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from patchpar.lab.tables import get, load_records
+from patchpar.lab.tables import get, point_labels, read_runs
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,14 @@ def _by(records, key):
     return groups
 
 
-def _lines(ax, records, x_key, y_key, scale=1.0, group="label"):
+def _named(records, shown) -> list[dict]:
+    """Copies of the records with `_name`: the point label without the fields in `shown`."""
+    return [{**r, "_name": n} for r, n in zip(records, point_labels(records, shown), strict=True)]
+
+
+def _lines(ax, records, x_key, y_key, scale=1.0, group="_name"):
+    if group == "_name":
+        records = _named(records, (x_key,))
     for name, rs in sorted(_by(records, group).items(), key=lambda kv: str(kv[0])):
         pts = sorted((get(r, x_key), get(r, y_key) * scale) for r in rs)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
@@ -71,14 +80,14 @@ def plot_psnr_vs_devices(records, ax) -> bool:
 
 def plot_step_time(records, ax) -> bool:
     """Median time per denoising step, per strategy, one bar per device count."""
-    rs = _ok(records, "step_s_median", "mesh.devices")
+    rs = _named(_ok(records, "step_s_median", "mesh.devices"), ("mesh.devices",))
     if not rs:
         return False
-    labels = sorted({r["label"] for r in rs})
+    labels = sorted({r["_name"] for r in rs})
     devices = sorted({get(r, "mesh.devices") for r in rs})
     width = 0.8 / len(devices)
     for i, d in enumerate(devices):
-        by = {r["label"]: get(r, "step_s_median") * 1e3 for r in rs if get(r, "mesh.devices") == d}
+        by = {r["_name"]: get(r, "step_s_median") * 1e3 for r in rs if get(r, "mesh.devices") == d}
         xs = [j + i * width for j, lab in enumerate(labels) if lab in by]
         ax.bar(xs, [by[lab] for lab in labels if lab in by], width, label=f"{d} device(s)")
     ax.set_xticks(
@@ -117,8 +126,9 @@ def plot_speedup(records, ax) -> bool:
     ]
     if not rs:
         return False
-    keys = sorted({(get(r, "model.name"), get(r, "mesh.devices"), r["label"]) for r in rs})
-    latest = {(get(r, "model.name"), get(r, "mesh.devices"), r["label"]): r for r in rs}
+    rs = _named(rs, ("model.name", "mesh.devices", "mesh.processes"))
+    keys = sorted({(get(r, "model.name"), get(r, "mesh.devices"), r["_name"]) for r in rs})
+    latest = {(get(r, "model.name"), get(r, "mesh.devices"), r["_name"]): r for r in rs}
     xs = np.arange(len(keys))
     whole = [get(latest[k], "speedup_vs_single") for k in keys]
     steady = [get(latest[k], "steady_speedup_vs_single") or np.nan for k in keys]
@@ -151,7 +161,9 @@ def image_grid(records, path: Path, max_images: int = 4) -> bool:
     rs = [r for r in records if r.get("status") == "ok" and r.get("images")]
     if not rs:
         return False
-    rs = sorted(rs, key=lambda r: (get(r, "mesh.devices") or 0, r["label"]))
+    rs = sorted(
+        _named(rs, ("mesh.devices",)), key=lambda r: (get(r, "mesh.devices") or 0, r["_name"])
+    )
     rows = min(max_images, max(len(r["images"]) for r in rs))
     fig, axes = plt.subplots(
         rows, len(rs), figsize=(2.2 * len(rs), 2.2 * rows + 0.4), squeeze=False
@@ -163,7 +175,8 @@ def image_grid(records, path: Path, max_images: int = 4) -> bool:
             ax.axis("off")
             if i < len(r["images"]) and (root / r["images"][i]).is_file():
                 ax.imshow(np.asarray(Image.open(root / r["images"][i])))
-        axes[0, j].set_title(f"{r['label']}\n{get(r, 'mesh.devices')} dev", fontsize=7)
+        title = r["_name"].replace(" ", "\n", 1)  # strategy, then what else tells it apart
+        axes[0, j].set_title(f"{title}\n{get(r, 'mesh.devices')} dev", fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -212,7 +225,7 @@ def run_plot(config: PlotConfig) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = load_records(config.results)
+    records = read_runs(config.results)
     first = Path(config.results[0])
     out = Path(config.out) if config.out else (first if first.is_dir() else first.parent) / "plots"
     out.mkdir(parents=True, exist_ok=True)

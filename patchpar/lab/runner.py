@@ -159,6 +159,33 @@ def _outputs_abstract(compiled):
     )
 
 
+def checked_plan(config: RunConfig, pipe, devices_present: bool = True):
+    """The point's plan and image size (h, w), every check of the plan against the model done
+    (ValueError naming what does not fit). `devices_present=False` (a sweep's dry run of a
+    point that runs in launched processes): the mesh is not built here."""
+    s = config.sampler
+    plan = config.plan()
+    hw = image_size(pipe, config)
+    pipe.check_size(*hw)
+    f = pipe.latent_factor
+    plan.validate(
+        pipe.unet, (hw[0] // f, hw[1] // f), s.steps, s.guidance_scale, build_mesh=devices_present
+    )
+    return plan, hw
+
+
+def preflight(config: RunConfig) -> None:
+    """Every check a run makes before generating, without generating (a sweep's dry run):
+    the config, the strategy's options, and the plan against the model (which is loaded)."""
+    import jax
+
+    config.validate()
+    config.plan()
+    pipe = get_pipeline(config.model.name, config.sampler.dtype, config.model.attention_spec())
+    present = not config.mesh.processes and jax.device_count() >= config.mesh.devices
+    checked_plan(config, pipe, devices_present=present)
+
+
 def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     """Generate, time, count and compare; every process of a multi-process run takes part in
     the generation, the `writer` (process 0) alone counts bytes, scores and saves images."""
@@ -178,11 +205,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
     metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
     metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded
-    plan = config.plan()
-    hw = image_size(pipe, config)
-    pipe.check_size(*hw)
-    f = pipe.latent_factor
-    plan.validate(pipe.unet, (hw[0] // f, hw[1] // f), s.steps, s.guidance_scale)
+    plan, hw = checked_plan(config, pipe)
     metrics["height"], metrics["width"] = hw
     metrics["strategy"] = plan.strategy.describe()
     metrics["mesh_degrees"] = plan.degrees()  # data x cfg x patch x model

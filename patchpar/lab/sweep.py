@@ -3,7 +3,7 @@ record per point, resumable.
 
 A sweep file:
 
-    experiment: devices_strategy        # the results folder (overrides the base's)
+    experiment: devices_strategy        # the records' folder (default: the file's name)
     base: ../configs/tiny.yaml          # a RunConfig YAML, relative to this file (optional)
     set: {sampler.steps: 20}            # dotted overrides for every point (optional)
     points:                             # listed points, each a mapping of overrides (optional)
@@ -18,6 +18,10 @@ whose cross products are joined (one grid for `single` on 1 device, one for the 
 anything runs (an unknown key stops the sweep with an error naming it); a point that fails
 while running becomes a record with its status and error, and the sweep goes on. Points whose
 config is already recorded in `runs.jsonl` are skipped, so a killed sweep resumes where it was.
+
+Records go to `<results>/<experiment>/runs.jsonl`: `runs/` unless `--results` says otherwise
+(the published records under `results/` are written only when asked), and the experiment is
+the sweep file's name unless the file names one, never the base config's.
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ class SweepConfig:
     file: Annotated[Path, tyro.conf.Positional]
     """The sweep YAML (see experiments/sweeps/)."""
     results: Path | None = None
-    """Root folder of the records (default: the base config's, `results`)."""
+    """Root folder of the records (default `runs/`, git-ignored; the published records are
+    under `results/`)."""
     retry_failed: bool = False
     """Run again the points recorded with status error or oom (a new row each)."""
     dry_run: bool = False
-    """List the points and whether each is recorded; run nothing."""
+    """List the points, where they write, and whether each is recorded, would run, or fails
+    its checks (every check a run makes before generating); run nothing."""
     processes: int | None = None
     """Run every point in launched processes, one per device (one core and thread each):
     `single` on 1, the others on this many (their mesh.devices must be it). Sets each point's
@@ -59,6 +65,11 @@ def load_sweep(
     """The sweep's points as configs, in order; ValueError naming a bad key or value."""
     path = Path(path)
     spec = read_yaml(path, "sweep file")
+    if not spec:
+        raise ValueError(
+            f"{path}: empty sweep file; give at least `base:` and `points:` or `grid:` "
+            "(see experiments/sweeps/)"
+        )
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: expected a mapping with keys {list(SWEEP_KEYS)}")
     unknown = sorted(set(spec) - set(SWEEP_KEYS))
@@ -66,8 +77,8 @@ def load_sweep(
         raise ValueError(f"{path}: unknown key {unknown[0]!r}; a sweep has {list(SWEEP_KEYS)}")
     base = load_config(path.parent / spec["base"]) if spec.get("base") else RunConfig()
     common = dict(spec.get("set") or {})
-    if "experiment" in spec:
-        common["experiment"] = spec["experiment"]
+    # the sweep's own folder: never the base config's (which may hold other records)
+    common["experiment"] = spec.get("experiment") or common.get("experiment") or path.stem
     if results is not None:
         common["results"] = str(results)
     listed = spec.get("points") or [{}]
@@ -126,14 +137,7 @@ def run_sweep(config: SweepConfig) -> list[dict]:
         if prev is None or (config.retry_failed and prev["status"] != "ok"):
             todo.append(cfg)
     if config.dry_run:
-        for cfg in points:
-            state = "to run" if cfg in todo else "recorded"
-            print(
-                f"{state:9s} {cfg.strategy.label()} | devices={cfg.mesh.devices} cfg={cfg.mesh.cfg}"
-                + (f" data={cfg.mesh.data}" if cfg.mesh.data > 1 else "")
-                + (" fsdp" if cfg.mesh.fsdp else "")
-                + (f" processes={cfg.mesh.processes}" if cfg.mesh.processes else "")
-            )
+        print(dry_run(points, todo))
         return []
     skipped = len(points) - len(todo)
     if skipped:
@@ -149,3 +153,35 @@ def run_sweep(config: SweepConfig) -> list[dict]:
     done = index()
     keys = [(runs_path(cfg), point_key(cfg)) for cfg in points]
     return [done[k] for k in keys if k in done]
+
+
+def dry_run(points: list[RunConfig], todo: list[RunConfig]) -> str:
+    """One line per point: recorded / to run / invalid (with the reason), its label (the
+    strategy and the fields that tell it apart from the other points) and mesh; then where
+    the records go."""
+    from patchpar.lab.config import to_dict
+    from patchpar.lab.runner import preflight, runs_path
+    from patchpar.lab.tables import point_labels
+
+    labels = point_labels(
+        [{"label": c.strategy.label(), "config": to_dict(c)} for c in points],
+        shown=("mesh.devices", "mesh.cfg", "mesh.data", "mesh.fsdp", "mesh.processes"),
+    )
+    lines = []
+    for cfg, label in zip(points, labels, strict=True):
+        state, why = ("to run" if cfg in todo else "recorded"), ""
+        if cfg in todo:
+            try:
+                preflight(cfg)
+            except ValueError as e:
+                state, why = "invalid", f"  <- {' '.join(str(e).split())}"
+        lines.append(
+            f"{state:9s} {label} | devices={cfg.mesh.devices} cfg={cfg.mesh.cfg}"
+            + (f" data={cfg.mesh.data}" if cfg.mesh.data > 1 else "")
+            + (" fsdp" if cfg.mesh.fsdp else "")
+            + (f" processes={cfg.mesh.processes}" if cfg.mesh.processes else "")
+            + why
+        )
+    for path in dict.fromkeys(runs_path(c) for c in points):
+        lines.append(f"records -> {path}")
+    return "\n".join(lines)

@@ -2,12 +2,21 @@
 
 Keys are dotted paths into a record (`config.strategy.portion`, `metrics.psnr`); a short key is
 looked up as given, then under `config.`, then under `metrics.` (`mesh.devices`, `psnr`).
+A key that no record has is an error naming the nearest keys the records do have.
+
+Points are told apart: the strategy column names, after the strategy's label, every config
+field that varies among the records shown and is not a column of its own (`sync_patch
+mesh.data=2`, `distrifusion sampler.name=dpmpp_2m`); records from several folders get a
+`records` column naming the folder (`patchpar table runs/X results/X`: a re-run beside the
+published records).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -85,11 +94,110 @@ FORMATS = {
     "prompt_accuracy_sem": ("accuracy s.e.", lambda v: f"{100 * v:.1f}%"),
     "quality_samples": ("images", str),
     "label": ("strategy", str),
+    "records": ("records", str),
     "mesh.devices": ("devices", str),
     "mesh.cfg": ("cfg", str),
     "mesh.data": ("data", str),
     "mesh.fsdp": ("fsdp", lambda v: "yes" if v else "no"),
 }
+
+
+# config fields that say where records go or how long a worker may take, not what ran
+NOT_A_POINT = ("results", "timeout_s", "experiment")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# the order in which config fields are tried for telling points apart (then alphabetical)
+KEY_ORDER = ("model.", "mesh.", "sampler.", "prompts.", "measure.")
+
+
+def _key_rank(key: str) -> tuple:
+    rank = next((i for i, p in enumerate(KEY_ORDER) if key.startswith(p)), len(KEY_ORDER))
+    return (rank, key)
+
+
+def varying_keys(records: list[dict], shown=()) -> list[str]:
+    """The config keys (dotted, without `config.`) that tell the records' points apart: tried
+    in KEY_ORDER, a key is kept where it splits records that the strategy label and the keys
+    kept before it do not (a sampler's steps that come with its name, or a model's image size,
+    are not repeated). The strategy's own fields (its label names them), where records go, and
+    the keys `shown` (columns or axes of their own) are never kept."""
+    shown = {k.removeprefix("config.") for k in shown}
+    flat = [_flat(r.get("config") or {}) for r in records]
+    keys = sorted(set().union(*flat) if flat else (), key=_key_rank)
+    groups = [
+        json.dumps([r.get("label"), {k: v for k, v in f.items() if k.startswith("strategy.")}],
+                   sort_keys=True)
+        for r, f in zip(records, flat, strict=True)
+    ]  # fmt: skip
+    kept = []
+    for k in keys:
+        if k.startswith("strategy.") or k.split(".")[0] in NOT_A_POINT:
+            continue
+        values = [json.dumps(f.get(k), sort_keys=True) for f in flat]
+        if k not in shown:
+            seen: dict = {}
+            if any(seen.setdefault(g, v) != v for g, v in zip(groups, values, strict=True)):
+                kept.append(k)
+        # a shown key splits the groups too (its column tells those points apart)
+        if k in shown or k in kept:
+            groups = [g + "|" + v for g, v in zip(groups, values, strict=True)]
+    return kept
+
+
+def _short(v) -> str:
+    text = v if isinstance(v, str) else json.dumps(v)
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def point_labels(records: list[dict], shown=()) -> list[str]:
+    """Each record's strategy label followed by the config fields that tell it apart from the
+    others (`varying_keys`), each where its value is not the most common one among the records
+    (e.g. `sync_patch mesh.fsdp=true` beside a plain `sync_patch`): two different points never
+    get the same label."""
+    keys = varying_keys(records, shown)
+    values = {k: [json.dumps(get(r, "config." + k), sort_keys=True) for r in records] for k in keys}
+    common = {k: max(vs, key=vs.count) for k, vs in values.items()}  # first of the most common
+    out = []
+    for i, r in enumerate(records):
+        label = str(r.get("label") or get(r, "strategy.name") or "?")
+        extra = [f"{k}={_short(get(r, 'config.' + k))}" for k in keys if values[k][i] != common[k]]
+        out.append(" ".join([label, *extra]))
+    return out
+
+
+def known_keys(records: list[dict]) -> set[str]:
+    """Every dotted key the records have, full and short (without `config.`/`metrics.`)."""
+    keys: set[str] = set()
+    for r in records:
+        for k in _flat({k: v for k, v in r.items() if not k.startswith("_")}):
+            keys.add(k)
+            for prefix in ("config.", "metrics."):
+                if k.startswith(prefix):
+                    keys.add(k.removeprefix(prefix))
+    return keys
+
+
+def check_keys(records: list[dict], keys, what: str) -> None:
+    """ValueError for a key no record has, naming the nearest keys they do have."""
+    if not records:
+        return
+    have = known_keys(records) | {"label", "records"}
+    for key in keys:
+        if key in have or any(k.startswith(key + ".") for k in have):
+            continue
+        near = difflib.get_close_matches(key, sorted(have), n=4, cutoff=0.5)
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise ValueError(f"{what} {key!r}: no record has this key{hint}")
 
 
 @dataclass(frozen=True)
@@ -98,8 +206,9 @@ class TableConfig:
 
     results: Annotated[tuple[Path, ...], tyro.conf.Positional]
     """Results folders (holding runs.jsonl) or runs.jsonl files."""
-    columns: tuple[str, ...] = DEFAULT_COLUMNS
-    """Keys to show (short keys look under config. then metrics.)."""
+    columns: tuple[str, ...] | None = None
+    """Keys to show (short keys look under config. then metrics.); default: the summary a
+    sweep prints (the quality and timing metrics the records have)."""
     sort_by: tuple[str, ...] = ("mesh.devices", "label")
     """Keys to sort rows by, in order."""
     group_by: str | None = None
@@ -110,9 +219,10 @@ class TableConfig:
     """Also write the table to this file."""
 
 
-def load_records(paths, latest_only: bool = True) -> list[dict]:
-    """Records of every runs.jsonl named (folder or file), each with `_dir` (its folder) for
-    finding its images; by default only the latest record of each point."""
+def read_runs(paths, latest_only: bool = True) -> list[dict]:
+    """The run records (`patchpar run`, `sweep`) of every runs.jsonl named (folder or file), as
+    dicts, each with `_dir` (its folder) for finding its images; by default only the latest
+    record of each point. For a DataFrame of any records: `patchpar.lab.load_records`."""
     out = []
     for p in paths:
         p = Path(p)
@@ -121,9 +231,19 @@ def load_records(paths, latest_only: bool = True) -> list[dict]:
             raise ValueError(
                 f"no records at {str(p)!r} (expected a folder with runs.jsonl, or the file)"
             )
+        if f.suffix != ".jsonl":
+            raise ValueError(f"{str(f)!r} is not a records file (runs.jsonl, JSON lines)")
         # a malformed line or a record without its config is skipped, with a message naming it
-        for r in read_records(f, skip_bad=True, require=("config", "status")):
-            out.append({**r, "_dir": str(f.parent)})
+        skipped: list[str] = []
+        runs = read_records(f, skip_bad=True, require=("config", "status"), warn=skipped.append)
+        if not runs and skipped:
+            raise ValueError(
+                f"{str(f)!r} holds no run records (JSON lines with config and status, as "
+                "`patchpar run` writes; patchpar.lab.load_records reads any records)"
+            )
+        for msg in skipped:
+            print(f"patchpar: warning: {msg}", file=sys.stderr, flush=True)
+        out += [{**r, "_dir": str(f.parent)} for r in runs]
     if latest_only:
         seen: dict = {}
         for r in out:
@@ -171,9 +291,19 @@ def _cell(key: str, v) -> str:
 
 
 def markdown(records: list[dict], columns=DEFAULT_COLUMNS, sort_by=(), group_by=None) -> str:
-    """The records as one markdown table (or one per value of `group_by`)."""
+    """The records as one markdown table (or one per value of `group_by`). The strategy column
+    names what else tells its point apart (`point_labels`); records from several folders get a
+    `records` column."""
+    columns = tuple(columns)
+    if len({r.get("_dir") for r in records}) > 1 and "records" not in columns:
+        at = columns.index("label") + 1 if "label" in columns else 0
+        columns = columns[:at] + ("records",) + columns[at:]
+    shown = columns + ((group_by,) if group_by else ())
+    named = [
+        {**r, "_label": lab} for r, lab in zip(records, point_labels(records, shown), strict=True)
+    ]
     keys = ((group_by,) if group_by else ()) + tuple(sort_by)  # groups in order of their value
-    rows = sorted(records, key=lambda r: tuple(_sort_value(get(r, k)) for k in keys))
+    rows = sorted(named, key=lambda r: tuple(_sort_value(_value(r, k)) for k in keys))
     headers = [
         FORMATS.get(c.removeprefix("metrics.").removeprefix("config."), (c,))[0] for c in columns
     ]
@@ -181,7 +311,7 @@ def markdown(records: list[dict], columns=DEFAULT_COLUMNS, sort_by=(), group_by=
     def table(rs):
         lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for r in rs:
-            cells = [_cell(c, get(r, c)) for c in columns]
+            cells = [_cell(c, _value(r, c)) for c in columns]
             same = get(r, "psnr_identical_images")
             if r.get("status") == "ok" and same and "psnr" in columns:
                 # the mean is over the images that differ; say how many were identical
@@ -197,21 +327,33 @@ def markdown(records: list[dict], columns=DEFAULT_COLUMNS, sort_by=(), group_by=
         failed = [r for r in rs if r.get("status") not in (None, "ok")]
         if failed:
             lines.append("")
-            lines += [f"- {r.get('label')} ({r['status']}): {r.get('error')}" for r in failed]
+            lines += [f"- {r.get('_label')} ({r['status']}): {r.get('error')}" for r in failed]
         return "\n".join(lines)
 
     if group_by is None:
         return table(rows)
     groups: dict = {}
     for r in rows:
-        groups.setdefault(get(r, group_by), []).append(r)
+        groups.setdefault(_value(r, group_by), []).append(r)
     parts = [f"### {group_by} = {value}\n\n{table(rs)}" for value, rs in groups.items()]
     return "\n\n".join(parts)
 
 
+def _value(record: dict, column: str):
+    if column == "label":
+        return record.get("_label", record.get("label"))
+    if column == "records":
+        return record.get("_dir")
+    return get(record, column)
+
+
 def run_table(config: TableConfig) -> str:
-    records = load_records(config.results, latest_only=not config.all_runs)
-    text = markdown(records, config.columns, config.sort_by, config.group_by)
+    records = read_runs(config.results, latest_only=not config.all_runs)
+    check_keys(records, config.columns or (), "--columns")
+    check_keys(records, config.sort_by, "--sort-by")
+    check_keys(records, (config.group_by,) if config.group_by else (), "--group-by")
+    columns = config.columns or summary_columns(records)
+    text = markdown(records, columns, config.sort_by, config.group_by)
     if config.out is not None:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
         Path(config.out).write_text(text + "\n")

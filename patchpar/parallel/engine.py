@@ -102,13 +102,16 @@ class Plan:
         steps: int,
         guidance_scale: float,
         batch: int | None = None,
+        build_mesh: bool = True,
     ) -> None:
         """All checks up front; ValueError naming the numbers and what would fit. `batch`:
-        the images per call (they must split evenly over `data`)."""
+        the images per call (they must split evenly over `data`). `build_mesh=False`: the
+        devices are elsewhere (launched processes), the mesh is not built here."""
         s = self.strategy
         mesh_shape(self.devices, self.cfg, self.data)  # data and cfg degrees
         s.validate_mesh(self.devices // (self.cfg * self.data))  # the strategy's model degree
-        make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
+        if build_mesh:
+            make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
         check_split(unet.config, self.model)
         if self.fsdp_degree > 1:
             check_sharded(_param_shapes(unet), self.rules(), self.degrees())
@@ -119,7 +122,7 @@ class Plan:
                 f"devices = data is pure data parallelism)"
             )
         s.validate(steps, self.patch, self.cfg)
-        if (groups := s.packed_groups()) is not None and groups > 1:
+        if build_mesh and (groups := s.packed_groups()) is not None and groups > 1:
             check_groups(groups, stale_sites(unet, self, tuple(latent_hw)))
         if batch is not None and batch % self.data:
             raise ValueError(

@@ -92,7 +92,7 @@ class Pipeline:
         height: int,
         width: int,
     ) -> Conditioning:
-        check_guidance(guidance_scale)
+        check_guidance(guidance_scale, negative_prompts)
         cfg = guidance_scale > 1.0
         negative = negative_prompts or [""] * len(prompts)
         if len(negative) != len(prompts):
@@ -238,7 +238,7 @@ class Pipeline:
         width = height if width is None else width
         hw = self.check_size(height, width)
         check_seed(seed)
-        check_guidance(guidance_scale)
+        check_guidance(guidance_scale, negative_prompts)
         get_sampler(sampler).schedule(self.scheduler, steps)  # name and step count
         if plan is not None:  # every check before any work
             n = len(prompts) if latents is None else latents.shape[0]
@@ -266,10 +266,22 @@ def check_seed(seed) -> None:
         )
 
 
-def check_guidance(guidance_scale) -> None:
-    if not isinstance(guidance_scale, int | float) or not math.isfinite(guidance_scale):
+def check_guidance(guidance_scale, negative_prompts: list[str] | None = None) -> None:
+    """A finite scale >= 0 (<= 1: no guidance); a negative prompt needs guidance (> 1), which is
+    the only place it acts."""
+    if (
+        not isinstance(guidance_scale, int | float)
+        or not math.isfinite(guidance_scale)
+        or guidance_scale < 0
+    ):
         raise ValueError(
-            f"guidance_scale={guidance_scale!r}: must be a finite number (<= 1 turns guidance off)"
+            f"guidance_scale={guidance_scale!r}: must be a finite number >= 0 (<= 1 turns "
+            "guidance off)"
+        )
+    if any(negative_prompts or []) and guidance_scale <= 1:
+        raise ValueError(
+            f"a negative prompt with guidance_scale={guidance_scale}: guidance <= 1 is off, so "
+            "the negative prompt would be dropped; set guidance_scale > 1 or no negative prompt"
         )
 
 

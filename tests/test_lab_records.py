@@ -1,0 +1,163 @@
+"""The experiment layer's reading side, on hand-written records (no model runs): where sweeps
+write, labels that tell points apart in tables and plots, key checks, non-record files, and
+records of every shape as one DataFrame (`patchpar.lab.load_records`)."""
+
+import json
+
+import pytest
+import yaml
+
+from patchpar.lab import load_records
+from patchpar.lab.cli import main
+from patchpar.lab.config import RunConfig
+from patchpar.lab.sweep import load_sweep
+from patchpar.lab.tables import markdown, point_labels, read_runs, varying_keys
+
+
+def run_record(label="sync_patch", devices=8, status="ok", run_id="r", **config) -> dict:
+    """A runner-shaped record: config sections as dicts, metrics, status, provenance."""
+    cfg = {"mesh": {"devices": devices, "data": 1, "fsdp": False}, "sampler": {"name": "ddim"}}
+    for dotted, value in config.items():
+        section, key = dotted.split("__")
+        cfg.setdefault(section, {})[key] = value
+    cfg["strategy"] = {"name": label.split()[0]}
+    return {
+        "run_id": run_id,
+        "label": label,
+        "status": status,
+        "config": cfg,
+        "metrics": {"bytes_per_device_per_step": 2**20 * devices, "psnr": 30.0},
+        "provenance": {"git_commit": "abc", "git_dirty": False},
+    }
+
+
+def write(folder, records, name="runs.jsonl"):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_runs_go_to_the_working_folder_and_sweeps_to_their_own_experiment(tmp_path):
+    assert str(RunConfig().results) == "runs"  # the published records are under results/
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"experiment": "published"}))
+    sweep = tmp_path / "my_ablation.yaml"
+    sweep.write_text(yaml.safe_dump({"base": "base.yaml", "grid": {"sampler.steps": [4, 6]}}))
+    points = load_sweep(sweep)
+    assert {p.experiment for p in points} == {"my_ablation"}  # never the base config's folder
+    assert {str(p.results) for p in points} == {"runs"}
+    named = tmp_path / "named.yaml"
+    named.write_text(yaml.safe_dump({"experiment": "mine", "base": "base.yaml"}))
+    assert load_sweep(named)[0].experiment == "mine"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty sweep file"):
+        load_sweep(empty)
+
+
+def test_labels_name_the_fields_that_tell_points_apart():
+    plain = run_record(run_id="a")
+    data = run_record(run_id="b", mesh__data=2)
+    fsdp = run_record(run_id="c", mesh__fsdp=True)
+    labels = point_labels([plain, data, fsdp])
+    assert labels == ["sync_patch", "sync_patch mesh.data=2", "sync_patch mesh.fsdp=true"]
+    # a sampler's steps that come with its name are not repeated
+    ddim = [run_record(f"distrifusion w={w}", run_id=f"d{w}") for w in (0, 1)]
+    dpm = [
+        run_record(f"distrifusion w={w}", run_id=f"p{w}", sampler__name="dpmpp_2m",
+                   sampler__steps=25)
+        for w in (0, 1)
+    ]  # fmt: skip
+    for r in ddim:
+        r["config"]["sampler"]["steps"] = 20
+    assert varying_keys(ddim + dpm) == ["sampler.name"]
+    assert len(set(point_labels(ddim + dpm))) == 4
+    # a field shown as a column of its own is left out of the label
+    assert point_labels([plain, data], shown=("mesh.data",)) == ["sync_patch", "sync_patch"]
+
+
+def test_table_tells_points_and_folders_apart(tmp_path):
+    mine = write(tmp_path / "runs" / "x", [run_record(run_id="m")])
+    published = write(tmp_path / "results" / "x", [run_record(run_id="p"), run_record(
+        run_id="q", mesh__data=2)])  # fmt: skip
+    records = read_runs([mine, published])
+    text = markdown(records, ("label", "mesh.devices", "psnr"))
+    assert text.splitlines()[0] == "| strategy | records | devices | PSNR dB |"
+    rows = [ln for ln in text.splitlines()[2:]]
+    assert len(rows) == 3 and len(set(rows)) == 3
+    assert any(str(mine) in ln for ln in rows) and any("mesh.data=2" in ln for ln in rows)
+
+
+def test_table_refuses_unknown_keys_and_files_that_hold_no_runs(tmp_path, capsys):
+    folder = write(tmp_path / "x", [run_record()])
+    assert main(["table", str(folder), "--columns", "label", "steady_ms"]) == 2
+    err = capsys.readouterr().err
+    assert "--columns 'steady_ms': no record has this key" in err and err.count("\n") == 1
+    assert main(["table", str(folder), "--sort-by", "mesh.device"]) == 2
+    err = capsys.readouterr().err
+    assert "--sort-by 'mesh.device'" in err and "did you mean" in err and "mesh.devices" in err
+    assert main(["table", str(folder), "--group-by", "nothing.here"]) == 2
+    capsys.readouterr()
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("grid: {}\n")
+    assert main(["table", str(sweep)]) == 2
+    assert "is not a records file" in capsys.readouterr().err
+    other = write(tmp_path / "bench", [{"kind": "all-gather", "seconds": 1.0}], "collectives.jsonl")
+    assert main(["table", str(other / "collectives.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "holds no run records" in err and "warning" not in err
+    assert main(["table", str(folder), "--columns", "label", "mesh.devices", "psnr"]) == 0
+
+
+def test_load_records_reads_every_shape_into_one_frame(tmp_path):
+    runs = write(
+        tmp_path / "sweep",
+        [run_record(run_id="a"), run_record(run_id="b", status="error"), run_record(run_id="c")],
+    )
+    bench = write(
+        tmp_path / "bench_unet",
+        [{"config": "sdxl", "git_commit": "def", "git_dirty": True, "patchpar_s": 1.5}],
+        "records.jsonl",
+    )
+    write(
+        tmp_path / "bench_unet",
+        [{"kind": "all-gather", "operand_bytes": 8, "seconds": 0.001, "provenance": {"git_commit": "g"}}],
+        "collectives.jsonl",
+    )  # fmt: skip
+    df = load_records(runs, bench)
+    assert list(df["kind"]) == ["run"] * 3 + ["bench_unet.collectives", "bench_unet"]
+    assert list(df["provenance.git_commit"]) == ["abc"] * 3 + ["g", "def"]
+    assert df.loc[df["kind"] == "bench_unet", "config.name"].item() == "sdxl"
+    assert df.loc[df["kind"] == "bench_unet.collectives", "collective"].item() == "all-gather"
+    assert df["metrics.psnr"].tolist()[:3] == [30.0] * 3
+    assert {"source", "config.mesh.devices", "label"} <= set(df.columns)
+    # the newest record of each point, and ok rows only
+    assert list(load_records(runs, latest=True)["run_id"]) == ["c"]
+    assert list(load_records(runs, ok_only=True)["run_id"]) == ["a", "c"]
+    with pytest.raises(ValueError, match="no records at"):
+        load_records(tmp_path / "nothing")
+    (tmp_path / "notes.md").write_text("# not records\n")
+    with pytest.raises(ValueError, match="not a record file"):
+        load_records(tmp_path / "notes.md")
+    with pytest.raises(ValueError, match="name at least one"):
+        load_records()
+
+
+def test_plots_draw_one_series_per_point(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from patchpar.lab.plots import plot_bytes_vs_devices
+
+    records = [
+        run_record(run_id="a", devices=2),
+        run_record(run_id="b", devices=8),
+        run_record(run_id="c", devices=8, mesh__data=2),
+        run_record(run_id="d", devices=8, mesh__fsdp=True),
+    ]
+    fig, ax = plt.subplots()
+    assert plot_bytes_vs_devices(records, ax)
+    legend = sorted(t.get_text() for t in ax.get_legend().get_texts())
+    assert legend == ["sync_patch", "sync_patch mesh.data=2", "sync_patch mesh.fsdp=true"]
+    plt.close(fig)
