@@ -9,11 +9,12 @@ CPU devices of this process. Exact ops: the two must agree to float rounding. Ea
     .venv/bin/python experiments/xla_cpu_race.py                       # the table below
     .venv/bin/python experiments/xla_cpu_race.py --devices 8 --batch 200 --calls 5
 
-Writes runs/xla_cpu_race/runs.jsonl (--out) and table_d<devices>_b<batch>_c<calls>.md: per setting, the images off by > 1e-3 and
-the largest difference. With jaxlib 0.10.2 on 2 cores: `individual_dot` (patchpar's one-device
-default), `none` and `reduce` give the first images of the batch wrong; `individual_dot,eltwise`
-(patchpar's multi-device default) and `jaxlib` give none wrong; `--pin` (the same process on one
-core) gives none wrong with every setting.
+Writes runs/xla_cpu_race/runs.jsonl (--out) and table_d<devices>_b<batch>_c<calls>.md: per
+setting, the images off by > 1e-3 and the largest difference. With jaxlib 0.10.2 on 2 cores:
+`individual_dot` (patchpar's one-device default), `dot`, `none` and `reduce` give the first
+images of the batch wrong; `individual_dot,eltwise` and `jaxlib` (patchpar's multi-device
+default: the flag unset) give none wrong; `--pin` (the same process on one core) gives none
+wrong with every setting.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-SETTINGS = ("individual_dot", "none", "reduce", "individual_dot,eltwise", "jaxlib")
+SETTINGS = ("individual_dot", "dot", "none", "reduce", "individual_dot,eltwise", "jaxlib")
 
 
 def parse(argv=None):

@@ -13,19 +13,19 @@ Measured on a 2-core AMD EPYC (Zen 3, AVX2) with jaxlib 0.10.2, the SD-like UNet
   YNNPACK 10.2 ms, PyTorch 8.5 ms.
 
 **Several CPU devices in one process** (`--xla_force_host_platform_device_count`, or
-`jax_num_cpu_devices`) get `individual_dot,eltwise` instead. With jaxlib 0.10.2 on 2 cores,
-a sharded program that repeats the UNet (a denoising loop) returns wrong values for the first
-images of a large batch whenever XLA's own loop fusions handle the elementwise work (any list
-without `eltwise`, including `individual_dot` and no YNNPACK at all): `sync_patch` on 8 devices
-with 100 fmnist prompts x 2 CFG halves, 5 DDIM steps, gave images 0-3 wrong by up to 0.355 from
-the 4th step on; 2 devices with 400 images in an 8-call loop gave images 0-12 wrong. One-device
-programs are right, so are the same programs pinned to one core (`taskset -c 0`: XLA then
-splits no loop across threads), and so are they with `eltwise` in the list (every repro we
-have, 2/4/8 devices, batches up to 1000). It is a race in XLA:CPU, not in patchpar's sites
-(the programs are pure); `experiments/xla_cpu_race.py` reproduces it (~20 s per setting). Fake devices
-time nothing that counts (they share the cores), so their slower calls (`bench_unet.py` sd:32,
-one device: 224 ms with `individual_dot`, 290 ms with `individual_dot,eltwise`) are the price
-of right images. Launched workers (`--processes`, one device on one core) keep
+`jax_num_cpu_devices`) leave the option unset: jaxlib's own default. With jaxlib 0.10.2 on 2
+cores, a sharded program that repeats the UNet (a denoising loop) returns wrong values for the
+first images of a large batch with `individual_dot`, `dot`, `reduce` or no YNNPACK at all
+(`sync_patch` on 8 devices with 200 fmnist images, 5 calls: images 0-3 wrong by 0.029; 2 devices
+with 400 images in an 8-call loop: images 0-12 wrong by up to 0.2). One-device programs are
+right, so are the same programs pinned to one core (`taskset -c 0`: XLA then splits no loop
+across threads), and so are they with jaxlib's default or with `eltwise` in the list. It is a
+race in XLA:CPU, not in patchpar's sites (the programs are pure); `experiments/xla_cpu_race.py`
+reproduces it (~20 s per setting). `individual_dot,eltwise`, patchpar's earlier choice, breaks
+every non-square image on several devices ("Instruction with unsupported layout in YNN fusion":
+an `eltwise` fusion is handed a transposed operand); jaxlib's default runs them, and costs the
+same here (the race script, 2 devices: 27.3 s against 29.5-31.2 s; two parallel test files,
+8 devices: 93 s against 90 s). Launched workers (`--processes`, one device on one core) keep
 `individual_dot`.
 
 A flag the user already set in XLA_FLAGS wins; PATCHPAR_XLA_DEFAULTS=0 turns all of this off.
@@ -40,7 +40,7 @@ import os
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
 CPU_FLAGS = {YNN: "individual_dot"}
-SHARED_PROCESS_FLAGS = {YNN: "individual_dot,eltwise"}
+SHARED_PROCESS_FLAGS: dict[str, str | None] = {YNN: None}  # None: unset, jaxlib's default
 DEVICE_COUNT = "--xla_force_host_platform_device_count"
 SET_BY_PATCHPAR = "PATCHPAR_XLA_SET"  # the XLA_FLAGS words patchpar put there
 
@@ -59,8 +59,8 @@ def host_device_count() -> int:
     return int(env) if env.isdigit() else 1
 
 
-def wanted(devices: int) -> dict[str, str]:
-    """patchpar's XLA:CPU options for a process with `devices` CPU devices."""
+def wanted(devices: int) -> dict[str, str | None]:
+    """patchpar's XLA:CPU options for a process with `devices` CPU devices (None: unset)."""
     return SHARED_PROCESS_FLAGS if devices > 1 else CPU_FLAGS
 
 
@@ -78,9 +78,12 @@ def apply_defaults(devices: int | None = None) -> list[str]:
         present = [w for w in words if w.partition("=")[0] == key]
         if any(w not in ours for w in present):  # the user's
             continue
-        words = [w for w in words if w not in present] + [f"{key}={value}"]
-        ours = [w for w in ours if w not in present] + [f"{key}={value}"]
-        added.append(f"{key}={value}")
+        words = [w for w in words if w not in present]  # patchpar's own earlier value
+        ours = [w for w in ours if w not in present]
+        if value is not None:
+            words.append(f"{key}={value}")
+            ours.append(f"{key}={value}")
+            added.append(f"{key}={value}")
     os.environ["XLA_FLAGS"] = " ".join(words)
     os.environ[SET_BY_PATCHPAR] = " ".join(ours)
     return added

@@ -1,0 +1,79 @@
+"""Non-square images on fake devices: every strategy generates a 256 x 320 image of the `tiny`
+preset (latent 32 x 40) on 2 of the 8 CPU devices of this process (and `tiny-xl` on 4), with
+the XLA:CPU options patchpar gives a multi-device process (patchpar/xla_flags.py). With
+`individual_dot,eltwise`, the earlier choice, every one of these failed with "Instruction with
+unsupported layout in YNN fusion" (smaller latents, such as the micro models' 16 x 24, did
+not). The exact strategies equal `single` (fp32, <= 1e-4 on the final latent); the others give
+finite latents of the right shape, and the stale ones with warm-up covering every step equal
+sync_patch. The default tier keeps sync_patch and the approximate strategies; ring, Ulysses,
+tensor, tiny-xl and the warm-up checks run with `make test-slow`."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from patchpar.parallel.engine import Plan
+from patchpar.parallel.strategies import STRATEGIES, make_strategy
+from patchpar.pipelines import load_pipeline
+
+SLOW = pytest.mark.slow
+H, W = 256, 320
+STEPS = 2
+EXACT = ("sync_patch", "ring", "ulysses", "tensor")
+
+
+@functools.cache
+def pipeline(model):
+    return load_pipeline(model)
+
+
+@functools.cache
+def latent(model, strategy, devices, options=()):
+    plan = Plan(make_strategy(strategy, **dict(options)), devices, 1)
+    out = pipeline(model)(
+        ["a red bag"], height=H, width=W, steps=STEPS, guidance_scale=5.0, plan=plan, seed=0
+    )
+    return np.asarray(out.latents)
+
+
+def test_every_strategy_is_covered():
+    assert set(STRATEGIES) == {"single", "naive_patch", "distrifusion", "pcpp", *EXACT}
+
+
+@pytest.mark.parametrize(
+    "model, strategy, devices",
+    [
+        ("tiny", "sync_patch", 2),
+        pytest.param("tiny", "ring", 2, marks=SLOW),
+        pytest.param("tiny", "ulysses", 2, marks=SLOW),
+        pytest.param("tiny", "tensor", 2, marks=SLOW),
+        pytest.param("tiny-xl", "sync_patch", 4, marks=SLOW),
+    ],
+)
+def test_exact_strategies_equal_single_on_a_non_square_image(model, strategy, devices):
+    ref = latent(model, "single", 1)
+    out = latent(model, strategy, devices)
+    assert out.shape == ref.shape == (1, H // 8, W // 8, 4)
+    assert float(np.abs(out - ref).max()) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("naive_patch", ()),
+        ("distrifusion", (("warmup_steps", 0),)),
+        ("pcpp", (("send", "band"), ("warmup_steps", 0))),
+    ],
+)
+def test_approximate_strategies_run_on_a_non_square_image(strategy, options):
+    out = latent("tiny", strategy, 2, options)
+    assert out.shape == (1, H // 8, W // 8, 4) and np.isfinite(out).all()
+
+
+@SLOW
+@pytest.mark.parametrize("strategy", ["distrifusion", "pcpp"])
+def test_stale_strategies_with_warmup_over_every_step_equal_sync_patch(strategy):
+    ref = latent("tiny", "sync_patch", 2)
+    out = latent("tiny", strategy, 2, (("warmup_steps", STEPS - 1),))
+    assert float(np.abs(out - ref).max()) <= 1e-4
