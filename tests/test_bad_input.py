@@ -254,3 +254,14 @@ def test_cli_failures_exit_non_zero_with_one_line(tmp_path, micro_folder, capsys
     # a record file that is not there: bad input, exit 2, one line
     assert main(["table", str(tmp_path / "nothing")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_an_unwritable_out_is_an_error_before_any_work(micro_folder, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    args = ["generate", "--model", str(micro_folder), "--steps", "2", "--out", str(blocker / "x")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"patchpar: error: out='{blocker / 'x'}': cannot write there (")
+    assert main(["run", "--results", str(blocker), "--strategy.name", "single"]) == 2
+    assert "results=" in capsys.readouterr().err

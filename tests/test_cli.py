@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from patchpar.lab.cli import main
@@ -118,3 +119,24 @@ def test_the_library_never_imports_the_lab():
                     f"{path.relative_to(root)}: {n}" for n in names if n.startswith("patchpar.lab")
                 ]
     assert not offenders
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["run", "--sampler.steps", "abc"],
+         "Error parsing --sampler.steps: invalid literal for int() with base 10: 'abc'"),
+        (["generate", "--height", "x"], "Error parsing --height:"),
+        (["run", "--sampler.stepz", "3"],
+         "Unrecognized options: --sampler.stepz, 3; did you mean --sampler.steps"),
+        (["sweep"], "Missing from patchpar sweep: PATH"),
+        (["bogus"], "Unrecognized options: bogus (Available subcommands: run, sweep"),
+    ],
+)  # fmt: skip
+def test_command_line_errors_are_one_line(args, expected, capsys):
+    """tyro's boxes of 9-15 lines become one line naming the option and the value."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("patchpar: error: ") and expected in err

@@ -438,3 +438,29 @@ def test_workloads_differ_by_data_and_fsdp_and_fsdp_gathers_are_waited_for(tmp_p
     plan = build_plan("distrifusion", {}, 4, 1, fsdp=True)
     assert "fsdp" in synchronous_sites(plan, "steady")
     assert "fsdp" in synchronous_sites(plan, "warmup")
+
+
+def test_workload_cache_lives_under_patchpar_home_and_skips_what_does_not_read(
+    tmp_path, monkeypatch
+):
+    """A truncated line (a killed writer before the cache was written atomically) no longer
+    breaks every `patchpar project`: it is skipped with a warning naming the file and line; a
+    line lowered by another WORKLOAD_VERSION is not served; no temp file is left."""
+    from patchpar.measure.projection import Workload, default_cache_path
+
+    monkeypatch.setenv("PATCHPAR_HOME", str(tmp_path))
+    assert default_cache_path() == tmp_path / "workloads.jsonl"
+    w = Workload(model="m", resolution=8, strategy="s", devices=2, cfg=1, batch=1,
+                 dtype="bfloat16", unet_batch=2, phases={}, synchronous_sites={},
+                 stale_bytes_per_device=0, warmup_steps=None, encode_flops=0.0,
+                 decode_flops=0.0)  # fmt: skip
+    WorkloadCache()._write(w)
+    path = default_cache_path()
+    older = dataclasses.replace(w, resolution=16, version=0)
+    path.write_text(path.read_text() + '{"model": "m", "resol\n' + json.dumps(older.to_json()))
+    with pytest.warns(UserWarning, match=r"workloads.jsonl:2: not a workload"):
+        cache = WorkloadCache()
+    assert [x.resolution for x in cache] == [8]
+    cache._write(dataclasses.replace(w, resolution=32))  # appends after an unterminated line
+    assert len(path.read_text().splitlines()) == 4
+    assert not list(tmp_path.glob(".workloads-*"))

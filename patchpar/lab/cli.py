@@ -13,6 +13,8 @@ patchpar project ...                                  latency projected on hardw
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from collections.abc import Sequence
 
@@ -160,17 +162,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     try:
         args, cluster = launch.pop_cluster_flags(args)
-        if args and args[0] == "run":  # `--processes N` is `--mesh.processes N` for a run
-            args = [_processes_alias(a) for a in args]
-            config = _run_config(args[1:])
-        else:
-            config = tyro.extras.subcommand_cli_from_dict(
-                _subcommands(),
-                prog="patchpar",
-                description="Patch-parallel diffusion inference in JAX. `patchpar run` takes a "
-                "YAML config path before its flags.",
-                args=args,
-            )
+        with _one_line_usage_errors():
+            if args and args[0] == "run":  # `--processes N` is `--mesh.processes N` for a run
+                args = [_processes_alias(a) for a in args]
+                config = _run_config(args[1:])
+            else:
+                config = tyro.extras.subcommand_cli_from_dict(
+                    _subcommands(),
+                    prog="patchpar",
+                    description="Patch-parallel diffusion inference in JAX. `patchpar run` takes "
+                    "a YAML config path before its flags.",
+                    args=args,
+                )
         if cluster is not None:
             launch.join(cluster)
         dispatch(config, args)
@@ -195,6 +198,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors():
+    """tyro reports a command-line error (a value of the wrong type, an unknown or missing
+    option) as a box of 9-15 lines and exits 2: say it in one line instead, with the options it
+    suggests. `--help` (exit 0) prints as tyro made it."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except SystemExit as e:
+        text = buffer.getvalue()
+        if e.code in (0, None) or not text.strip():
+            sys.stderr.write(text)
+            raise
+        print(f"patchpar: error: {usage_error_line(text)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    sys.stderr.write(buffer.getvalue())
+
+
+def usage_error_line(box: str) -> str:
+    """One line from tyro's error box: its message (up to the first rule, without tyro's list
+    of per-type errors) and the options listed under "Perhaps you meant"."""
+    message, suggested, part = [], [], 0
+    lines = [ln.strip() for ln in box.splitlines() if ln.strip()]
+    for line in lines[1:]:  # after the title (a box's top edge, or a line of its own)
+        if line[0] in "╭╰":  # a box's bottom edge
+            continue
+        row = line.strip("│|").strip()
+        if row and set(row) <= set("─-="):  # a rule between the parts (one may follow the title)
+            part += bool(message)
+            continue
+        if part == 0 and row and not message_done(message):
+            message.append(row)
+        elif part == 1 and row.startswith("--"):
+            suggested.append(row.split()[0])
+        elif row.startswith("Available subcommands"):
+            message.append(f"({row})")
+    text = " ".join(m for m in message if m != "Got errors:")
+    if suggested and "Perhaps you meant" in box:
+        text = text.replace(" Perhaps you meant:", "")
+        text += f"; did you mean {', '.join(dict.fromkeys(suggested))}?"
+    return text + " (--help lists every option)"
+
+
+def message_done(rows: list[str]) -> bool:
+    return bool(rows) and rows[-1] == "Got errors:"
 
 
 def _stderr(msg: str) -> None:

@@ -56,6 +56,7 @@ def generate(config: GenerateConfig) -> dict:
     import jax.numpy as jnp
     from PIL import Image
 
+    from patchpar.lab.results import check_writable
     from patchpar.models.attention import AttentionSpec, resolve
     from patchpar.models.presets import default_guidance, resolve_dtype
     from patchpar.pipelines import load_pipeline
@@ -79,6 +80,7 @@ def generate(config: GenerateConfig) -> dict:
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
     check_guidance(guidance, [config.negative_prompt])
+    check_writable(config.out, "out")  # before any work, not after generating
     plan = config.plan()  # unknown strategy or option: error before loading anything
     t0 = time.perf_counter()
     pipe = load_pipeline(
@@ -142,7 +144,9 @@ def launched_generate(config: GenerateConfig, args: list[str]) -> dict:
             f"processes={config.processes}: must be 0 or devices={config.devices} (a launched "
             f"process has one CPU device)"
         )
-    done = Path(config.out) / "generate.json"
+    from patchpar.lab.results import check_writable
+
+    done = check_writable(config.out, "out") / "generate.json"
     done.unlink(missing_ok=True)
     launch(args, config.processes, config.timeout_s, lambda m: print(m, file=sys.stderr))
     return json.loads(done.read_text())

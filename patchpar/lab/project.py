@@ -34,8 +34,8 @@ class ProjectConfig(PlanFlags):
     are asynchronous, else none), none, step (patchpar's compiled loop: within the step's
     iteration) or next-step (the released DistriFusion code: until the layer's next use)."""
     cache: Path | None = None
-    """Workload cache (JSON lines); default ~/.cache/patchpar/workloads.jsonl. A new point is
-    lowered with abstract weights once (SDXL: about 40 s here)."""
+    """Workload cache (JSON lines); default $PATCHPAR_HOME/workloads.jsonl (PATCHPAR_HOME
+    defaults to ~/.cache/patchpar). A new point is lowered with abstract weights once."""
     timings: Path | None = None
     """Records of experiments/device/shard_timing.py: where one matches a profile and this
     point, its timed per-device program replaces the fitted compute curve."""

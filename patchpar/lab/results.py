@@ -114,6 +114,21 @@ def upgraded(record: dict) -> dict:
     return {**record, "metrics": metrics}
 
 
+def check_writable(folder: Path, what: str) -> Path:
+    """Make `folder` (and its parents) and check that a file can be written there, before any
+    work; ValueError naming the folder and the reason otherwise."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".patchpar-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ValueError(f"{what}={str(folder)!r}: cannot write there ({reason})") from None
+    return folder
+
+
 class RecordError(ValueError):
     """A line of a runs.jsonl that is not a usable record (the message names file and line)."""
 

@@ -41,7 +41,13 @@ from patchpar.lab.config import (
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
 from patchpar.lab.launch import WorkerFailed, in_worker, launch
-from patchpar.lab.results import PHASE_STEPS, append_record, provenance, read_records
+from patchpar.lab.results import (
+    PHASE_STEPS,
+    append_record,
+    check_writable,
+    provenance,
+    read_records,
+)
 from patchpar.lab.speedup import speedups
 
 Log = Callable[[str], None]
@@ -294,6 +300,8 @@ def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> di
     (patchpar.lab.launch); process 0 writes the record."""
     import jax
 
+    # where the record goes, before any work (a record that cannot be written loses the run)
+    check_writable(runs_path(config).parent, "results")
     try:
         config.validate()
         invalid = None

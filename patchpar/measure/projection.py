@@ -27,9 +27,12 @@ Each issued collective's host cost (`launch_s`) is exposed whatever the window.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import tempfile
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,6 +65,8 @@ class Workload:
     data: int = 1  # devices splitting the images (absent from cache lines written before)
     fsdp: bool = False  # weights sharded, gathered per layer
     comm_groups: int | None = None  # the packed stale exchange's groups (None: per site)
+    # what lowered it (WORKLOAD_VERSION): a cache line of another version is not served
+    version: int = 1
 
     def key(self) -> tuple:
         return workload_key(
@@ -163,6 +168,7 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
         data=plan.data,
         fsdp=plan.fsdp_degree > 1,
         comm_groups=plan.strategy.packed_groups(),
+        version=WORKLOAD_VERSION,
     )
 
 
@@ -204,21 +210,59 @@ def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tupl
     return encode, decode
 
 
+# Bump when a change to the sites or the engine changes what a lowered program holds (its
+# collectives, bytes or FLOPs): cached workloads of other versions are lowered again.
+WORKLOAD_VERSION = 1
+
+
+def default_cache_path() -> Path:
+    """$PATCHPAR_HOME/workloads.jsonl (default ~/.cache/patchpar), beside the model folders."""
+    return Path(os.environ.get("PATCHPAR_HOME", Path.home() / ".cache" / "patchpar")) / (
+        "workloads.jsonl"
+    )
+
+
 class WorkloadCache:
     """Workloads in a JSON-lines file, one per (model, resolution, strategy, devices, cfg,
-    batch, dtype); appended line by line, so an interrupted sweep keeps what it computed."""
+    batch, dtype, data, fsdp) and WORKLOAD_VERSION; each new one written at once (the file
+    rewritten to a temp file and renamed over it: a killed process leaves it whole). A line
+    that does not read is skipped with a warning naming the file and line."""
 
     def __init__(self, path: str | Path | None = None):
-        if path is None:
-            root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-            path = root / "patchpar" / "workloads.jsonl"
-        self.path = Path(path)
+        self.path = Path(path) if path is not None else default_cache_path()
         self._items: dict[tuple, Workload] = {}
         if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
+            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
                     w = Workload.from_json(json.loads(line))
+                except (ValueError, TypeError, KeyError) as e:
+                    warnings.warn(
+                        f"{self.path}:{number}: not a workload ({type(e).__name__}: {e}); "
+                        "skipped (it is lowered again when asked for)",
+                        stacklevel=2,
+                    )
+                    continue
+                if w.version == WORKLOAD_VERSION:
                     self._items[w.key()] = w
+
+    def _write(self, w: Workload) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        old = self.path.read_text() if self.path.is_file() else ""
+        if old and not old.endswith("\n"):
+            old += "\n"
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".workloads-")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(old + json.dumps(w.to_json(), sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
     def get(self, model, resolution, plan, batch=1, dtype="bfloat16") -> Workload:
         key = workload_key(
@@ -234,11 +278,7 @@ class WorkloadCache:
         )
         if key not in self._items:
             w = compute_workload(model, resolution, plan, batch, dtype)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(w.to_json(), sort_keys=True) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            self._write(w)
             self._items[key] = w
         return self._items[key]
 
