@@ -123,7 +123,7 @@ def main(argv=None) -> int:
 
 
 def write_table(records: list[dict], path: Path) -> None:
-    from patchpar.measure.report import (
+    from patchpar.lab.comm_report import (
         comm_markdown,
         distrifusion_table2_markdown,
         tensor_parallel_markdown,

@@ -13,6 +13,7 @@ from test_comm import SYNTHETIC
 from patchpar import hardware
 from patchpar.lab.cli import main
 from patchpar.lab.config import build_plan
+from patchpar.lab.project import timed_compute
 from patchpar.measure.comm import collective_groups, parse_collectives
 from patchpar.measure.projection import (
     Workload,
@@ -20,7 +21,6 @@ from patchpar.measure.projection import (
     compute_workload,
     fit_compute,
     project,
-    timed_compute,
 )
 
 REPO = Path(__file__).resolve().parent.parent

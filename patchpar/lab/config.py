@@ -17,7 +17,8 @@ from typing import Any
 
 from patchpar.lab.paths import RUNS
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # a run's compute dtype (auto: per model size)
+LOWERED_DTYPES = DTYPES[1:]  # what `comm` and `project` lower abstract weights in
 STRATEGY_OPTIONS = (
     "warmup_steps",
     "gn",
@@ -269,12 +270,13 @@ class RunConfig:
         from patchpar.models.attention import IMPLEMENTATIONS
         from patchpar.models.presets import CLIP_MODELS, DEFAULT_CLIP
         from patchpar.parallel.strategies import STRATEGIES
+        from patchpar.pipelines.text2img import SEED_RANGE
         from patchpar.sampling.schedulers import SAMPLERS
 
         s, m = self.sampler, self.measure
         n_images = len(self.prompts.prompts) * len(self.prompts.seeds)
         seeds_ok = all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < SEED_RANGE
             for x in self.prompts.seeds
         )
         gs = s.guidance_scale

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from patchpar.lab.config import LOWERED_DTYPES as DTYPES
 from patchpar.lab.config import PlanFlags
-
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from patchpar.lab.config import PlanFlags
+from patchpar.lab.config import DTYPES, PlanFlags
 from patchpar.lab.launch import is_writer, launch
 
 
@@ -46,9 +46,6 @@ class GenerateConfig(PlanFlags):
     core and thread each, joined by jax.distributed (devices must be N)."""
     timeout_s: float = 3600.0
     """processes >= 1: end every worker after this many seconds."""
-
-
-DTYPES = ("auto", "float32", "bfloat16")
 
 
 def generate(config: GenerateConfig) -> dict:
@@ -113,7 +110,7 @@ def generate(config: GenerateConfig) -> dict:
         "strategy": plan.strategy.describe(),
         "devices": plan.devices,
         "processes": config.processes,
-        "stale_bytes_per_device": pipe.last_stale_bytes,
+        "stale_bytes_per_device": out.stale_bytes_per_device,
         "load_s": round(t_load, 3),
         "generate_s_including_compile": round(t_gen, 3),
     }

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from patchpar.lab.config import LOWERED_DTYPES as DTYPES
 from patchpar.lab.config import PlanFlags
 
-DTYPES = ("float32", "bfloat16")
+if TYPE_CHECKING:
+    from patchpar.measure.projection import Workload
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def run_project(config: ProjectConfig) -> list[dict]:
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import read_records
-    from patchpar.measure.projection import OVERLAPS, WorkloadCache, project, timed_compute
+    from patchpar.measure.projection import OVERLAPS, WorkloadCache, project
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
@@ -115,3 +118,29 @@ def format_project(rows: list[dict]) -> str:
         "comm: collectives the step waits for; other: text encoding and VAE decode on one device.",
     ]
     return "\n".join(lines)
+
+
+def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | None:
+    """Measured seconds per UNet call for `w` on `hardware` from experiments/device/
+    shard_timing.py records: {"warmup", "steady", "single"}, or None where they lack this
+    point (same model, resolution, dtype, patches = devices with cfg=1, strategy, and the
+    one-patch `single` run). The script times one phase (the steady program of a stale
+    strategy); it stands for both phases (they differ by the stale buffers' writes)."""
+    if w.cfg != 1:
+        return None
+    ok = [
+        r
+        for r in records
+        if r.get("status") == "ok"
+        and r.get("hardware") == hardware
+        and str(r.get("model")) == w.model
+        and r.get("resolution") == w.resolution
+        and r.get("dtype") == w.dtype
+        and r.get("unet_batch") == w.unet_batch
+    ]
+    mine = [r for r in ok if r["patches"] == w.devices and r["strategy"] == w.strategy]
+    single = [r for r in ok if r["patches"] == 1]
+    if not mine or not single:
+        return None
+    s = mine[-1]["unet_call_s_median"]
+    return {"warmup": s, "steady": s, "single": single[-1]["unet_call_s_median"]}

@@ -286,32 +286,6 @@ class WorkloadCache:
         return iter(self._items.values())
 
 
-def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | None:
-    """Measured seconds per UNet call for `w` on `hardware` from experiments/device/
-    shard_timing.py records: {"warmup", "steady", "single"}, or None where they lack this
-    point (same model, resolution, dtype, patches = devices with cfg=1, strategy, and the
-    one-patch `single` run). The script times one phase (the steady program of a stale
-    strategy); it stands for both phases (they differ by the stale buffers' writes)."""
-    if w.cfg != 1:
-        return None
-    ok = [
-        r
-        for r in records
-        if r.get("status") == "ok"
-        and r.get("hardware") == hardware
-        and str(r.get("model")) == w.model
-        and r.get("resolution") == w.resolution
-        and r.get("dtype") == w.dtype
-        and r.get("unet_batch") == w.unet_batch
-    ]
-    mine = [r for r in ok if r["patches"] == w.devices and r["strategy"] == w.strategy]
-    single = [r for r in ok if r["patches"] == 1]
-    if not mine or not single:
-        return None
-    s = mine[-1]["unet_call_s_median"]
-    return {"warmup": s, "steady": s, "single": single[-1]["unet_call_s_median"]}
-
-
 @dataclass(frozen=True)
 class PhaseTime:
     compute_s: float  # FLOPs priced by the profile, or the timed program

@@ -38,6 +38,7 @@ def unet_on_stack(
 class Output:
     images: np.ndarray  # (B, H, W, 3) uint8
     latents: np.ndarray  # (B, h, w, C) final latent, before VAE scaling, float32
+    stale_bytes_per_device: int = 0  # the strategy's stale buffers per device (0: none)
 
 
 @dataclass
@@ -51,7 +52,6 @@ class Pipeline:
     scheduler: SchedulerConfig
     force_zeros_for_empty_prompt: bool = True  # SDXL: zero negative embeddings for "" negatives
     name: str = ""
-    last_stale_bytes: int = 0  # stale-buffer memory per device of the last denoise
 
     @property
     def is_xl(self) -> bool:
@@ -187,13 +187,10 @@ class Pipeline:
         plan: Plan | None = None,
     ) -> jax.Array:
         """Denoise an initial unit-Gaussian latent, on one device or under `plan`; returns the
-        final latent (and records the stale-buffer memory per device in `self.last_stale_bytes`)."""
-        fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
-        out, state = fn(*args)
-        self.last_stale_bytes = stale_bytes_per_device(state)
-        return to_local(out)  # every process gets the whole latent when devices span processes
+        final latent."""
+        return self.denoise_with_state(cond, latents, sampler, steps, guidance_scale, plan)[0]
 
-    def lower_denoise(
+    def denoise_with_state(
         self,
         cond: Conditioning,
         latents: jax.Array,
@@ -201,12 +198,11 @@ class Pipeline:
         steps: int,
         guidance_scale: float,
         plan: Plan | None = None,
-    ):
-        """The denoising program lowered (not compiled) and its dynamic arguments:
-        `lowered.compile()(*args)` returns (final latent, stale state). For timing compilation
-        apart from running."""
+    ) -> tuple[jax.Array, dict]:
+        """`denoise`, also returning the final stale state (the strategy's buffers)."""
         fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
-        return fn.lower(*args), args[3:7]
+        out, state = fn(*args)
+        return to_local(out), state  # every process gets the whole latent across processes
 
     def decode(self, latents: jax.Array) -> np.ndarray:
         """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process."""
@@ -246,9 +242,13 @@ class Pipeline:
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
-        final = self.denoise(cond, latents, sampler, steps, guidance_scale, plan)
+        final, state = self.denoise_with_state(cond, latents, sampler, steps, guidance_scale, plan)
         # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
-        return Output(self.decode(final), np.asarray(final.astype(jnp.float32)))
+        return Output(
+            self.decode(final),
+            np.asarray(final.astype(jnp.float32)),
+            stale_bytes_per_device(state),
+        )
 
 
 SEED_RANGE = 2**32  # jax.random.key takes the seed modulo 2^32: a larger one repeats a smaller
