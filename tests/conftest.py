@@ -72,12 +72,15 @@ def run_notebook():
 # with this order. Within a file the order is unchanged.
 HEAVY_FIRST = (
     "test_runner.py",
+    "test_processes.py",
+    "test_parallel_context.py",
+    "test_parallel_fsdp.py",
+    "test_parallel_exchange.py",
+    "test_non_square.py",
     "test_parallel_unet.py",
     "test_parallel_cli.py",
     "test_parallel_forward.py",
-    "test_parallel_context.py",
     "test_parallel_tensor.py",
-    "test_parallel_fsdp.py",
     "test_attention.py",
     "test_models_parity.py",
     "test_fmnist.py",
@@ -86,8 +89,9 @@ HEAVY_FIRST = (
     "test_quality.py",
     "test_comm.py",
     "test_pipeline.py",
+    "test_device_suite.py",
+    "test_xla_cpu.py",
     "test_notebooks.py",
-    "test_processes.py",
 )
 
 
