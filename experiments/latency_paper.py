@@ -3,11 +3,14 @@ projected from exact per-device costs, and what the papers did not measure (issu
 
     .venv/bin/python experiments/latency_paper.py            # workloads (cached), fit, check
     .venv/bin/python experiments/latency_paper.py --workloads-only
+    .venv/bin/python experiments/latency_paper.py --workloads results/latency/workloads.jsonl
+        # the published workloads instead of lowering ~84 SDXL programs again (~1 hour)
 
 1. Workloads: SDXL (bf16, abstract weights) lowered on this CPU for 1, 2, 4, 8 devices at 1024,
    2048 and 3840 under single, sync_patch, distrifusion, pcpp (send full and band), tensor, ring and
    ulysses; FLOPs
-   and every collective per device. Cached in <out>/workloads.jsonl (about 40 s each; resumable).
+   and every collective per device. Cached in <out>/workloads.jsonl, or --workloads FILE
+   (about 40 s each; resumable).
 2. Fit: a100-sxm's two compute constants (`flop_efficiency`, `call_overhead_s`) on the declared
    points only: the one-GPU rows and Table 2's "no communication (ideal)" rows (6 points).
    Written into patchpar/hardware/a100-sxm.yaml and <out>/fit.json.
@@ -76,6 +79,12 @@ def parse(argv):
     p.add_argument("--out", type=Path, default=REPO / "runs" / "latency")
     p.add_argument("--workloads-only", action="store_true", help="compute the workloads, stop")
     p.add_argument(
+        "--workloads",
+        type=Path,
+        default=None,
+        help="workload cache (default <out>/workloads.jsonl)",
+    )
+    p.add_argument(
         "--no-write-profile", action="store_true", help="do not rewrite a100-sxm.yaml's fit"
     )
     return p.parse_args(argv)
@@ -126,7 +135,7 @@ def main(argv=None) -> None:
     args = parse(argv)
     prov = provenance()  # before the fit rewrites a profile: the commit is what ran
     args.out.mkdir(parents=True, exist_ok=True)
-    cache = WorkloadCache(args.out / "workloads.jsonl")
+    cache = WorkloadCache(args.workloads or args.out / "workloads.jsonl")
     t0 = time.time()
     wl = workloads(cache)
     print(f"workloads: {len(wl)} ({time.time() - t0:.0f} s)")

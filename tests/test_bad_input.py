@@ -265,3 +265,24 @@ def test_an_unwritable_out_is_an_error_before_any_work(micro_folder, tmp_path, c
     assert err.startswith(f"patchpar: error: out='{blocker / 'x'}': cannot write there (")
     assert main(["run", "--results", str(blocker), "--strategy.name", "single"]) == 2
     assert "results=" in capsys.readouterr().err
+
+
+def test_a_program_that_cannot_fit_is_refused_before_it_runs(
+    micro_folder, tmp_path, capsys, monkeypatch
+):
+    """`generate --height 8192` used to fail inside XLA after compiling, seven times over; the
+    compiled program's memory is now checked against the device's first (here the device is
+    made small, so the micro model's program does not fit)."""
+    from patchpar.measure import cost
+
+    monkeypatch.setattr(cost, "device_memory_bytes", lambda device: 1000)
+    args = ["generate", "--model", str(micro_folder), "--steps", "2", "--out", str(tmp_path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the denoising program needs" in err and "GiB per device" in err
+    assert err.count("\n") == 1 and not (tmp_path / "latent.npy").exists()
+    with pytest.raises(ValueError, match="needs .* more than the 0.00 GiB a device has here"):
+        load_pipeline(micro_folder)("a bag", steps=2, check_memory=True)
+    # a device that is large enough runs as before
+    monkeypatch.setattr(cost, "device_memory_bytes", lambda device: 2**40)
+    assert main(args) == 0 and (tmp_path / "latent.npy").exists()

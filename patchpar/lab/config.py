@@ -11,28 +11,16 @@ from __future__ import annotations
 import math
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
 
 from patchpar.lab.paths import RUNS
 
 DTYPES = ("auto", "float32", "bfloat16")  # a run's compute dtype (auto: per model size)
 LOWERED_DTYPES = DTYPES[1:]  # what `comm` and `project` lower abstract weights in
-STRATEGY_OPTIONS = (
-    "warmup_steps",
-    "gn",
-    "no_sync",
-    "portion",
-    "send",
-    "split",
-    "ring_degree",
-    "ulysses_degree",
-    "tp_degree",
-    "comm_groups",
-)
-
-
 def build_plan(
     name: str,
     options: dict,
@@ -51,41 +39,50 @@ def build_plan(
     return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp)
 
 
-@dataclass(frozen=True)
-class StrategyOptions:
-    """The strategies' options; one left unset (None) keeps the strategy's default, and one the
-    chosen strategy does not have is an error."""
+def _strategy_options() -> dict[str, tuple[Any, str, list[str]]]:
+    """Every strategy option, from the strategy dataclasses themselves (`patchpar/parallel/
+    strategies/`, each option declared with its help by `base.option`): name -> (type, help,
+    the strategies that have it), in registry order. A new strategy brings its options with
+    it; nothing here lists them."""
+    from patchpar.parallel.strategies import STRATEGIES
 
-    warmup_steps: int | None = None
-    """distrifusion/pcpp: the first warmup_steps + 1 steps run synchronously (default 4; DistriFusion §4.3, Table 4)."""
-    gn: str | None = None
-    """distrifusion/pcpp GroupNorm after warm-up: separate, stale, corrected (default), sync (DistriFusion §4.2, Table 5)."""
-    no_sync: bool | None = None
-    """distrifusion: exchange nothing after warm-up (DistriFusion Table 4, "no sync")."""
-    portion: float | None = None
-    """pcpp: share of each neighbour patch attended to, in (0, 1] (default 0.3, PCPP's code; PCPP §3.2)."""
-    send: str | None = None
-    """pcpp: full (whole neighbour K/V, as PCPP's code; default) or band (only the rows used)."""
-    split: str | None = None
-    """naive_patch: row (default), col or alternate (DistriFusion Fig. 3's baselines)."""
-    ring_degree: int | None = None
-    """ring/ulysses: devices in the K/V ring (xDiT's ring_degree); ring x ulysses = the patch
-    axis (ring's default: all of it; with ulysses_degree the other follows)."""
-    ulysses_degree: int | None = None
-    """ring/ulysses: devices in each Ulysses all-to-all group (xDiT's ulysses_degree; ulysses'
-    default: the whole patch axis). Heads that do not divide it are padded with zero heads."""
-    tp_degree: int | None = None
-    """tensor: devices each layer's weights are split over (diffusers' tp_degree; default: all
-    of an image's devices); must divide the block widths and the GroupNorm groups (heads that
-    do not divide are padded with zero heads). Below the devices an image has, the rest are
-    exact row patches (a hybrid)."""
-    comm_groups: int | str | None = None
-    """distrifusion/pcpp: the steady phase's stale sends exchanged together in G groups of
-    sites in layer order, one collective per site kind and dtype per group (distrifuser's
-    comm_checkpoint; default 1), or per_site (each site its own collectives)."""
+    found: dict[str, tuple[Any, str, list[str]]] = {}
+    for name, cls in STRATEGIES.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            entry = found.setdefault(f.name, (hints[f.name], f.metadata.get("help", ""), []))
+            entry[2].append(name)
+    return found
 
-    def options(self) -> dict:
-        return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
+
+def _optional(t):
+    return t if type(None) in typing.get_args(t) else t | None
+
+
+_OPTIONS = _strategy_options()
+STRATEGY_OPTIONS = tuple(_OPTIONS)
+
+
+def _options(self) -> dict:
+    return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
+
+
+StrategyOptions = make_dataclass(
+    "StrategyOptions",
+    [
+        (
+            name,
+            Annotated[_optional(t), tyro.conf.arg(help=f"{'/'.join(users)}: {text}")],
+            field(default=None),
+        )
+        for name, (t, text, users) in _OPTIONS.items()
+    ],
+    frozen=True,
+    namespace={"options": _options, "__module__": __name__},
+)
+StrategyOptions.__doc__ = """The strategies' options (declared in each strategy's own file); one left
+    unset (None) keeps the strategy's default, and one the chosen strategy does not have is an
+    error."""
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ def generate(config: GenerateConfig) -> dict:
         sampler=config.sampler,
         negative_prompts=negative,
         plan=plan,
+        check_memory=True,  # compiled first: a program that cannot fit is refused up front
     )
     t_gen = time.perf_counter() - t0
     record = {

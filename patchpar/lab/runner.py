@@ -33,7 +33,6 @@ from patchpar.lab.config import (
     MeshConfig,
     RunConfig,
     StrategyConfig,
-    build_plan,
     dump_config,
     to_dict,
     with_defaults,
@@ -76,21 +75,16 @@ def point_key(config: RunConfig | dict) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
-    """Bytes received per device per step (warm-up, steady, and the mean over the run's steps),
-    FLOPs per device of one steady step, from the lowered programs (patchpar.measure.cost)."""
-    from patchpar.measure.cost import measure
+def comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
+    """Bytes received per device per step (warm-up, steady, and the mean over the run's steps)
+    and FLOPs per device of one step, from the timed phase programs themselves (`counted`:
+    phase -> `measure.cost.count_lowered` of its loop, whose body is one step)."""
+    from patchpar.parallel.rules import weight_bytes_per_device
 
-    f = pipe.latent_factor
-    latent_hw = (hw[0] // f, hw[1] // f)
-    measured = plan if plan.strategy.parallel else build_plan("sync_patch", {}, 1, 1)
-    r = measure(
-        pipe.unet, measured, latent_hw, batch=batch,
-        guidance_scale=config.sampler.guidance_scale,
-    )  # fmt: skip
-    wu, st = r["phases"]["warmup"], r["phases"]["steady"]
+    wu = counted["warmup"]
+    st = counted.get("steady", wu)  # an exact strategy's steps are all warm-up steps
     n = config.sampler.steps
-    sync = plan.strategy.warmup_phase_steps(n)
+    sync = plan.strategy.warmup_phase_steps(n) if plan.strategy.parallel else n
     w_bytes, s_bytes = wu["hlo"]["all"]["max"], st["hlo"]["all"]["max"]
     rw, rs = wu["released"]["all"]["max"], st["released"]["all"]["max"]
     return {
@@ -101,8 +95,10 @@ def comm_metrics(pipe, plan, config: RunConfig, hw, batch: int) -> dict:
         "bytes_per_device_per_step": (sync * w_bytes + (n - sync) * s_bytes) / n,
         "bytes_per_device_total": sync * w_bytes + (n - sync) * s_bytes,
         "flops_per_device_per_step": st.get("flops_per_device"),
-        "weight_bytes_per_device": r["weight_bytes_per_device"],
-        "weight_rules": measured.rules_name,
+        "weight_bytes_per_device": weight_bytes_per_device(
+            pipe.unet_params, plan.rules(), plan.degrees()
+        ),
+        "weight_rules": plan.rules_name,
         "analytic_matches_hlo": bool(wu["analytic_matches_hlo"] and st["analytic_matches_hlo"]),
     }
 
@@ -114,18 +110,23 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     Returns (final latent, timing metrics)."""
     import jax
 
-    from patchpar.measure.cost import memory_per_device
+    from patchpar.measure.cost import check_fits, count_lowered, memory_per_device
     from patchpar.measure.timing import time_phases
     from patchpar.parallel.engine import stale_bytes_per_device
+    from patchpar.parallel.sites import record_sites
 
     s, m = config.sampler, config.measure
     t0 = time.perf_counter()
     programs, args = pipe.denoise_phases(cond, x0, s.name, s.steps, s.guidance_scale, plan)
-    compiled, x, loop = [], args[3], None
+    compiled, lowered, x, loop = [], {}, args[3], None
     for phase, n, fn in programs:  # each phase lowered on what the one before it returns
-        c = jax.jit(fn).lower(*args[:3], x, loop).compile()
+        with record_sites() as calls:  # the site calls of its loop body: one step's
+            low = jax.jit(fn).lower(*args[:3], x, loop)
+        c = low.compile()
+        check_fits(c, f"the {phase} phase's program")  # before running it
         x, loop = _outputs_abstract(c)
         compiled.append((phase, n, c))
+        lowered[phase] = (low, calls)
     compile_s = time.perf_counter() - t0
     log(f"  compiled in {compile_s:.1f} s; timing {m.repeats} run(s)")
     (final, (_, state)), t = time_phases(
@@ -151,7 +152,22 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         ph = t["phases"].get(phase)
         out[PHASE_STEPS[phase]] = steps.get(phase, 0)
         out[f"{phase}_step_s_median"] = ph["median"] / steps[phase] if ph else None
-    return final, out
+    counted = None
+    if m.comm and not m.compute_only:  # the timed programs are the counted ones
+        b, h, w, c = x0.shape  # the global latent; one device's slab of the guided output:
+        axis = plan.strategy.patch_axis(0)
+        local_out = (
+            b // plan.data,
+            h // plan.patch if axis == "row" else h,
+            w // plan.patch if axis == "col" else w,
+            c,
+        )
+        itemsize = jax.numpy.dtype(pipe.unet.module.dtype).itemsize
+        counted = {
+            phase: count_lowered(low, calls, plan, local_out, itemsize)
+            for phase, (low, calls) in lowered.items()
+        }
+    return final, out, counted
 
 
 def _outputs_abstract(compiled):
@@ -225,7 +241,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     for i, batch in enumerate(batches(config)):
         cond, x0 = inputs(pipe, config, batch, hw)
         if i == 0:  # the timed call
-            final, timing = timed_denoise(pipe, config, plan, cond, x0, log)
+            final, timing, counted = timed_denoise(pipe, config, plan, cond, x0, log)
             final = to_local(final)
             metrics.update(timing)
         else:
@@ -240,8 +256,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     if m.compute_only:  # stand-in collectives: no bytes to count, images not the model's
         return metrics, []
     if m.comm:
-        log("  counting communication and FLOPs")
-        metrics.update(comm_metrics(pipe, plan, config, hw, metrics["batch"]))
+        metrics.update(comm_metrics(pipe, plan, config, counted))
 
     if m.quality:
         own = (images, latents) if not plan.strategy.parallel else None

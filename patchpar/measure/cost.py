@@ -5,6 +5,7 @@ presets need no weights and little memory."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -22,7 +23,14 @@ from patchpar.parallel.engine import Plan, abstract_inputs, make_step, stale_byt
 from patchpar.parallel.rules import weight_bytes_per_device
 from patchpar.parallel.sites import PHASES, record_sites
 
-__all__ = ["abstract_inputs", "analytic_count", "measure", "memory_per_device", "released_count"]
+__all__ = [
+    "abstract_inputs",
+    "analytic_count",
+    "count_lowered",
+    "measure",
+    "memory_per_device",
+    "released_count",
+]
 
 
 def _site_count(plan: Plan, log, rule: str) -> CommCount:
@@ -101,26 +109,38 @@ def measure(
             lowered = jax.jit(step, donate_argnums=donate).lower(
                 params, x, t, cond, state if phase == "steady" else None
             )
-        collectives = parse_collectives(hlo_text_with_metadata(lowered), plan.devices)
-        hlo = count_collectives(collectives, plan.devices)
-        model = analytic_count(plan, log, local_out, out_shape.dtype.itemsize)
-        entry = {
-            "hlo": hlo.summary(),
-            "analytic": model.summary(),
-            "lower_s": round(time.perf_counter() - t0, 2),
-        }
-        entry["analytic_matches_hlo"] = _same(hlo, model)
-        entry["collectives"] = collective_groups(collectives, plan.devices)
-        entry["released"] = released_count(plan, log, local_out, out_shape.dtype.itemsize).summary()
-        if flops:
-            cost = lowered.cost_analysis()
-            entry["flops_per_device"] = float((cost or {}).get("flops", float("nan")))
+        entry = count_lowered(lowered, log, plan, local_out, out_shape.dtype.itemsize, flops)
+        entry["lower_s"] = round(time.perf_counter() - t0, 2)
         if memory and phase == "steady":  # the steady program holds the stale buffers in and out
             t0 = time.perf_counter()
             entry["memory"] = memory_per_device(lowered.compile())
             entry["compile_s"] = round(time.perf_counter() - t0, 2)
         record["phases"][phase] = entry
     return record
+
+
+def count_lowered(lowered, log, plan: Plan, local_out, out_itemsize: int, flops: bool = True):
+    """What a lowered program of one model step (or a phase's loop, whose body is one step:
+    its collectives and FLOPs appear once in the program) costs each device: bytes received
+    by site from the pre-optimisation HLO (`hlo`), the same from the site calls recorded while
+    tracing it (`analytic`, and `analytic_matches_hlo`), the released code's pattern
+    (`released`), the collectives grouped (op, group size, bytes) and `flops_per_device`.
+    `local_out`: one device's slab of the guided output (for the CFG gather and the released
+    code's output gather)."""
+    collectives = parse_collectives(hlo_text_with_metadata(lowered), plan.devices)
+    hlo = count_collectives(collectives, plan.devices)
+    model = analytic_count(plan, log, local_out, out_itemsize)
+    entry = {
+        "hlo": hlo.summary(),
+        "analytic": model.summary(),
+        "analytic_matches_hlo": _same(hlo, model),
+        "collectives": collective_groups(collectives, plan.devices),
+        "released": released_count(plan, log, local_out, out_itemsize).summary(),
+    }
+    if flops:
+        cost = lowered.cost_analysis()
+        entry["flops_per_device"] = float((cost or {}).get("flops", float("nan")))
+    return entry
 
 
 def memory_per_device(compiled) -> dict:
@@ -139,6 +159,34 @@ def memory_per_device(compiled) -> dict:
     }
     parts["total"] = parts["arguments"] + parts["outputs"] + parts["temporaries"] - parts["aliased"]
     return parts
+
+
+def device_memory_bytes(device) -> int | None:
+    """What one device can hold: its allocator's limit (GPUs, TPUs), or on CPU the machine's
+    available memory shared by this process's CPU devices; None where neither is known."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+        return avail // max(1, len(jax.local_devices(backend="cpu")))
+    return None
+
+
+def check_fits(compiled, what: str = "this program") -> None:
+    """ValueError, before running it, when a compiled program needs more memory per device
+    (XLA's buffer assignment) than a device here has."""
+    need = memory_per_device(compiled)["total"]
+    have = device_memory_bytes(jax.local_devices()[0])
+    if need and have and need > have:
+        raise ValueError(
+            f"{what} needs {need / 2**30:.2f} GiB per device (XLA's buffer assignment of the "
+            f"compiled program), more than the {have / 2**30:.2f} GiB a device has here: use a "
+            "smaller image, more devices, bfloat16 or the chunked attention kernel"
+        )
 
 
 def _same(a: CommCount, b: CommCount) -> bool:

@@ -250,7 +250,8 @@ def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
     """Zeros shaped like the stale buffers (global, with the mesh's device axes), from the
     warm-up phase."""
     warm = make_step(unet, plan, "warmup", plan.strategy.patch_axis(0), guidance_scale, mesh)
-    _, shapes = jax.eval_shape(warm, params, x, jnp.zeros((), jnp.float32), cond, None)
+    with shapes_only():  # a shape trace: its site calls are not the program's
+        _, shapes = jax.eval_shape(warm, params, x, jnp.zeros((), jnp.float32), cond, None)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 

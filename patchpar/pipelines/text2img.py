@@ -198,10 +198,20 @@ class Pipeline:
         steps: int,
         guidance_scale: float,
         plan: Plan | None = None,
+        check_memory: bool = False,
     ) -> tuple[jax.Array, dict]:
-        """`denoise`, also returning the final stale state (the strategy's buffers)."""
+        """`denoise`, also returning the final stale state (the strategy's buffers). With
+        `check_memory`, the program is compiled first and refused (ValueError naming both
+        figures) when it needs more memory per device than a device here has."""
         fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
-        out, state = fn(*args)
+        if check_memory:
+            from patchpar.measure.cost import check_fits
+
+            compiled = fn.lower(*args).compile()
+            check_fits(compiled, "the denoising program")
+            out, state = compiled(*args[3:7])
+        else:
+            out, state = fn(*args)
         return to_local(out), state  # every process gets the whole latent across processes
 
     def decode(self, latents: jax.Array) -> np.ndarray:
@@ -225,6 +235,7 @@ class Pipeline:
         negative_prompts: list[str] | None = None,
         latents: jax.Array | None = None,
         plan: Plan | None = None,
+        check_memory: bool = False,
     ) -> Output:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
@@ -242,7 +253,9 @@ class Pipeline:
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
-        final, state = self.denoise_with_state(cond, latents, sampler, steps, guidance_scale, plan)
+        final, state = self.denoise_with_state(
+            cond, latents, sampler, steps, guidance_scale, plan, check_memory
+        )
         # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
         return Output(
             self.decode(final),

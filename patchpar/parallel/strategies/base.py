@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 from patchpar.models.sites import IDENTITY, SiteOps
+
+
+def option(default: Any, help: str) -> Any:
+    """A strategy option: a dataclass field with its default and its help text (with the paper
+    reference); the experiment layer builds its configs and command-line flags from these."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -68,13 +74,22 @@ PER_SITE = "per_site"
 class StaleStrategy(Strategy):
     """A warm-up of exact steps, then stale activations (DistriFusion and PCPP share this)."""
 
-    # synchronous steps before going stale: the first warmup_steps + 1 (DistriFusion §4.3, default 4)
-    warmup_steps: int = 4
-    # GroupNorm after warm-up (DistriFusion Table 5): separate | stale | corrected (Eq. 2) | sync
-    gn: str = "corrected"
-    # steady-phase stale sends exchanged together in G groups of sites in layer order
-    # (distrifuser's comm_checkpoint), or `per_site`: each site its own collectives
-    comm_groups: int | str = 1
+    warmup_steps: int = option(
+        4,
+        "the first warmup_steps + 1 steps run synchronously (default 4; DistriFusion §4.3, "
+        "Table 4).",
+    )
+    gn: str = option(
+        "corrected",
+        "GroupNorm after warm-up: separate, stale, corrected (default; Eq. 2), sync "
+        "(DistriFusion §4.2, Table 5).",
+    )
+    comm_groups: int | str = option(
+        1,
+        "the steady phase's stale sends exchanged together in G groups of sites in layer "
+        "order, one collective per site kind and dtype per group (distrifuser's "
+        "comm_checkpoint; default 1), or per_site (each site its own collectives).",
+    )
 
     def __post_init__(self):
         if self.gn not in GN_MODES:

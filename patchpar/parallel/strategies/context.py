@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.sites.context import check_degrees
-from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.base import Strategy, option
 
 
 @dataclass(frozen=True)
@@ -18,10 +18,16 @@ class ContextParallel(Strategy):
     name = "context"
     # which attention takes the whole patch axis when no degree is given
     whole: ClassVar[str] = "ring"
-    # devices in the ring (xDiT / diffusers ring_degree); unset: patch / ulysses_degree
-    ring_degree: int | None = None
-    # devices in each Ulysses all-to-all group (ulysses_degree); unset: patch / ring_degree
-    ulysses_degree: int | None = None
+    ring_degree: int | None = option(
+        None,
+        "devices in the K/V ring (xDiT's ring_degree); ring x ulysses = the patch axis (ring's "
+        "default: all of it; with ulysses_degree the other follows).",
+    )
+    ulysses_degree: int | None = option(
+        None,
+        "devices in each Ulysses all-to-all group (xDiT's ulysses_degree; ulysses' default: the "
+        "whole patch axis). Heads that do not divide it are padded with zero heads.",
+    )
 
     def degrees(self, patch: int) -> tuple[int, int]:
         """(ring, ulysses) on a patch axis of `patch` devices."""

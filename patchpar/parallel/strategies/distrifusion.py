@@ -9,15 +9,17 @@ and K/V stay as at the last warm-up step and GroupNorm is local, so it needs `gn
 from dataclasses import dataclass
 
 from patchpar.parallel.sites import PatchOps, patch_ops
-from patchpar.parallel.strategies.base import StaleStrategy
+from patchpar.parallel.strategies.base import StaleStrategy, option
 
 
 @dataclass(frozen=True)
 class DistriFusion(StaleStrategy):
     name = "distrifusion"
-    # after warm-up exchange nothing: halos and K/V as at the last warm-up step, GroupNorm local
-    # (DistriFusion Table 4 "no sync"; the released code's mode="no_sync")
-    no_sync: bool = False
+    no_sync: bool = option(
+        False,
+        "exchange nothing after warm-up: halos and K/V as at the last warm-up step, GroupNorm "
+        'local (DistriFusion Table 4, "no sync"; the released code\'s mode="no_sync").',
+    )
 
     def __post_init__(self):
         super().__post_init__()

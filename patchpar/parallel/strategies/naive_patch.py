@@ -4,7 +4,7 @@ DistriFusion's baseline (Li et al. 2024, Table 1, "naive patch")."""
 
 from dataclasses import dataclass
 
-from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.base import Strategy, option
 
 SPLITS = ("row", "col", "alternate")
 
@@ -12,7 +12,11 @@ SPLITS = ("row", "col", "alternate")
 @dataclass(frozen=True)
 class NaivePatch(Strategy):
     name = "naive_patch"
-    split: str = "row"  # row | col | alternate (row on even steps, col on odd; as distrifuser)
+    split: str = option(
+        "row",
+        "row (default), col or alternate (row on even steps, col on odd; DistriFusion Fig. 3's "
+        "baselines).",
+    )
 
     def __post_init__(self):
         if self.split not in SPLITS:

@@ -5,7 +5,7 @@ neighbours: the last `portion` of the patch above and the first `portion` of the
 from dataclasses import dataclass
 
 from patchpar.parallel.sites import PatchOps, patch_ops
-from patchpar.parallel.strategies.base import StaleStrategy
+from patchpar.parallel.strategies.base import StaleStrategy, option
 
 SENDS = ("full", "band")
 
@@ -13,10 +13,16 @@ SENDS = ("full", "band")
 @dataclass(frozen=True)
 class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
     name = "pcpp"
-    # share of each neighbour patch's tokens kept (PCPP's code hard-codes 0.3, never ablated)
-    portion: float = 0.3
-    # full: send the whole neighbour K/V and crop at the receiver (PCPP's code); band: only the rows used
-    send: str = "full"
+    portion: float = option(
+        0.3,
+        "share of each neighbour patch attended to, in (0, 1] (default 0.3: PCPP's code "
+        "hard-codes it; PCPP §3.2).",
+    )
+    send: str = option(
+        "full",
+        "full (the whole neighbour K/V, cropped at the receiver, as PCPP's code; default) or "
+        "band (only the rows used).",
+    )
 
     def __post_init__(self):
         super().__post_init__()

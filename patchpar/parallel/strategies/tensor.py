@@ -10,16 +10,20 @@ from dataclasses import dataclass
 
 from patchpar.parallel.mesh import divisors
 from patchpar.parallel.sites import PatchOps, patch_ops
-from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.base import Strategy, option
 
 
 @dataclass(frozen=True)
 class Tensor(Strategy):
     name = "tensor"
     rules = "tensor"
-    # devices each layer's weights are split over (diffusers ParallelConfig.tp_degree); unset:
-    # all the devices an image has (after data and cfg); the rest: exact row patches
-    tp_degree: int | None = None
+    tp_degree: int | None = option(
+        None,
+        "devices each layer's weights are split over (diffusers' tp_degree; default: all of an "
+        "image's devices); must divide the block widths and the GroupNorm groups (heads that do "
+        "not divide are padded with zero heads). Below the devices an image has, the rest are "
+        "exact row patches (a hybrid).",
+    )
 
     def model_degree(self, devices: int) -> int:
         return devices if self.tp_degree is None else self.tp_degree
