@@ -21,6 +21,8 @@ from patchpar.lab.paths import RUNS
 
 DTYPES = ("auto", "float32", "bfloat16")  # a run's compute dtype (auto: per model size)
 LOWERED_DTYPES = DTYPES[1:]  # what `comm` and `project` lower abstract weights in
+
+
 def build_plan(
     name: str,
     options: dict,
