@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from patchpar.parallel.sites.common import STALE, PatchSite, exchange, nbytes, note
 
-MODES = ("sync", "separate", "stale", "corrected")
+MODES = ("separate", "stale", "corrected", "sync")  # DistriFusion Table 5's order
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from patchpar.models.sites import IDENTITY, SiteOps
+from patchpar.parallel.sites.groupnorm import MODES as GROUPNORM_MODES
 
 
 def option(default: Any, help: str) -> Any:
@@ -66,7 +67,7 @@ class Strategy:
         return f"{self.name}({opts})"
 
 
-GN_MODES = ("separate", "stale", "corrected", "sync")
+GN_MODES = GROUPNORM_MODES  # the GroupNorm site's modes (parallel/sites/groupnorm.py)
 PER_SITE = "per_site"
 
 
