@@ -40,7 +40,7 @@ run: $(STAMP) $(FMNIST)
 # One pytest worker per core (at most 2: each worker's 8 fake devices use the cores too); a
 # file's tests stay on one worker, so the reference runs it caches are computed once.
 WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 2 ] && n=2; echo $$n)
-PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP) $(FMNIST)
 	$(TEST_ENV) $(PYTEST)

@@ -69,7 +69,9 @@ def run_notebook():
 # hands out whole files in collection order, so a heavy file collected late (test_runner.py's
 # killed-and-resumed sweep alone takes ~150 s) ran by itself at the end while the other worker
 # idled. Measured on this 2-core machine, same 250 tests: 766 s in alphabetical order, 495 s
-# with this order. Within a file the order is unchanged.
+# with this order. Within a file the order is unchanged. pytest-xdist >= 3.6 reorders files by
+# their number of tests unless told not to (`--no-loadscope-reorder`, in the Makefile): that
+# put test_processes.py's one 77 s test last, alone.
 HEAVY_FIRST = (
     "test_runner.py",
     "test_processes.py",
