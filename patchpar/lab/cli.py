@@ -230,22 +230,19 @@ def usage_error_line(box: str) -> str:
         row = line.strip("│|").strip()
         if row and set(row) <= set("─-="):  # a rule between the parts (one may follow the title)
             part += bool(message)
-            continue
-        if part == 0 and row and not message_done(message):
+        elif row == "Got errors:":  # tyro's per-type attempts: the message is complete
+            part = max(part, 1)
+        elif part == 0 and row:
             message.append(row)
         elif part == 1 and row.startswith("--"):
             suggested.append(row.split()[0])
         elif row.startswith("Available subcommands"):
             message.append(f"({row})")
-    text = " ".join(m for m in message if m != "Got errors:")
+    text = " ".join(message)
     if suggested and "Perhaps you meant" in box:
         text = text.replace(" Perhaps you meant:", "")
         text += f"; did you mean {', '.join(dict.fromkeys(suggested))}?"
     return text + " (--help lists every option)"
-
-
-def message_done(rows: list[str]) -> bool:
-    return bool(rows) and rows[-1] == "Got errors:"
 
 
 def _stderr(msg: str) -> None:

@@ -84,7 +84,7 @@ def comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
     wu = counted["warmup"]
     st = counted.get("steady", wu)  # an exact strategy's steps are all warm-up steps
     n = config.sampler.steps
-    sync = plan.strategy.warmup_phase_steps(n) if plan.strategy.parallel else n
+    sync = plan.strategy.warmup_phase_steps(n)
     w_bytes, s_bytes = wu["hlo"]["all"]["max"], st["hlo"]["all"]["max"]
     rw, rs = wu["released"]["all"]["max"], st["released"]["all"]["max"]
     return {
@@ -118,12 +118,13 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     s, m = config.sampler, config.measure
     t0 = time.perf_counter()
     programs, args = pipe.denoise_phases(cond, x0, s.name, s.steps, s.guidance_scale, plan)
-    compiled, lowered, x, loop = [], {}, args[3], None
+    compiled, lowered, memory, x, loop = [], {}, {}, args[3], None
     for phase, n, fn in programs:  # each phase lowered on what the one before it returns
         with record_sites() as calls:  # the site calls of its loop body: one step's
             low = jax.jit(fn).lower(*args[:3], x, loop)
         c = low.compile()
-        check_fits(c, f"the {phase} phase's program")  # before running it
+        memory[phase] = memory_per_device(c)
+        check_fits(memory[phase], f"the {phase} phase's program")  # before running it
         x, loop = _outputs_abstract(c)
         compiled.append((phase, n, c))
         lowered[phase] = (low, calls)
@@ -145,7 +146,6 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         "images_per_s": b / t["median"],
         "stale_bytes_per_device": stale_bytes_per_device(state),
     }
-    memory = {phase: memory_per_device(c) for phase, _, c in compiled}
     out["memory_per_device"] = memory
     out["memory_per_device_bytes"] = max((v["total"] or 0 for v in memory.values()), default=None)
     for phase in ("warmup", "steady"):  # per-step medians of each phase (null: no such step)

@@ -176,10 +176,10 @@ def device_memory_bytes(device) -> int | None:
     return None
 
 
-def check_fits(compiled, what: str = "this program") -> None:
-    """ValueError, before running it, when a compiled program needs more memory per device
-    (XLA's buffer assignment) than a device here has."""
-    need = memory_per_device(compiled)["total"]
+def check_fits(memory: dict, what: str = "this program") -> None:
+    """ValueError, before running it, when a compiled program's `memory_per_device` (XLA's
+    buffer assignment) is more than a device here has."""
+    need = memory["total"]
     have = device_memory_bytes(jax.local_devices()[0])
     if need and have and need > have:
         raise ValueError(

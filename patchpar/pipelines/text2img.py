@@ -205,10 +205,10 @@ class Pipeline:
         figures) when it needs more memory per device than a device here has."""
         fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
         if check_memory:
-            from patchpar.measure.cost import check_fits
+            from patchpar.measure.cost import check_fits, memory_per_device
 
             compiled = fn.lower(*args).compile()
-            check_fits(compiled, "the denoising program")
+            check_fits(memory_per_device(compiled), "the denoising program")
             out, state = compiled(*args[3:7])
         else:
             out, state = fn(*args)
