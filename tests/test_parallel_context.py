@@ -75,7 +75,7 @@ def _sample(kind, name, devices, cfg, data, options=(), batch=2, steps=3, image=
     "kind, name, devices, cfg, data, options",
     [
         ("sd", "ring", 4, 2, 1, ()),
-        ("sdxl", "ulysses", 8, 1, 2, ()),
+        pytest.param("sdxl", "ulysses", 8, 1, 2, (), marks=SLOW),  # ulysses: also over processes
         ("sd", "sync_patch", 8, 2, 2, ()),  # data x cfg x patch = 2 x 2 x 2
         pytest.param("sd", "ulysses", 8, 1, 1, (("ring_degree", 4),), marks=SLOW),
         pytest.param("sdxl", "sync_patch", 2, 1, 2, (), marks=SLOW),  # pure data parallel

@@ -37,7 +37,9 @@ def _run(strategy, options, patch, cfg, data, fsdp, kind="sd"):
 # (strategy, options, patch, cfg, data, fsdp); 4 steps, 1 warm-up step + 3 steady ones
 CASES = [
     ("distrifusion", {"gn": "corrected"}, 2, 1, 1, False),
-    ("pcpp", {"send": "band", "portion": 0.3}, 2, 1, 1, False),
+    # pcpp's packed sends: bit-exact here in the slow tier, and over 2 processes (slow); the
+    # default tier has pcpp's whole band equal to distrifusion (test_parallel_unet.py)
+    pytest.param("pcpp", {"send": "band", "portion": 0.3}, 2, 1, 1, False, marks=SLOW),
     pytest.param("pcpp", {"send": "band", "portion": 0.3}, 4, 2, 1, False, marks=SLOW),
     pytest.param("distrifusion", {"gn": "stale"}, 4, 2, 1, False, marks=SLOW),
     pytest.param("pcpp", {"send": "band", "portion": 0.3}, 8, 1, 1, False, marks=SLOW),

@@ -40,7 +40,7 @@ def _run(kind, strategy, patch, cfg, steps, sampler, options):
     [
         ("sd", 8, 1),
         pytest.param("sd", 2, 2, marks=pytest.mark.slow),
-        ("sdxl", 4, 2),
+        pytest.param("sdxl", 4, 2, marks=pytest.mark.slow),
         pytest.param("sdxl", 1, 1, marks=pytest.mark.slow),
     ],
 )
