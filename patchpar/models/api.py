@@ -19,7 +19,9 @@ from patchpar.models.loading import (
     read_state_dict,
     state_dict_to_params,
 )
+from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
 from patchpar.models.sites import SiteOps
+from patchpar.models.t5 import T5Config, T5EncoderModel
 from patchpar.models.unet import UNet2DConditionModel, UNetConfig
 from patchpar.models.vae import AutoencoderKL, VAEConfig
 
@@ -69,6 +71,88 @@ class UNetFn:
     def abstract_params(self):
         args, added = self.example_inputs(1, 2**self.config.num_downsamples)
         return _abstract_init(self.module, *args, **added)
+
+    def init(self, seed: int = 0):
+        return random_params(self.abstract_params(), seed)
+
+
+@dataclass(frozen=True)
+class PixArtFn:
+    """`pixart_apply(params, sample (B, H, W, C), timesteps, encoder_hidden_states (B, S, Dt),
+    encoder_attention_mask=None (B, S), added_cond_kwargs=None)` -> (B, H, W, out_channels);
+    `added_cond_kwargs` holds `resolution` (B, 2) and `aspect_ratio` (B, 1) for a model with
+    micro-conditions (diffusers' names throughout)."""
+
+    module: PixArtTransformer2DModel
+
+    @property
+    def config(self) -> PixArtConfig:
+        return self.module.config
+
+    def __call__(
+        self,
+        params,
+        sample,
+        timesteps,
+        encoder_hidden_states,
+        encoder_attention_mask=None,
+        added_cond_kwargs=None,
+    ):
+        added = dict(added_cond_kwargs or {})
+        unknown = sorted(set(added) - {"resolution", "aspect_ratio"})
+        if unknown:
+            raise ValueError(
+                f"added_cond_kwargs {unknown} are not PixArt's (it takes resolution, aspect_ratio)"
+            )
+        if added and not self.config.use_additional_conditions:
+            raise ValueError(
+                "this PixArt transformer has no micro-conditions (use_additional_conditions is "
+                f"off), but added_cond_kwargs={sorted(added)} were given"
+            )
+        return self.module.apply(
+            {"params": params},
+            sample,
+            timesteps,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            added.get("resolution"),
+            added.get("aspect_ratio"),
+        )
+
+    def with_ops(self, ops: SiteOps) -> PixArtFn:
+        return replace(self, module=self.module.clone(ops=ops))
+
+    def with_attention(self, spec: AttentionSpec) -> PixArtFn:
+        return replace(self, module=self.module.clone(attn=spec))
+
+    def example_inputs(
+        self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 120
+    ):
+        """Abstract inputs of the right shapes (latent size = sample_size unless given):
+        (sample, timesteps, encoder_hidden_states, encoder_attention_mask), added_cond_kwargs."""
+        cfg, dt = self.config, self.module.dtype
+        h, w = height or cfg.sample_size, width or cfg.sample_size
+        sds = jax.ShapeDtypeStruct
+        text = cfg.caption_channels or cfg.inner_dim
+        args = (
+            sds((batch, h, w, cfg.in_channels), dt),
+            sds((batch,), jnp.float32),
+            sds((batch, seq, text), dt),
+            sds((batch, seq), jnp.int32),
+        )
+        added = {}
+        if cfg.use_additional_conditions:
+            added = {
+                "resolution": sds((batch, 2), jnp.float32),
+                "aspect_ratio": sds((batch, 1), jnp.float32),
+            }
+        return args, added
+
+    def abstract_params(self):
+        (x, t, ctx, mask), added = self.example_inputs(1, self.config.patch_size, seq=4)
+        return _abstract_init(
+            self.module, x, t, ctx, mask, added.get("resolution"), added.get("aspect_ratio")
+        )
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)
@@ -135,6 +219,28 @@ class TextEncoderFn:
         return random_params(self.abstract_params(), seed)
 
 
+@dataclass(frozen=True)
+class T5EncoderFn:
+    """`t5_apply(params, input_ids (B, S), attention_mask (B, S) | None)` -> dict with
+    last_hidden_state (B, S, D)."""
+
+    module: T5EncoderModel
+
+    @property
+    def config(self) -> T5Config:
+        return self.module.config
+
+    def __call__(self, params, input_ids, attention_mask=None):
+        return self.module.apply({"params": params}, input_ids, attention_mask)
+
+    def abstract_params(self):
+        ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)  # the relative bias fits any length
+        return _abstract_init(self.module, ids)
+
+    def init(self, seed: int = 0):
+        return random_params(self.abstract_params(), seed)
+
+
 def _abstract_init(module, *args, **kwargs):
     """Parameter shapes and dtypes without computing anything (works for full-size presets)."""
     init = lambda *a, **k: module.init(jax.random.key(0), *a, **k)["params"]  # noqa: E731
@@ -187,6 +293,18 @@ def load_unet(
     return fn, _load(fn, path, str(path))
 
 
+def load_pixart(
+    path: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
+) -> tuple[PixArtFn, dict]:
+    """PixArt-α/Σ transformer from a diffusers folder (`.../transformer` or a pipeline folder
+    holding `transformer/`)."""
+    attention = resolve(attention, dtype)
+    path = _component(path, "transformer")
+    config = PixArtConfig.from_diffusers(read_config(path), f"{path}/config.json")
+    fn = PixArtFn(PixArtTransformer2DModel(config, dtype, attn=attention))
+    return fn, _load(fn, path, str(path))
+
+
 def load_vae(
     path: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
 ) -> tuple[VAEFn, dict]:
@@ -218,6 +336,23 @@ def load_text_encoder(
         return key if key.startswith(("text_model.", "text_projection.")) else "text_model." + key
 
     return fn, _load(fn, path, str(path), rename)
+
+
+def load_t5_encoder(
+    path: str | Path, dtype=jnp.float32, subfolder: str = "text_encoder"
+) -> tuple[T5EncoderFn, dict]:
+    """T5 encoder from a transformers folder (`T5EncoderModel`, or the encoder of a full T5)."""
+    path = _component(path, subfolder)
+    where = f"{path}/config.json"
+    fn = T5EncoderFn(T5EncoderModel(T5Config.from_transformers(read_config(path), where), dtype))
+    state = read_state_dict(path)
+    # the token embedding is tied: saved as `shared`, as `encoder.embed_tokens`, or both
+    tied = state.pop("encoder.embed_tokens.weight", None)
+    if "shared.weight" not in state and tied is not None:
+        state["shared.weight"] = tied
+    state = {k: v for k, v in state.items() if not k.startswith(("decoder.", "lm_head."))}
+    params = state_dict_to_params(state, fn.abstract_params(), str(path), dtype=dtype)
+    return fn, params
 
 
 def _component(path: str | Path, name: str) -> Path:

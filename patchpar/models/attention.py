@@ -1,7 +1,8 @@
 """Softmax attention kernels, chosen by a small static spec (`model.attention` in a run config).
 
-Every kernel takes the same arguments: q (B, Tq, H*D), k/v (B, Tk, H*D), an optional (Tk,) bool
-mask of the keys that exist (PCPP's band on an edge device, padding), and returns (B, Tq, H*D).
+Every kernel takes the same arguments: q (B, Tq, H*D), k/v (B, Tk, H*D), an optional bool mask
+of the keys that exist, (Tk,) for every image (PCPP's band on an edge device, padding) or
+(B, Tk) per image (a text encoder's padding tokens), and returns (B, Tq, H*D).
 Scores, softmax statistics and accumulators are float32 whatever the compute dtype.
 
 - `xla`: the whole (B, H, Tq, Tk) logits at once (`einsum` + `softmax`): the reference. Memory
@@ -112,7 +113,7 @@ def attend(
     mask: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention with `spec`'s kernel. q: (B, Tq, H*D), k/v: (B, Tk, H*D), mask: (Tk,)
-    bool keys that exist -> (B, Tq, H*D) in v's dtype."""
+    or (B, Tk) bool keys that exist -> (B, Tq, H*D) in v's dtype."""
     impl = spec.impl if spec.impl != "auto" else resolve(spec, q.dtype).impl
     if impl == "xla":
         return xla_attention(q, k, v, heads, mask)
@@ -121,6 +122,11 @@ def attend(
     if impl == "cudnn":
         return _cudnn_attention(q, k, v, heads, mask)
     return _splash_attention(q, k, v, heads, mask, spec)
+
+
+def _keys_mask(mask: jax.Array) -> jax.Array:
+    """A (Tk,) or (B, Tk) key mask as (B or 1, Tk)."""
+    return mask[None] if mask.ndim == 1 else mask
 
 
 def _split(t: jax.Array, heads: int) -> jax.Array:  # (B, T, H*D) -> (B, H, T, D)
@@ -140,7 +146,8 @@ def xla_attention(q, k, v, heads: int, mask=None) -> jax.Array:
     split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, d)  # noqa: E731
     logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32)
     if mask is not None:
-        logits = jnp.where(mask[None, None, None, :], logits, jnp.finfo(jnp.float32).min)
+        keep = _keys_mask(mask)[:, None, None, :]
+        logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits / math.sqrt(d), axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, split(v))
     return out.reshape(b, tq, inner)
@@ -187,20 +194,23 @@ class OnlineSoftmax:
         return cls(qb, m, jnp.zeros(qb.shape[:4] + (d + 1,), jnp.float32), tq)
 
     def update(self, k: jax.Array, v: jax.Array, mask=None, block_kv: int = 1024):
-        """The state after also attending to keys/values k, v (B, Tk, H*D), mask (Tk,) bool."""
+        """The state after also attending to keys/values k, v (B, Tk, H*D), mask (Tk,) or
+        (B, Tk) bool."""
         nq, b, heads, bq, d = self.qb.shape
         tk = k.shape[1]
         nk, bk = _blocks(tk, block_kv)
         kh, vh = _split(k, heads), _split(v, heads)  # (B, H, T, D)
-        keep = jnp.ones((tk,), bool) if mask is None else mask
+        keep = jnp.ones((1, tk), bool) if mask is None else _keys_mask(mask)  # (B or 1, Tk)
         if nk * bk != tk:
             pad = ((0, 0), (0, 0), (0, nk * bk - tk), (0, 0))
             kh, vh = jnp.pad(kh, pad), jnp.pad(vh, pad)
-            keep = jnp.pad(keep, (0, nk * bk - tk))
+            keep = jnp.pad(keep, ((0, 0), (0, nk * bk - tk)))
         # blocks first: (n, B, H, block, D)
         kb = kh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
         vb = vh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
-        keepb = keep.reshape(nk, 1, 1, 1, bk)
+        keepb = keep.reshape(-1, nk, bk).transpose(1, 0, 2)[
+            :, :, None, None, :
+        ]  # (nk, B|1, 1, 1, bk)
         masked = mask is not None or nk * bk != tk
         # v carries a column of ones: the matmul also gives the row sums of p (no reduce pass)
         vb = jnp.concatenate([vb, jnp.ones(vb.shape[:-1] + (1,), vb.dtype)], -1)
@@ -248,7 +258,7 @@ def _cudnn_attention(q, k, v, heads: int, mask=None):
     full = (
         None
         if mask is None
-        else jnp.broadcast_to(mask[None, None, None, :], (b, 1, tq, k.shape[1]))
+        else jnp.broadcast_to(_keys_mask(mask)[:, None, None, :], (b, 1, tq, k.shape[1]))
     )
     out = jax.nn.dot_product_attention(
         split(q), split(k), split(v), mask=full, implementation="cudnn"
@@ -272,15 +282,20 @@ def _splash_attention(q, k, v, heads: int, mask, spec: AttentionSpec):
     pq, pk = _ceil(tq, bq), _ceil(tk, bk)
     qh = jnp.pad(_split(q, heads) * jnp.asarray(d**-0.5, q.dtype), _pad_t(pq - tq))
     kh, vh = jnp.pad(_split(k, heads), _pad_t(pk - tk)), jnp.pad(_split(v, heads), _pad_t(pk - tk))
-    keep = jnp.ones((tk,), bool) if mask is None else mask
-    kv_ids = jnp.where(jnp.pad(keep, (0, pk - tk)), 0, 1).astype(jnp.int32)
-    ids = splash.SegmentIds(q=jnp.zeros((pq,), jnp.int32), kv=kv_ids)
+    keep = jnp.ones((1, tk), bool) if mask is None else _keys_mask(mask)
+    keep = jnp.broadcast_to(jnp.pad(keep, ((0, 0), (0, pk - tk))), (b, pk))  # per image
+    kv_ids = jnp.where(keep, 0, 1).astype(jnp.int32)
     kernel = splash.make_splash_mha_single_device(
         masks.MultiHeadMask([masks.FullMask((pq, pk))] * heads),
         block_sizes=splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk),
         interpret=spec.interpret,
     )
-    out = jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=ids))(qh, kh, vh)
+
+    def one(qq, kk, vv, kv):
+        ids = splash.SegmentIds(q=jnp.zeros((pq,), jnp.int32), kv=kv)
+        return kernel(qq, kk, vv, segment_ids=ids)
+
+    out = jax.vmap(one)(qh, kh, vh, kv_ids)
     return _merge(out[:, :, :tq]).astype(v.dtype)
 
 

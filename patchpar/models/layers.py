@@ -128,7 +128,9 @@ class Attention(nn.Module):
     attn: AttentionSpec = AUTO
 
     @nn.compact
-    def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:  # (B, T, C)
+    def __call__(
+        self, x: jax.Array, context: jax.Array | None = None, context_mask: jax.Array | None = None
+    ) -> jax.Array:  # x (B, T, C), context (B, S, Cc), context_mask (B, S) bool: real tokens
         # tensor parallel: this device's heads (zero heads pad a count that does not divide)
         heads = -(-self.heads // self.ops.model_degree())
         inner = heads * self.dim_head
@@ -139,7 +141,7 @@ class Attention(nn.Module):
         if context is None:  # the site: whole-image keys/values (or context parallel)
             out = self.ops.self_attention(self, q, k, v, heads, self.attn)
         else:
-            out = attend(self.attn, q, k, v, heads)
+            out = attend(self.attn, q, k, v, heads, context_mask)
         return dense(self.out_dim, "to_out_0", self.dtype, ops=self.ops)(out)
 
 

@@ -163,6 +163,8 @@ _LIST_NAMES = {
     "to_out",
     "net",
     "layers",
+    "block",  # T5
+    "layer",
 }
 
 

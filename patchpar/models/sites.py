@@ -62,6 +62,14 @@ class SiteOps:
         k, v, mask = self.self_attn_kv(mod, k, v)  # (B, T_keys, H*D)
         return attend(spec, q, k, v, heads, mask)
 
+    def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
+        """A DiT's position embeddings of the local tokens, (rows x cols, D): `table(r, c)`
+        gives the (r x c, D) table of an r x c token grid (a NumPy constant). Here the grid is
+        the whole image; the parallel layer builds the whole image's table and takes the
+        device's rows of it."""
+        del mod
+        return jnp.asarray(table(rows, cols))
+
     def model_degree(self) -> int:
         """Devices a tensor-parallel layer's weights are split over (1: none). Layers split
         heads, feed-forward and ResNet middle widths by it (Megatron, as the released

@@ -121,3 +121,91 @@ def load_tokenizer(path: str | Path, subfolder: str = "tokenizer") -> Tokenizer:
     if not path.exists():
         raise CheckpointError(f"tokenizer folder {str(path)!r} does not exist")
     return Tokenizer(path / subfolder if (path / subfolder).is_dir() else path)
+
+
+# ---------------------------------------------------------------------------- T5 (sentencepiece)
+
+T5_PAD, T5_EOS, T5_UNK = 0, 1, 2  # T5's sentencepiece ids: <pad>, </s>, <unk>
+
+
+def write_t5_tokenizer(folder: str | Path, texts: list[str], vocab_size: int = 256) -> Path:
+    """Train a small sentencepiece unigram model on `texts` (offline, a second at most) and write
+    it as a T5 tokenizer folder: `spiece.model` with T5's special ids (<pad> 0, </s> 1, <unk> 2,
+    no <s>) and `tokenizer_config.json`. For tests and the random-weight presets."""
+    import io
+
+    import sentencepiece as spm
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        pad_id=T5_PAD,
+        eos_id=T5_EOS,
+        unk_id=T5_UNK,
+        bos_id=-1,
+        hard_vocab_limit=False,  # a small corpus may not fill the vocabulary
+        minloglevel=2,
+    )
+    (folder / "spiece.model").write_bytes(model.getvalue())
+    config = {
+        "tokenizer_class": "T5Tokenizer",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "extra_ids": 0,
+        "model_max_length": 512,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+class T5Tokenizer:
+    """Prompts -> (ids, mask), each (B, max_length) int32, as PixArt's pipelines tokenize: the
+    prompt lower-cased and stripped (diffusers' `clean_caption=False` preprocessing), its
+    sentencepiece pieces then </s>, truncated to max_length - 1 pieces + </s>, padded with
+    <pad>; mask 1 on real tokens. Reads the folder's `spiece.model`."""
+
+    def __init__(self, folder: str | Path):
+        import sentencepiece as spm
+
+        folder = Path(folder)
+        path = folder / "spiece.model"
+        if not path.is_file():
+            present = (
+                sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder missing"
+            )
+            raise CheckpointError(
+                f"no T5 tokenizer in {str(folder)!r}: spiece.model (the sentencepiece model) is "
+                f"missing (found: {present})"
+            )
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.pad_id = max(self.sp.pad_id(), 0)
+        self.eos_id = self.sp.eos_id()
+        if self.eos_id < 0:
+            raise CheckpointError(f"{str(path)!r} has no </s> piece: not a T5 tokenizer")
+
+    def pieces(self, prompt: str) -> list[int]:
+        """The prompt's ids before truncation: pieces then </s>."""
+        return [*self.sp.encode(prompt.lower().strip()), self.eos_id]
+
+    def __call__(self, prompts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.full((len(prompts), max_length), self.pad_id, np.int32)
+        mask = np.zeros((len(prompts), max_length), np.int32)
+        for i, prompt in enumerate(prompts):
+            full = self.pieces(prompt)
+            if len(full) > max_length:
+                dropped = self.sp.decode(full[max_length - 1 : -1])
+                warnings.warn(
+                    f"prompt {prompt[:40]!r}... has {len(full)} tokens; the text encoder takes "
+                    f"{max_length}, so this part was truncated: {dropped!r}",
+                    stacklevel=2,
+                )
+                full = full[: max_length - 1] + [self.eos_id]
+            ids[i, : len(full)] = full
+            mask[i, : len(full)] = 1
+        return ids, mask

@@ -1,0 +1,356 @@
+"""Flax PixArt-α/Σ transformer (diffusers' `PixArtTransformer2DModel` layout, NHWC).
+
+A latent (B, H, W, C) becomes H/p x W/p tokens by a p x p stride-p convolution, plus a fixed
+2-D sin-cos position table; `num_layers` blocks of self-attention, cross-attention to the
+projected caption and a GELU feed-forward, each modulated by adaLN-single: one projection of
+the timestep embedding gives six vectors (shift, scale, gate for attention and feed-forward)
+that every block adds to its own learned `scale_shift_table`. The output is un-patched to
+(B, H, W, out_channels); `out_channels = 2 x in_channels` is learned sigma (the first half is
+the noise prediction).
+
+On a row slab only two things are global: the position table (each device needs its own rows
+of the whole image's table: `ops.positions`) and self-attention's keys/values (the site
+`ops.self_attention`, as in the UNet). LayerNorm, adaLN, cross-attention and the
+feed-forward are per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from patchpar.models.attention import AUTO, AttentionSpec
+from patchpar.models.layers import Attention, TimestepEmbedding, dense, timestep_embedding
+from patchpar.models.sites import IDENTITY, SiteOps
+
+CLASS_NAMES = ("PixArtTransformer2DModel", "Transformer2DModel")
+# Diffusion-transformer families whose folders patchpar recognises but cannot run yet.
+UNSUPPORTED = {
+    "SD3Transformer2DModel": "SD3 (MMDiT)",
+    "FluxTransformer2DModel": "Flux (MMDiT)",
+    "SanaTransformer2DModel": "Sana",
+    "HunyuanDiT2DModel": "HunyuanDiT",
+    "DiTTransformer2DModel": "DiT (class-conditional)",
+}
+# config.json keys that must hold these values (anything else is another architecture)
+_REQUIRED = {
+    "norm_type": "ada_norm_single",
+    "activation_fn": "gelu-approximate",
+    "attention_type": "default",
+    "norm_elementwise_affine": False,
+    "only_cross_attention": False,
+    "double_self_attention": False,
+    "num_vector_embeds": None,
+}
+
+
+@dataclass(frozen=True)
+class PixArtConfig:
+    """The parts of a diffusers PixArt transformer config.json that shape the network."""
+
+    num_attention_heads: int = 16
+    attention_head_dim: int = 72
+    in_channels: int = 4
+    out_channels: int = 8
+    num_layers: int = 28
+    cross_attention_dim: int = 1152
+    attention_bias: bool = True
+    sample_size: int = 128
+    patch_size: int = 2
+    norm_eps: float = 1e-6
+    interpolation_scale: float = 2.0
+    use_additional_conditions: bool = True
+    caption_channels: int | None = 4096
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def learned_sigma(self) -> bool:
+        return self.out_channels == 2 * self.in_channels
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict, where: str = "transformer/config.json") -> PixArtConfig:
+        """Parse and validate; another architecture or an unsupported value raises ValueError."""
+        name = cfg.get("_class_name", "PixArtTransformer2DModel")
+        if name in UNSUPPORTED:
+            raise ValueError(
+                f"{where}: {UNSUPPORTED[name]} transformers ({name}) are not supported yet; "
+                f"patchpar runs PixArt-α/Σ ({CLASS_NAMES[0]})"
+            )
+        if name not in CLASS_NAMES:
+            raise ValueError(
+                f"{where}: _class_name={name!r} is not a PixArt transformer (supported: "
+                f"{list(CLASS_NAMES)})"
+            )
+        if cfg.get("patch_size") is None:
+            raise ValueError(f"{where}: patch_size is missing: not a patched (DiT) transformer")
+        for key, want in _REQUIRED.items():
+            got = cfg.get(key, want)
+            if got != want:
+                raise ValueError(f"{where}: {key}={got!r} is not supported (PixArt has {want!r})")
+        if cfg.get("num_embeds_ada_norm", 1000) is None:
+            raise ValueError(f"{where}: num_embeds_ada_norm=None: adaLN-single needs it")
+        heads = cfg.get("num_attention_heads", 16)
+        head_dim = cfg.get("attention_head_dim", 72)
+        inner = heads * head_dim
+        cross = cfg.get("cross_attention_dim") or inner
+        if cross != inner:
+            raise ValueError(
+                f"{where}: cross_attention_dim={cross} differs from the width {heads} x "
+                f"{head_dim} = {inner}: PixArt projects the caption to the width first"
+            )
+        sample = cfg.get("sample_size", 128)
+        extra_cond = cfg.get("use_additional_conditions")
+        if extra_cond is None:  # diffusers: only the 1024-px PixArt-α has micro-conditions
+            extra_cond = sample == 128
+        if extra_cond and inner % 3:
+            raise ValueError(
+                f"{where}: micro-conditions split the width in thirds; {inner} is not "
+                f"divisible by 3"
+            )
+        scale = cfg.get("interpolation_scale")
+        in_ch = cfg.get("in_channels", 4)
+        return cls(
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            in_channels=in_ch,
+            out_channels=cfg.get("out_channels") or in_ch,
+            num_layers=cfg.get("num_layers", 28),
+            cross_attention_dim=cross,
+            attention_bias=bool(cfg.get("attention_bias", True)),
+            sample_size=sample,
+            patch_size=cfg["patch_size"],
+            norm_eps=cfg.get("norm_eps", 1e-6),
+            interpolation_scale=float(scale if scale is not None else max(sample // 64, 1)),
+            use_additional_conditions=bool(extra_cond),
+            caption_channels=cfg.get("caption_channels"),
+            extra=dict(cfg),
+        )
+
+
+def sincos_table(config: PixArtConfig, rows: int, cols: int) -> np.ndarray:
+    """The (rows x cols, D) float32 position table of a rows x cols token grid, as diffusers
+    computes it at any size: grid coordinates scaled to the training grid (`base_size` =
+    sample_size / p) and by `interpolation_scale`, then per axis sin and cos of coordinate x
+    frequency (float64). A constant: exact strategies stay bit-identical to one device."""
+    dim = config.inner_dim
+    if dim % 4:
+        raise ValueError(f"2-D sin-cos positions need a width divisible by 4, got {dim}")
+    base = config.sample_size // config.patch_size
+    scale = np.float32(config.interpolation_scale)
+    # float32 coordinates (as diffusers' torch code), then float64 frequencies
+    y = np.arange(rows, dtype=np.float32) / np.float32(rows / base) / scale
+    x = np.arange(cols, dtype=np.float32) / np.float32(cols / base) / scale
+    xx, yy = np.meshgrid(x, y)  # (rows, cols): token (i, j) has x[j], y[i]
+
+    def one_axis(pos):  # (N,) -> (N, D/2)
+        omega = 1.0 / 10000 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4.0))
+        out = np.outer(pos.reshape(-1).astype(np.float64), omega)
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+    # diffusers puts the x (width) coordinate's half first
+    return np.concatenate([one_axis(xx), one_axis(yy)], axis=1).astype(np.float32)
+
+
+class GeluFeedForward(nn.Module):
+    """diffusers FeedForward with `gelu-approximate`: net.0.proj -> tanh GELU -> net.2.
+    Tensor parallel: net.0's outputs and net.2's inputs split over the model axis."""
+
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        inner = 4 * self.dim // self.ops.model_degree()
+        h = _Proj(inner, self.dtype, name="net_0")(x)
+        return dense(self.dim, "net_2", self.dtype, ops=self.ops)(nn.gelu(h, approximate=True))
+
+
+class _Proj(nn.Module):  # diffusers' GELU module: a linear `proj`, then the activation
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return dense(self.features, "proj", self.dtype)(x)
+
+
+def _layer_norm(eps: float, dtype, name: str) -> nn.LayerNorm:  # no affine parameters
+    return nn.LayerNorm(
+        epsilon=eps, use_bias=False, use_scale=False, dtype=dtype, param_dtype=dtype, name=name
+    )
+
+
+class PixArtBlock(nn.Module):
+    """BasicTransformerBlock with adaLN-single (norm_type `ada_norm_single`)."""
+
+    config: PixArtConfig
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
+
+    @nn.compact
+    def __call__(self, x, context, context_mask, t6):  # x (B, T, D), t6 (B, 6, D)
+        cfg, dt = self.config, self.dtype
+        d = cfg.inner_dim
+        table = self.param("scale_shift_table", nn.initializers.normal(d**-0.5), (6, d), dt)
+        mods = table[None] + t6  # (B, 6, D)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            mods[:, i : i + 1] for i in range(6)
+        )
+
+        def attention(name):
+            return Attention(
+                cfg.num_attention_heads,
+                cfg.attention_head_dim,
+                d,
+                qkv_bias=cfg.attention_bias,
+                dtype=dt,
+                ops=self.ops,
+                attn=self.attn,
+                name=name,
+            )
+
+        h = _layer_norm(cfg.norm_eps, dt, "norm1")(x) * (1 + scale_msa) + shift_msa
+        x = gate_msa * attention("attn1")(h) + x  # the site: whole-image keys/values
+        # PixArt's cross-attention reads the residual stream without a norm
+        x = attention("attn2")(x, context, context_mask) + x
+        h = _layer_norm(cfg.norm_eps, dt, "norm2")(x) * (1 + scale_mlp) + shift_mlp
+        return gate_mlp * GeluFeedForward(d, dt, self.ops, name="ff")(h) + x
+
+
+class PatchEmbed(nn.Module):
+    """p x p stride-p convolution `proj` (no halo: row slabs that are multiples of p hold whole
+    patches), tokens row-major, plus this slab's rows of the whole image's position table."""
+
+    config: PixArtConfig
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, h, W, C) -> (B, h/p * W/p, D)
+        cfg = self.config
+        p = cfg.patch_size
+        y = nn.Conv(
+            cfg.inner_dim,
+            (p, p),
+            strides=(p, p),
+            padding="VALID",
+            dtype=self.dtype,
+            param_dtype=self.dtype,
+            name="proj",
+        )(x.astype(self.dtype))
+        b, rows, cols, d = y.shape
+        pos = self.ops.positions(self, lambda r, c: sincos_table(cfg, r, c), rows, cols)
+        return y.reshape(b, rows * cols, d) + pos[None].astype(self.dtype)
+
+
+class AdaLayerNormSingle(nn.Module):
+    """Timestep (and micro-condition) embedding `emb`, and its projection `linear` to the six
+    modulation vectors: returns ((B, 6 D), embedded timestep (B, D))."""
+
+    config: PixArtConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, timesteps, resolution=None, aspect_ratio=None):
+        emb = _CombinedEmbedding(self.config, self.dtype, name="emb")(
+            timesteps, resolution, aspect_ratio
+        )
+        return dense(6 * self.config.inner_dim, "linear", self.dtype)(nn.silu(emb)), emb
+
+
+class _CombinedEmbedding(nn.Module):  # PixArtAlphaCombinedTimestepSizeEmbeddings
+    config: PixArtConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, timesteps, resolution, aspect_ratio):
+        cfg, dt = self.config, self.dtype
+        d = cfg.inner_dim
+        b = timesteps.shape[0]
+        emb = TimestepEmbedding(d, dt, name="timestep_embedder")(
+            timestep_embedding(timesteps, 256, True, 0.0)
+        )
+        if not cfg.use_additional_conditions:
+            return emb
+        if resolution is None or aspect_ratio is None:
+            raise ValueError(
+                "this PixArt transformer has micro-conditions (use_additional_conditions): "
+                "pass resolution (B, 2) and aspect_ratio (B, 1)"
+            )
+
+        def size(name, v):  # (B, k) -> (B, k * D/3)
+            e = timestep_embedding(jnp.asarray(v, jnp.float32).reshape(-1), 256, True, 0.0)
+            return TimestepEmbedding(d // 3, dt, name=name)(e).reshape(b, -1)
+
+        extra = [
+            size("resolution_embedder", resolution),
+            size("aspect_ratio_embedder", aspect_ratio),
+        ]
+        return emb + jnp.concatenate(extra, axis=-1)
+
+
+class CaptionProjection(nn.Module):  # PixArtAlphaTextProjection: linear, tanh GELU, linear
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = dense(self.dim, "linear_1", self.dtype)(x.astype(self.dtype))
+        return dense(self.dim, "linear_2", self.dtype)(nn.gelu(x, approximate=True))
+
+
+class PixArtTransformer2DModel(nn.Module):
+    """diffusers PixArtTransformer2DModel. Runs unchanged on a row slab (rows a multiple of p);
+    the sites go through `ops`."""
+
+    config: PixArtConfig
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+    attn: AttentionSpec = AUTO
+
+    @nn.compact
+    def __call__(
+        self,
+        sample: jax.Array,  # (B, h, W, Cin): the whole latent, or a row slab of it
+        timesteps: jax.Array,  # (B,) or scalar
+        encoder_hidden_states: jax.Array,  # (B, S, caption_channels): the T5 states
+        encoder_attention_mask: jax.Array | None = None,  # (B, S): 1 = a real token
+        resolution: jax.Array | None = None,  # (B, 2) image height, width (micro-condition)
+        aspect_ratio: jax.Array | None = None,  # (B, 1) height / width (micro-condition)
+    ) -> jax.Array:  # (B, h, W, Cout)
+        cfg, dt, ops = self.config, self.dtype, self.ops
+        layer = ops.layer  # every parameterised layer: FSDP gathers its weights there
+        b, h, w, _ = sample.shape
+        p = cfg.patch_size
+        timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (b,))
+        x = layer(PatchEmbed)(cfg, dt, ops, name="pos_embed")(sample)  # (B, T, D)
+        t6, emb = layer(AdaLayerNormSingle)(cfg, dt, name="adaln_single")(
+            timesteps, resolution, aspect_ratio
+        )
+        ctx = encoder_hidden_states.astype(dt)
+        if cfg.caption_channels is not None:
+            ctx = layer(CaptionProjection)(cfg.inner_dim, dt, name="caption_projection")(ctx)
+        keep = None if encoder_attention_mask is None else encoder_attention_mask.astype(bool)
+        t6 = t6.reshape(b, 6, cfg.inner_dim)
+        for i in range(cfg.num_layers):
+            x = layer(PixArtBlock)(cfg, dt, ops, self.attn, name=f"transformer_blocks_{i}")(
+                x, ctx, keep, t6
+            )
+        d = cfg.inner_dim
+        table = self.param("scale_shift_table", nn.initializers.normal(d**-0.5), (2, d), dt)
+        mods = table[None] + emb[:, None]  # (B, 2, D)
+        shift, scale = mods[:, :1], mods[:, 1:]
+        x = _layer_norm(1e-6, dt, "norm_out")(x) * (1 + scale) + shift
+        x = layer(nn.Dense)(p * p * cfg.out_channels, dtype=dt, param_dtype=dt, name="proj_out")(x)
+        x = x.reshape(b, h // p, w // p, p, p, cfg.out_channels)
+        return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, cfg.out_channels)
