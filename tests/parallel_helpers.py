@@ -45,8 +45,12 @@ def inputs(kind: str, batch: int = 2, hw: tuple[int, int] = (16, 16), seed: int 
     if kind == "sdxl":
         cond = Conditioning(
             ctx,
-            jnp.asarray(rng.randn(2, batch, 8), jnp.float32),
-            jnp.broadcast_to(jnp.asarray([128.0, 128, 0, 0, 128, 128]), (2, batch, 6)),
+            {
+                "text_embeds": jnp.asarray(rng.randn(2, batch, 8), jnp.float32),
+                "time_ids": jnp.broadcast_to(
+                    jnp.asarray([128.0, 128, 0, 0, 128, 128]), (2, batch, 6)
+                ),
+            },
         )
     else:
         cond = Conditioning(ctx)

@@ -230,3 +230,28 @@ def test_older_transformer2d_folders_load_and_other_dits_are_named(tmp_path):
             load_pixart(tmp_path)
     with pytest.raises(ValueError, match="micro-conditions"):
         fn({}, np.zeros((1, 8, 8, 4)), 1.0, np.zeros((1, 6, 20)), None, {"resolution": 1})
+
+
+def test_load_denoiser_finds_the_family_and_the_engine_checks_its_row_multiple(tmp_path):
+    from torch_refs import make_unet
+
+    from patchpar.models import PixArtFn, UNetFn, load_denoiser
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+
+    make_pixart(SIGMA).save_pretrained(tmp_path / "pipe" / "transformer")
+    make_unet("sd1").save_pretrained(tmp_path / "unet")
+    dit, _ = load_denoiser(tmp_path / "pipe")
+    unet, _ = load_denoiser(tmp_path / "unet")
+    assert isinstance(dit, PixArtFn) and dit.row_multiple == 2
+    assert isinstance(unet, UNetFn) and unet.row_multiple == 2**unet.config.num_downsamples
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"_class_name": "PriorTransformer"}')
+    with pytest.raises(CheckpointError, match="PriorTransformer.*not a denoiser"):
+        load_denoiser(tmp_path / "other")
+    plan = Plan(make_strategy("sync_patch"), 2)
+    plan.validate(dit, (8, 12), 4, 1.0)  # 4 token rows per device
+    with pytest.raises(ValueError, match=r"rows=10 not divisible by patch=2 x patch size 2 = 4"):
+        plan.validate(dit, (10, 8), 4, 1.0)
+    with pytest.raises(ValueError, match="feed-forward width 128 is not divisible by 3"):
+        dit.check_split(3)

@@ -1,9 +1,15 @@
-"""Flax Stable Diffusion models (UNet, VAE, CLIP text encoders) and their loading."""
+"""Flax diffusion models (SD / SDXL UNets, PixArt-α/Σ transformers, the VAE, CLIP and T5 text
+encoders) and their loading from diffusers / transformers folders."""
 
 from patchpar.models.api import (
+    PixArtFn,
+    T5EncoderFn,
     TextEncoderFn,
     UNetFn,
     VAEFn,
+    load_denoiser,
+    load_pixart,
+    load_t5_encoder,
     load_text_encoder,
     load_unet,
     load_vae,
@@ -14,10 +20,15 @@ from patchpar.models.sites import IDENTITY, SiteOps
 __all__ = [
     "IDENTITY",
     "CheckpointError",
+    "PixArtFn",
     "SiteOps",
+    "T5EncoderFn",
     "TextEncoderFn",
     "UNetFn",
     "VAEFn",
+    "load_denoiser",
+    "load_pixart",
+    "load_t5_encoder",
     "load_text_encoder",
     "load_unet",
     "load_vae",

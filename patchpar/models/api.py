@@ -19,6 +19,8 @@ from patchpar.models.loading import (
     read_state_dict,
     state_dict_to_params,
 )
+from patchpar.models.pixart import CLASS_NAMES as PIXART_CLASSES
+from patchpar.models.pixart import UNSUPPORTED as UNSUPPORTED_DITS
 from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
 from patchpar.models.sites import SiteOps
 from patchpar.models.t5 import T5Config, T5EncoderModel
@@ -31,10 +33,41 @@ class UNetFn:
     """`unet_apply(params, sample, timesteps, encoder_hidden_states, text_embeds=, time_ids=)`."""
 
     module: UNet2DConditionModel
+    family = "unet"
 
     @property
     def config(self) -> UNetConfig:
         return self.module.config
+
+    @property
+    def row_multiple(self) -> int:
+        """Latent rows (and columns) of one patch must be a multiple of this: 2^d for d
+        downsamplings, so that the deepest activation splits evenly."""
+        return 2**self.config.num_downsamples
+
+    @property
+    def row_multiple_reason(self) -> str:
+        return f"2^{self.config.num_downsamples} UNet downsamplings"
+
+    def check_split(self, model: int) -> None:
+        """Tensor parallel over `model` devices: every split width divides (the ResNet widths
+        and their GroupNorm groups; heads need not: they are padded with zero heads)."""
+        if model == 1:
+            return
+        cfg = self.config
+        sizes = {
+            "block_out_channels": tuple(cfg.block_out_channels),
+            "norm_num_groups": (cfg.norm_num_groups,),
+        }
+        every = [v for vs in sizes.values() for v in vs]
+        fits = [d for d in range(1, max(every) + 1) if all(v % d == 0 for v in every)]
+        for what, values in sizes.items():
+            if any(v % model for v in values):
+                raise ValueError(
+                    f"tensor parallel over model={model}: {what} {list(values)} are not all "
+                    f"divisible by {model} (ResNet middle channels and their GroupNorm groups "
+                    f"are split); degrees that divide every split width: {fits}"
+                )
 
     def __call__(self, params, sample, timesteps, encoder_hidden_states, **added_cond):
         return self.module.apply(
@@ -69,7 +102,7 @@ class UNetFn:
         return args, added
 
     def abstract_params(self):
-        args, added = self.example_inputs(1, 2**self.config.num_downsamples)
+        args, added = self.example_inputs(1, self.row_multiple)
         return _abstract_init(self.module, *args, **added)
 
     def init(self, seed: int = 0):
@@ -84,10 +117,32 @@ class PixArtFn:
     micro-conditions (diffusers' names throughout)."""
 
     module: PixArtTransformer2DModel
+    family = "pixart"
 
     @property
     def config(self) -> PixArtConfig:
         return self.module.config
+
+    @property
+    def row_multiple(self) -> int:
+        """Latent rows of one patch must be a multiple of the patch size p: a row slab is then
+        a contiguous run of whole tokens."""
+        return self.config.patch_size
+
+    @property
+    def row_multiple_reason(self) -> str:
+        return f"patch size {self.config.patch_size}"
+
+    def check_split(self, model: int) -> None:
+        """Tensor parallel over `model` devices: the feed-forward's inner width divides (heads
+        need not: they are padded with zero heads)."""
+        inner = 4 * self.config.inner_dim
+        if model > 1 and inner % model:
+            fits = [d for d in range(1, 9) if inner % d == 0]
+            raise ValueError(
+                f"tensor parallel over model={model}: the feed-forward width {inner} is not "
+                f"divisible by {model}; degrees that divide it: {fits}"
+            )
 
     def __call__(
         self,
@@ -129,7 +184,8 @@ class PixArtFn:
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 120
     ):
         """Abstract inputs of the right shapes (latent size = sample_size unless given):
-        (sample, timesteps, encoder_hidden_states, encoder_attention_mask), added_cond_kwargs."""
+        (sample, timesteps, encoder_hidden_states) and the module's keyword inputs (the text
+        mask, and the micro-conditions if the model has them)."""
         cfg, dt = self.config, self.module.dtype
         h, w = height or cfg.sample_size, width or cfg.sample_size
         sds = jax.ShapeDtypeStruct
@@ -138,21 +194,16 @@ class PixArtFn:
             sds((batch, h, w, cfg.in_channels), dt),
             sds((batch,), jnp.float32),
             sds((batch, seq, text), dt),
-            sds((batch, seq), jnp.int32),
         )
-        added = {}
+        added = {"encoder_attention_mask": sds((batch, seq), jnp.int32)}
         if cfg.use_additional_conditions:
-            added = {
-                "resolution": sds((batch, 2), jnp.float32),
-                "aspect_ratio": sds((batch, 1), jnp.float32),
-            }
+            added["resolution"] = sds((batch, 2), jnp.float32)
+            added["aspect_ratio"] = sds((batch, 1), jnp.float32)
         return args, added
 
     def abstract_params(self):
-        (x, t, ctx, mask), added = self.example_inputs(1, self.config.patch_size, seq=4)
-        return _abstract_init(
-            self.module, x, t, ctx, mask, added.get("resolution"), added.get("aspect_ratio")
-        )
+        args, added = self.example_inputs(1, self.config.patch_size, seq=4)
+        return _abstract_init(self.module, *args, **added)
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)
@@ -353,6 +404,30 @@ def load_t5_encoder(
     state = {k: v for k, v in state.items() if not k.startswith(("decoder.", "lm_head."))}
     params = state_dict_to_params(state, fn.abstract_params(), str(path), dtype=dtype)
     return fn, params
+
+
+def load_denoiser(
+    path: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
+) -> tuple[UNetFn | PixArtFn, dict]:
+    """The denoiser of a diffusers folder, `(fn, params)`: a UNet (`unet/`) or a PixArt
+    transformer (`transformer/`) of a pipeline folder, or such a component folder itself.
+    Every fn takes `(params, sample (B, H, W, C), timesteps, encoder_hidden_states, ...)` and
+    has `row_multiple`, `example_inputs`, `abstract_params`, `check_split`, `with_ops`."""
+    path = Path(path)
+    if (path / "transformer" / "config.json").is_file():
+        return load_pixart(path, dtype, attention)
+    if (path / "unet" / "config.json").is_file():
+        return load_unet(path, dtype, attention)
+    name = read_config(path).get("_class_name")
+    if name == "UNet2DConditionModel":
+        return load_unet(path, dtype, attention)
+    if name in PIXART_CLASSES or name in UNSUPPORTED_DITS:
+        return load_pixart(path, dtype, attention)  # an unsupported family is named there
+    raise CheckpointError(
+        f"{str(path)!r}: _class_name={name!r} is not a denoiser patchpar runs (supported: "
+        f"UNet2DConditionModel, {', '.join(PIXART_CLASSES)}); a pipeline folder holds unet/ "
+        f"or transformer/"
+    )
 
 
 def _component(path: str | Path, name: str) -> Path:

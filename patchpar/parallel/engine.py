@@ -29,7 +29,7 @@ from patchpar.models import UNetFn
 from patchpar.models.sites import IDENTITY
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
-from patchpar.parallel.rules import FSDP_AXES, RULES, check_sharded, check_split, placed, unplaced
+from patchpar.parallel.rules import FSDP_AXES, RULES, check_sharded, placed, unplaced
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.guidance import Conditioning, call_on_stack
@@ -112,7 +112,7 @@ class Plan:
         s.validate_mesh(self.devices // (self.cfg * self.data))  # the strategy's model degree
         if build_mesh:
             make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
-        check_split(unet.config, self.model)
+        unet.check_split(self.model)
         if self.fsdp_degree > 1:
             check_sharded(_param_shapes(unet), self.rules(), self.degrees())
         if not s.parallel and self.devices != 1:
@@ -135,7 +135,7 @@ class Plan:
                 f"cfg=2 puts the unconditional and conditional halves on different devices, but "
                 f"guidance_scale={guidance_scale} turns guidance off; use cfg=1 or guidance_scale > 1"
             )
-        down = 2**unet.config.num_downsamples
+        down = unet.row_multiple
         axes = {s.patch_axis(0), s.patch_axis(1)}
         for axis in sorted(axes):
             size = latent_hw[0] if axis == "row" else latent_hw[1]
@@ -143,9 +143,9 @@ class Plan:
             if size % mult:
                 what = "rows" if axis == "row" else "columns"
                 raise ValueError(
-                    f"latent {what}={size} not divisible by patch={self.patch} x 2^{unet.config.num_downsamples} "
-                    f"UNet downsamplings = {mult}: the deepest activation must split evenly; use a latent "
-                    f"size that is a multiple of {mult} (or fewer devices)"
+                    f"latent {what}={size} not divisible by patch={self.patch} x "
+                    f"{unet.row_multiple_reason} = {mult}: every patch must split evenly; use a "
+                    f"latent size that is a multiple of {mult} (or fewer devices)"
                 )
 
 
@@ -259,18 +259,10 @@ def abstract_inputs(
     unet: UNetFn, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2
 ):
     """x (B, H, W, C), t and a guidance-stacked Conditioning, all abstract, in the UNet's dtype."""
-    cfg, dt = unet.config, unet.module.dtype
-    sds = jax.ShapeDtypeStruct
-    x = sds((batch, *latent_hw, cfg.in_channels), dt)
-    ctx = sds((cfg_stack, batch, seq, cfg.cross_attention_dim), dt)
-    if cfg.addition_embed_type == "text_time":
-        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        cond = Conditioning(
-            ctx, sds((cfg_stack, batch, pooled), dt), sds((cfg_stack, batch, 6), jnp.float32)
-        )
-    else:
-        cond = Conditioning(ctx)
-    return x, sds((), jnp.float32), cond
+    (x, _, ctx), added = unet.example_inputs(batch, *latent_hw, seq=seq)
+    stack = lambda s: jax.ShapeDtypeStruct((cfg_stack, *s.shape), s.dtype)  # noqa: E731
+    cond = Conditioning(stack(ctx), {k: stack(v) for k, v in added.items()})
+    return x, jax.ShapeDtypeStruct((), jnp.float32), cond
 
 
 @cache

@@ -221,25 +221,3 @@ def check_sharded(params, rules: dict, degrees: dict[str, int]) -> None:
             f"{sorted(sizes)}: the devices sharing weights (devices / model) must be one of "
             f"{fits}"
         )
-
-
-def check_split(unet_config, model: int) -> None:
-    """Every split width divides by the model degree: the ResNet widths and their GroupNorm
-    groups; ValueError naming the sizes and the degrees that would divide. (Heads need not:
-    they are padded with zero heads, `placed`.)"""
-    if model == 1:
-        return
-    cfg = unet_config
-    sizes = {
-        "block_out_channels": tuple(cfg.block_out_channels),
-        "norm_num_groups": (cfg.norm_num_groups,),
-    }
-    every = [v for vs in sizes.values() for v in vs]
-    fits = [d for d in range(1, max(every) + 1) if all(v % d == 0 for v in every)]
-    for what, values in sizes.items():
-        if any(v % model for v in values):
-            raise ValueError(
-                f"tensor parallel over model={model}: {what} {list(values)} are not all "
-                f"divisible by {model} (ResNet middle channels and their GroupNorm groups are "
-                f"split); degrees that divide every split width: {fits}"
-            )

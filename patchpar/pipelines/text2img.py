@@ -119,7 +119,9 @@ class Pipeline:
         tid = jnp.asarray(
             [height, width, 0, 0, height, width], jnp.float32
         )  # original, crop, target
-        return Conditioning(ctx, pooled, jnp.broadcast_to(tid, (g, b, 6)))
+        return Conditioning(
+            ctx, {"text_embeds": pooled, "time_ids": jnp.broadcast_to(tid, (g, b, 6))}
+        )
 
     def _embed(self, prompts: list[str]) -> tuple[jax.Array, jax.Array | None]:
         """SD: last hidden state. SDXL: both encoders' penultimate states, concatenated, and the

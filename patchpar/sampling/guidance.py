@@ -12,18 +12,25 @@ from flax import struct
 @struct.dataclass
 class Conditioning:
     """Text conditioning stacked over a leading guidance axis G: [unconditional, conditional]
-    with CFG (G = 2), [conditional] without (G = 1)."""
+    with CFG (G = 2), [conditional] without (G = 1). `extras` are the model family's other
+    keyword inputs, each (G, B, ...): SDXL's `text_embeds` (pooled text) and `time_ids` (size
+    and crop); PixArt's `encoder_attention_mask` (the text's real tokens), `resolution` and
+    `aspect_ratio` (micro-conditions)."""
 
     context: jax.Array  # (G, B, S, D)
-    text_embeds: jax.Array | None = None  # (G, B, P) SDXL
-    time_ids: jax.Array | None = None  # (G, B, 6) SDXL
+    extras: dict = struct.field(default_factory=dict)
+
+    @property
+    def text_embeds(self) -> jax.Array | None:  # (G, B, P) SDXL
+        return self.extras.get("text_embeds")
+
+    @property
+    def time_ids(self) -> jax.Array | None:  # (G, B, 6) SDXL
+        return self.extras.get("time_ids")
 
     def added(self) -> dict:
-        return (
-            {}
-            if self.text_embeds is None
-            else {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
-        )
+        """The extras as the model call's keyword arguments."""
+        return dict(self.extras)
 
 
 def call_on_stack(apply: Callable, x: jax.Array, t: jax.Array, cond: Conditioning):
