@@ -2,6 +2,7 @@
 encoders) and their loading from diffusers / transformers folders."""
 
 from patchpar.models.api import (
+    Denoiser,
     PixArtFn,
     T5EncoderFn,
     TextEncoderFn,
@@ -19,6 +20,7 @@ from patchpar.models.sites import IDENTITY, SiteOps
 
 __all__ = [
     "IDENTITY",
+    "Denoiser",
     "CheckpointError",
     "PixArtFn",
     "SiteOps",

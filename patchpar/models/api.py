@@ -49,6 +49,10 @@ class UNetFn:
     def row_multiple_reason(self) -> str:
         return f"2^{self.config.num_downsamples} UNet downsamplings"
 
+    def prediction(self, out: jax.Array) -> jax.Array:
+        """The sampler's model output from the network's: all of it."""
+        return out
+
     def check_split(self, model: int) -> None:
         """Tensor parallel over `model` devices: every split width divides (the ResNet widths
         and their GroupNorm groups; heads need not: they are padded with zero heads)."""
@@ -133,6 +137,11 @@ class PixArtFn:
     def row_multiple_reason(self) -> str:
         return f"patch size {self.config.patch_size}"
 
+    def prediction(self, out: jax.Array) -> jax.Array:
+        """The sampler's model output from the network's: with learned sigma (twice the
+        latent's channels) the first half, as diffusers' PixArt pipelines take it."""
+        return out[..., : self.config.in_channels] if self.config.learned_sigma else out
+
     def check_split(self, model: int) -> None:
         """Tensor parallel over `model` devices: the feed-forward's inner width divides (heads
         need not: they are padded with zero heads)."""
@@ -152,8 +161,10 @@ class PixArtFn:
         encoder_hidden_states,
         encoder_attention_mask=None,
         added_cond_kwargs=None,
+        **micro,
     ):
-        added = dict(added_cond_kwargs or {})
+        # the micro-conditions come in diffusers' dict, or as keywords (a Conditioning's extras)
+        added = {**(added_cond_kwargs or {}), **micro}
         unknown = sorted(set(added) - {"resolution", "aspect_ratio"})
         if unknown:
             raise ValueError(
@@ -207,6 +218,9 @@ class PixArtFn:
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)
+
+
+Denoiser = UNetFn | PixArtFn  # what the parallel engine runs (docs/design.md §1)
 
 
 @dataclass(frozen=True)

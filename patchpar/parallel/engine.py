@@ -1,4 +1,4 @@
-"""Runs a UNet under a strategy: one `shard_map` program per phase over the (data, cfg, patch,
+"""Runs a denoiser (a UNet or a DiT) under a strategy: one `shard_map` program per phase over the (data, cfg, patch,
 model) mesh.
 
 Per device the UNet sees its share of the images (`data`), a row (or column) slab of their
@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from patchpar.models import UNetFn
+from patchpar.models import Denoiser
 from patchpar.models.sites import IDENTITY
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
@@ -97,7 +97,7 @@ class Plan:
 
     def validate(
         self,
-        unet: UNetFn,
+        unet: Denoiser,
         latent_hw: tuple[int, int],
         steps: int,
         guidance_scale: float,
@@ -160,7 +160,7 @@ def _cond_spec(cond, cfg: int):  # (G, B, ...): guidance halves over cfg, images
 STATE_SPEC = P(*AXES)  # stale buffers: leading (data, cfg, patch, model) device axes
 
 
-def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
+def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
     """step(params, x (B,H,W,C), t, cond, state) -> (guided model output (B,H,W,C), state).
 
     `state` is None in the `warmup` phase (buffers are written, not read). In the steady phase
@@ -172,9 +172,7 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
     # the modules' own (local) parameter shapes: split over `model`, whole otherwise (traced
     # outside any mesh: one patch, stand-in collectives)
     split = PatchOps(tp_op=TensorSum(degree=plan.model, local=True))
-    local_shapes = (
-        _local_param_shapes(UNetFn(unet.module.clone(ops=split))) if plan.model > 1 else None
-    )
+    local_shapes = _local_param_shapes(unet.with_ops(split)) if plan.model > 1 else None
     if plan.fsdp_degree > 1:
         ops = replace(ops, fsdp_op=FSDPGather(degree=plan.fsdp_degree))
     if not plan.comm:
@@ -193,6 +191,7 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
         mutable = [STALE, SEND] if groups else [STALE]
         apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=mutable)  # noqa: E731
         out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+        out = unet.prediction(out)  # the sampler's model output (a learned-sigma DiT: half)
         stale = mutated.get(STALE, {})
         if groups:  # the steady phase's stale sends, exchanged together
             stale = merged(stale, exchange_packed(mutated.get(SEND, {}), ops, groups))
@@ -231,14 +230,14 @@ def make_step(unet: UNetFn, plan: Plan, phase: str, axis: str, guidance_scale: f
 
 
 @cache
-def _param_shapes(unet: UNetFn):
+def _param_shapes(unet: Denoiser):
     """The whole parameters' shapes (for checks up front), traced once per module."""
     with shapes_only():
         return unet.with_ops(IDENTITY).abstract_params()
 
 
 @cache
-def _local_param_shapes(unet: UNetFn):
+def _local_param_shapes(unet: Denoiser):
     """The modules' own parameter shapes on one device (split widths, heads padded), traced
     once per module: make_step is built per phase and patch axis, and a full-size UNet's
     abstract init takes seconds."""
@@ -256,7 +255,7 @@ def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
 
 
 def abstract_inputs(
-    unet: UNetFn, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2
+    unet: Denoiser, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2
 ):
     """x (B, H, W, C), t and a guidance-stacked Conditioning, all abstract, in the UNet's dtype."""
     (x, _, ctx), added = unet.example_inputs(batch, *latent_hw, seq=seq)
@@ -266,7 +265,7 @@ def abstract_inputs(
 
 
 @cache
-def stale_sites(unet: UNetFn, plan: Plan, latent_hw: tuple[int, int]) -> int:
+def stale_sites(unet: Denoiser, plan: Plan, latent_hw: tuple[int, int]) -> int:
     """How many sites send stale activations in the steady phase (what `comm_groups` splits):
     the modules whose warm-up writes a buffer, none under no_sync. Traced abstractly."""
     names = plan.strategy.ops("steady", plan.patch).stale_buffers()
@@ -330,7 +329,7 @@ def phase_steps(plan: Plan, steps: int) -> dict[str, tuple[int, int]]:
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 7))
 def denoise(
-    unet: UNetFn,
+    unet: Denoiser,
     plan: Plan,
     sampler: Sampler,
     params,
@@ -362,7 +361,7 @@ def _run_phase(unet, plan, sampler, phase, params, cond, schedule, x, loop, guid
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 9))
 def denoise_phase(
-    unet: UNetFn,
+    unet: Denoiser,
     plan: Plan,
     sampler: Sampler,
     phase: str,

@@ -30,8 +30,9 @@ from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 def unet_on_stack(
     unet: UNetFn, params, x: jax.Array, t: jax.Array, cond: Conditioning
 ) -> jax.Array:
-    """The UNet on every guidance half at once: x (B, h, W, C) -> (G, B, h, W, C)."""
-    return call_on_stack(lambda *a, **k: unet(params, *a, **k), x, t, cond)
+    """The denoiser on every guidance half at once: x (B, h, W, C) -> (G, B, h, W, C), the
+    sampler's model output (`prediction`: a learned-sigma DiT's first half)."""
+    return unet.prediction(call_on_stack(lambda *a, **k: unet(params, *a, **k), x, t, cond))
 
 
 @dataclass

@@ -24,9 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from patchpar.models.attention import AttentionSpec
 from patchpar.models.sites import SiteOps
+from patchpar.parallel.mesh import PATCH
 from patchpar.parallel.sites.common import (
     PHASES,
     SEND,
@@ -97,6 +100,18 @@ class PatchOps(SiteOps):
 
     def self_attention(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
         return self.attn_op(mod, q, k, v, heads, spec)
+
+    def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
+        """This device's rows of the whole image's position table: the image has n x rows
+        token rows and this slab is the patch index's (a constant sliced, no exchange; row
+        patches only). Stand-ins (tracing outside a mesh) take the first slab."""
+        del mod
+        n = self.n
+        whole = jnp.asarray(table(rows * n, cols))  # (n * rows * cols, D)
+        if n == 1:
+            return whole
+        start = 0 if self.halo_op.local else lax.axis_index(PATCH) * rows * cols
+        return lax.dynamic_slice_in_dim(whole, start, rows * cols, axis=0)
 
     def model_degree(self) -> int:
         return self.tp_op.degree
