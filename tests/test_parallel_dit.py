@@ -97,3 +97,27 @@ def test_exact_and_stale_sampling_runs_on_a_dit():
     assert paths == [f"['transformer_blocks_{i}']['attn1']['kv']" for i in range(2)], paths
     naive, _ = _sample("naive_patch", 2)
     assert max_diff(naive, single) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "name, devices, options",
+    [("ring", 4, {}), ("ulysses", 4, {}), ("pcpp", 4, {"warmup_steps": 1, "send": "band"})],
+)
+def test_every_patch_strategy_on_a_dit(name, devices, options):
+    """Ring and Ulysses (context-parallel self-attention) equal single in one call; PCPP's band
+    (in tokens) is exact in its warm-up step. HLO bytes of both phases equal the analytic
+    model."""
+    from patchpar.measure.cost import measure
+
+    fn, params = micro_dit()
+    x, t, cond = inputs()
+    plan = Plan(make_strategy(name, **options), devices)
+    plan.validate(fn, x.shape[1:3], 10, GUIDANCE)
+    step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
+    out, _ = step(params, x, t, cond, None)
+    assert max_diff(out, single_guided(fn, params, x, t, cond)) <= 1e-4
+    rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
+    assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+    steady = rec["phases"].get("steady")
+    if name == "pcpp":  # the band's stale sends only: less than the whole patch's K/V
+        assert 0 < steady["hlo"]["all"]["max"] < rec["phases"]["warmup"]["hlo"]["all"]["max"]
