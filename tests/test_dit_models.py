@@ -14,19 +14,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("sentencepiece")
 
+from torch_refs import close  # noqa: E402
+
 from patchpar.models.api import load_pixart, load_t5_encoder  # noqa: E402
 from patchpar.models.loading import CheckpointError  # noqa: E402
 from patchpar.models.pixart import PixArtConfig, sincos_table  # noqa: E402
 from patchpar.models.t5 import T5Config, relative_position_buckets  # noqa: E402
 from patchpar.models.tokenizer import T5Tokenizer, write_t5_tokenizer  # noqa: E402
-
-
-def close(ours, ref, rel=1e-4):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape
-    err, scale = np.abs(ours - ref).max(), np.abs(ref).max()
-    assert err <= rel * scale, f"max abs diff {err:.3g} > {rel} x output scale {scale:.3g}"
-
 
 # ---------------------------------------------------------------------------- T5 encoder
 
@@ -51,7 +45,7 @@ def tiny_t5(ff: str, seed: int = 0):
     return T5EncoderModel(cfg).eval()
 
 
-@pytest.mark.parametrize("ff", ["relu", "gated-gelu"])
+@pytest.mark.parametrize("ff", [pytest.param("relu", marks=pytest.mark.slow), "gated-gelu"])
 def test_t5_encoder_matches_transformers(ff, tmp_path):
     """Sequences of 40 tokens (beyond the bias's max_distance of 12: its buckets saturate),
     each image with its own padding."""
@@ -171,7 +165,13 @@ def nchw(x):
 
 
 @pytest.mark.parametrize(
-    "config, hw", [(ALPHA, (8, 8)), (ALPHA, (8, 12)), (SIGMA, (8, 8)), (SIGMA, (12, 8))]
+    "config, hw",
+    [
+        pytest.param(ALPHA, (8, 8), marks=pytest.mark.slow),
+        (ALPHA, (8, 12)),
+        (SIGMA, (8, 8)),
+        pytest.param(SIGMA, (12, 8), marks=pytest.mark.slow),
+    ],
 )
 def test_pixart_matches_diffusers(config, hw, tmp_path):
     """The native size and a non-square one (positions computed at that size), with a text

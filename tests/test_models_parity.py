@@ -8,16 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from torch_refs import SDXL_POOLED, make_text_encoder, make_unet, make_vae, nchw, nhwc  # noqa: E402
+from torch_refs import SDXL_POOLED, close, make_text_encoder, make_unet, make_vae, nchw, nhwc  # noqa: E402
 
 from patchpar.models import load_text_encoder, load_unet, load_vae  # noqa: E402
-
-
-def close(ours, ref, rel=1e-4):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape
-    err, scale = np.abs(ours - ref).max(), np.abs(ref).max()
-    assert err <= rel * scale, f"max abs diff {err:.3g} > {rel} x output scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("kind", ["sd1", "sd2", "sdxl"])

@@ -58,7 +58,7 @@ def max_diff(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
-@pytest.mark.parametrize("patch, cfg", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("patch, cfg", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_sync_patch_forward_on_a_dit_equals_single(patch, cfg):
     fn, params = micro_dit()
     x, t, cond = inputs()
@@ -101,7 +101,11 @@ def test_exact_and_stale_sampling_runs_on_a_dit():
 
 @pytest.mark.parametrize(
     "name, devices, options",
-    [("ring", 4, {}), ("ulysses", 4, {}), ("pcpp", 4, {"warmup_steps": 1, "send": "band"})],
+    [
+        pytest.param("ring", 4, {}, marks=pytest.mark.slow),  # the UNet's context-parallel site
+        pytest.param("ulysses", 4, {}, marks=pytest.mark.slow),
+        ("pcpp", 4, {"warmup_steps": 1, "send": "band"}),
+    ],
 )
 def test_every_patch_strategy_on_a_dit(name, devices, options):
     """Ring and Ulysses (context-parallel self-attention) equal single in one call; PCPP's band

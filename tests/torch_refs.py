@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def close(ours, ref, rel=1e-4):
+    """Parity: max abs diff <= rel x the reference output's scale (max |ref|)."""
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    assert ours.shape == ref.shape
+    err, scale = np.abs(ours - ref).max(), np.abs(ref).max()
+    assert err <= rel * scale, f"max abs diff {err:.3g} > {rel} x output scale {scale:.3g}"
+
 
 UNET_KINDS = {
     "sd1": dict(
