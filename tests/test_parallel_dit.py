@@ -125,3 +125,11 @@ def test_every_patch_strategy_on_a_dit(name, devices, options):
     steady = rec["phases"].get("steady")
     if name == "pcpp":  # the band's stale sends only: less than the whole patch's K/V
         assert 0 < steady["hlo"]["all"]["max"] < rec["phases"]["warmup"]["hlo"]["all"]["max"]
+
+
+def test_a_column_split_of_a_dit_is_refused():
+    fn, _ = micro_dit()
+    for split in ("col", "alternate"):
+        plan = Plan(make_strategy("naive_patch", split=split), 2)
+        with pytest.raises(ValueError, match="split by rows only; use split=row"):
+            plan.validate(fn, (16, 12), 4, GUIDANCE)

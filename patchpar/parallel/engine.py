@@ -137,6 +137,11 @@ class Plan:
             )
         down = unet.row_multiple
         axes = {s.patch_axis(0), s.patch_axis(1)}
+        if "col" in axes and unet.family != "unet":
+            raise ValueError(
+                f"strategy {s.name!r} splits columns, but a {unet.family} transformer's positions "
+                f"are split by rows only; use split=row"
+            )
         for axis in sorted(axes):
             size = latent_hw[0] if axis == "row" else latent_hw[1]
             mult = self.patch * down
