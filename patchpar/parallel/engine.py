@@ -1,5 +1,5 @@
-"""Runs a denoiser (a UNet or a DiT) under a strategy: one `shard_map` program per phase over the (data, cfg, patch,
-model) mesh.
+"""Runs a denoiser (a UNet or a DiT) under a strategy: one `shard_map` program per phase over
+the (data, cfg, patch, model) mesh.
 
 Per device the UNet sees its share of the images (`data`), a row (or column) slab of their
 latents (`patch`) and its share of the guidance batch (`cfg`); the site ops of the strategy's
