@@ -1,11 +1,12 @@
-"""Communication per device for full-size SD 1.5 and SDXL, lowered with abstract bf16
-parameters (no weights): DistriFusion Table 2's setting and beyond.
+"""Communication per device for full-size SD 1.5, SDXL and PixArt-α, lowered with abstract
+bf16 parameters (no weights): DistriFusion Table 2's setting, xDiT's cost table, and beyond.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python experiments/comm_table.py
 
 Writes runs/comm/runs.jsonl (resumable: points already recorded are skipped) and
-runs/comm/table.md (`--out results/comm`: the published). One UNet call with the CFG pair in its batch (cfg=1, batch 1 -> UNet
-batch 2), 77 text tokens, bfloat16.
+runs/comm/table.md (`--out results/comm`: the published). One model call with the CFG pair in
+its batch (cfg=1, batch 1 -> model batch 2), 77 text tokens (PixArt: 120 T5 tokens), bfloat16.
+`--models pixart-alpha` runs one model's points only.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from tqdm import tqdm
 
 from patchpar.lab.results import append_record, provenance, read_records
 from patchpar.measure.cost import measure
-from patchpar.models.presets import abstract_unet
+from patchpar.models.presets import abstract_denoiser, family
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
 
 OUT = Path("runs/comm")
-GRID = {"sdxl": (1024, 2048, 3840), "sd15": (512, 1024, 2048)}
+GRID = {"sdxl": (1024, 2048, 3840), "sd15": (512, 1024, 2048), "pixart-alpha": (1024, 2048)}
 DEVICES = (2, 4, 8)
 STRATEGIES = (
     ("naive_patch", {}),
@@ -37,6 +38,8 @@ STRATEGIES = (
     ("ulysses", {}),
     ("tensor", {}),
 )
+# Strategies for a model family only: PCPP's band in whole token rows (a DiT's 2-D neighbours)
+FAMILY_STRATEGIES = {"pixart": (("pcpp", {"portion": 0.3, "send": "band", "align": "rows"}),)}
 
 
 def key(r: dict) -> tuple:
@@ -57,12 +60,15 @@ def main(argv=None) -> int:
         return 0
     runs = out / "runs.jsonl"
     done = {key(r) for r in read_records(runs, skip_bad=True)}
+    bad = sorted(set(args.models) - set(GRID))
+    if bad:
+        ap.error(f"--models {bad}: not in the grid; known: {sorted(GRID)}")
     points = [
         (m, res, n, s, o)
         for m in args.models
         for res in GRID[m]
         for n in DEVICES
-        for s, o in STRATEGIES
+        for s, o in STRATEGIES + FAMILY_STRATEGIES.get(family(m), ())
     ]
     prov = provenance()
     unets = {}
@@ -72,7 +78,7 @@ def main(argv=None) -> int:
         if key(point) in done:
             continue
         tqdm.write(f"{model} {res}px {n} devices {strategy.describe()}")
-        unet = unets.setdefault(model, abstract_unet(model, jnp.bfloat16))
+        unet = unets.setdefault(model, abstract_denoiser(model, jnp.bfloat16))
         t0 = time.perf_counter()
         try:
             r = measure(

@@ -102,12 +102,11 @@ def main(argv=None) -> None:
     print(f"{len(todo)} point(s) to compile ({len(done)} already in {path})", flush=True)
     import jax.numpy as jnp
 
-    from patchpar.models.presets import abstract_unet
+    from patchpar.models.presets import abstract_denoiser
     from patchpar.parallel.rules import weight_bytes_per_device
 
-    whole_weights = weight_bytes_per_device(
-        abstract_unet(a.model, jnp.float32).abstract_params(), {}, {}
-    )
+    model = abstract_denoiser(a.model, jnp.float32)
+    whole_weights = weight_bytes_per_device(model.abstract_params(), {}, {}, model.logical)
     for i, p in enumerate(todo):
         t0 = time.perf_counter()
         cfg = CommConfig(

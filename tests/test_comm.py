@@ -266,9 +266,9 @@ def test_comm_cli_bad_resolution(capsys):
 @pytest.mark.slow
 def test_sdxl_steady_bytes_pcpp_vs_distrifusion_at_1024():
     """Issue 4's bound at one resolution (all resolutions: experiments/comm_table.py)."""
-    from patchpar.models.presets import abstract_unet
+    from patchpar.models.presets import abstract_denoiser
 
-    unet = abstract_unet("sdxl")
+    unet = abstract_denoiser("sdxl")
     params = unet.abstract_params()
     steady = {}
     for name, opts in [

@@ -105,6 +105,7 @@ def test_exact_and_stale_sampling_runs_on_a_dit():
         pytest.param("ring", 4, {}, marks=pytest.mark.slow),  # the UNet's context-parallel site
         pytest.param("ulysses", 4, {}, marks=pytest.mark.slow),
         ("pcpp", 4, {"warmup_steps": 1, "send": "band"}),
+        ("pcpp", 4, {"warmup_steps": 1, "send": "full", "align": "rows"}),
     ],
 )
 def test_every_patch_strategy_on_a_dit(name, devices, options):
@@ -123,8 +124,65 @@ def test_every_patch_strategy_on_a_dit(name, devices, options):
     rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
     assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
     steady = rec["phases"].get("steady")
-    if name == "pcpp":  # the band's stale sends only: less than the whole patch's K/V
+    if name == "pcpp":  # neighbours' K/V only: less than all patches' K/V
         assert 0 < steady["hlo"]["all"]["max"] < rec["phases"]["warmup"]["hlo"]["all"]["max"]
+
+
+def test_a_row_aligned_band_keeps_whole_token_rows():
+    """pcpp align=rows on the DiT: 2 token rows (of 6 tokens) per patch on 4 devices; portion
+    0.3 keeps one whole row of each neighbour (6 tokens), where align=tokens keeps 4. The
+    buffers come from the warm-up's exact K/V, sent whole and cropped by rows (send=full)."""
+    _, tokens = _sample("pcpp", 4, warmup_steps=1, portion=0.3)
+    _, rows = _sample("pcpp", 4, warmup_steps=1, portion=0.3, align="rows")
+    above = lambda s: s["transformer_blocks_0"]["attn1"]["kv_above"]  # noqa: E731
+    assert above(tokens).shape[-2] == 4 and above(rows).shape[-2] == 6
+    warm, _ = _sample("pcpp", 4, warmup_steps=3, align="rows")
+    sync, _ = _sample("sync_patch", 4)
+    assert max_diff(warm, sync) <= 1e-4
+
+
+# (strategy, devices, cfg, data, fsdp, options): the micro DiT has 3 heads (padded to 4 over
+# model=2) and a 96-wide GELU feed-forward (split, not gated as a UNet's GEGLU)
+WEIGHT_CASES = [
+    ("tensor", 2, 1, 1, False, {}),
+    ("tensor", 8, 2, 1, False, {"tp_degree": 2}),  # cfg 2 x patch 2 x model 2
+    ("sync_patch", 4, 1, 1, True, {}),  # FSDP over patch
+    ("sync_patch", 8, 2, 2, False, {}),  # data 2 x cfg 2 x patch 2
+    pytest.param("tensor", 8, 1, 2, True, {"tp_degree": 2}, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name, devices, cfg, data, fsdp, options", WEIGHT_CASES)
+def test_tensor_fsdp_and_data_parallel_on_a_dit_equal_single(
+    name, devices, cfg, data, fsdp, options
+):
+    """Weights split by the DiT's own logical axes (its feed-forward is `mlp`, not
+    `mlp_gated`), sharded at rest, or images split over data: one call equals single, and the
+    HLO's bytes equal the analytic model."""
+    from patchpar.measure.cost import measure
+    from patchpar.parallel.rules import weight_bytes_per_device
+
+    fn, params = micro_dit()
+    x, t, cond = inputs(batch=2 * data)
+    plan = Plan(make_strategy(name, **options), devices, cfg, data=data, fsdp=fsdp)
+    plan.validate(fn, x.shape[1:3], 10, GUIDANCE, x.shape[0])
+    step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
+    out, _ = step(params, x, t, cond, None)
+    assert max_diff(out, single_guided(fn, params, x, t, cond)) <= 1e-4
+    rec = measure(fn, plan, x.shape[1:3], batch=x.shape[0], params=params, flops=False)
+    assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+    whole = weight_bytes_per_device(params, {}, {}, fn.logical)
+    assert (rec["weight_bytes_per_device"] < whole) == (plan.model > 1 or fsdp)
+
+
+def test_a_dit_feed_forward_is_split_not_gated():
+    from patchpar.parallel.rules import logical_axes
+
+    fn, _ = micro_dit()
+    path = "transformer_blocks_0/ff/net_0/proj/kernel"
+    assert logical_axes(path, 2, fn.logical) == ("embed", "mlp")
+    with pytest.raises(ValueError, match="feed-forward width 96 is not divisible by 5"):
+        fn.check_split(5)
 
 
 def test_a_column_split_of_a_dit_is_refused():

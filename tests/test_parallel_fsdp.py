@@ -13,6 +13,7 @@ from parallel_helpers import GUIDANCE, inputs, micro_unet, single_guided
 
 from patchpar.measure.comm import hlo_text_with_metadata, parse_collectives
 from patchpar.measure.cost import measure, memory_per_device
+from patchpar.models.unet import LOGICAL
 from patchpar.parallel.engine import Plan, denoise, make_step
 from patchpar.parallel.rules import RULES, _leaves, check_rules, logical_axes
 from patchpar.parallel.strategies import make_strategy
@@ -104,7 +105,7 @@ def test_one_gather_per_layer_and_hlo_bytes_equal_the_analytic_model(
     unsharded = sum(
         x.size * x.dtype.itemsize
         for path, x in _leaves(params).items()
-        if "embed" not in logical_axes(path, x.ndim)
+        if "embed" not in logical_axes(path, x.ndim, LOGICAL)
     )
     k = devices  # every device runs the same weights (no model axis)
     assert r["weight_bytes_per_device"] == (whole - unsharded) // k + unsharded
@@ -142,11 +143,11 @@ def test_bad_fsdp_degrees_and_rules_are_errors():
                        r"shard evenly, e.g. .* \(embed = \d+\).* must be one of \[1, 2, 4, 8, 16\]"):  # fmt: skip
         plan("sync_patch", 3).validate(unet, (48, 48), 10, GUIDANCE)
     with pytest.raises(ValueError, match=r"unknown mesh axes \['pod'\]"):
-        check_rules({"embed": ("data", "pod")})
+        check_rules({"embed": ("data", "pod")}, LOGICAL)
     with pytest.raises(ValueError, match=r"mesh axis 'patch' on both 'embed' and 'heads'"):
-        check_rules({"embed": ("data", "patch"), "heads": "patch"})
+        check_rules({"embed": ("data", "patch"), "heads": "patch"}, LOGICAL)
     with pytest.raises(ValueError, match=r"'data' on both 'conv_in' and 'embed'.*any other kernel"):
-        check_rules({"embed": "data", "conv_in": "data"})
+        check_rules({"embed": "data", "conv_in": "data"}, LOGICAL)
     p = plan("tensor", 8, tp_degree=2)
     assert p.rules_name == "tensor+fsdp" and p.fsdp_degree == 4
     assert p.rules() == {**RULES["tensor"], "embed": ("patch",)}  # axes of degree 1 dropped
@@ -158,8 +159,8 @@ def test_every_unet_parameter_has_at_most_one_embed_dimension():
     for kind in ("sd", "sdxl"):
         _, params = micro_unet(kind)
         for path, x in _leaves(params).items():
-            names = logical_axes(path, x.ndim)
+            names = logical_axes(path, x.ndim, LOGICAL)
             assert len(names) == x.ndim and names.count("embed") <= 1, (path, names)
-    assert logical_axes("conv_out/kernel", 4) == (None, None, "embed", "conv_out")
-    assert logical_axes("down_blocks_0/resnets_0/conv_shortcut/kernel", 4) == (
+    assert logical_axes("conv_out/kernel", 4, LOGICAL) == (None, None, "embed", "conv_out")
+    assert logical_axes("down_blocks_0/resnets_0/conv_shortcut/kernel", 4, LOGICAL) == (
         None, None, "conv_in", "embed")  # fmt: skip

@@ -24,9 +24,9 @@ def init(module, x):
     return jax.tree.map(lambda p: p + 0.1 * rand(*p.shape, seed=p.size), params)
 
 
-def sharded(module, params, x, n, state=None, token_axis=1):
-    """Apply `module` (with patch ops) to row patches of x on n devices; state in/out carries a
-    leading device axis. Returns (output, new state)."""
+def sharded(module, params, x, n, state=None, token_axis=1, **kwargs):
+    """Apply `module` (with patch ops; call keywords `kwargs`) to row patches of x on n
+    devices; state in/out carries a leading device axis. Returns (output, new state)."""
     mesh = make_mesh(n, 1)
     spec = P(*([None] * token_axis + [PATCH]))
     state = state or {}
@@ -35,7 +35,7 @@ def sharded(module, params, x, n, state=None, token_axis=1):
         variables = {"params": params}
         if state:
             variables[STALE] = jax.tree.map(lambda a: a[0], state)
-        out, mut = module.apply(variables, x, mutable=[STALE])
+        out, mut = module.apply(variables, x, mutable=[STALE], **kwargs)
         return out, jax.tree.map(lambda a: a[None], mut.get(STALE, {}))
 
     fn = jax.shard_map(
@@ -183,15 +183,25 @@ def test_stale_groupnorm_buffers_hold_previous_step_statistics():
         np.testing.assert_allclose(state1["gn_global"][i], local.mean(axis=2), atol=1e-5)
 
 
-@pytest.mark.parametrize("kv, send", [("stale", "full"), ("band", "full"), ("band", "band")])
-def test_stale_kv_reads_previous_step_and_refreshes(kv, send):
+@pytest.mark.parametrize(
+    "kv, send, align",
+    [
+        ("stale", "full", "tokens"),
+        ("band", "full", "tokens"),
+        ("band", "band", "tokens"),
+        ("band", "full", "rows"),  # whole rows: 2 of each patch's 4 rows of W tokens, not 8 tokens
+        ("band", "band", "rows"),
+    ],
+)
+def test_stale_kv_reads_previous_step_and_refreshes(kv, send, align):
     n, portion = 4, 0.3
     tokens = H * W
     x1, x2 = rand(B, tokens, C, seed=10), rand(B, tokens, C, seed=11)
-    mod = Attention(2, 4, C, ops=patch_ops(n, "steady", kv=kv, portion=portion, send=send))
+    ops = patch_ops(n, "steady", kv=kv, portion=portion, send=send, align=align)
+    mod = Attention(2, 4, C, ops=ops)
     params = init(Attention(2, 4, C), x1)
     length = tokens // n
-    band = band_tokens(length, portion)
+    band = band_tokens(length, portion) if align == "tokens" else 2 * W
     if kv == "stale":
         state0 = {"kv": rand(n, 2, B, tokens, 8, seed=12)}
     else:
@@ -199,7 +209,7 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send):
             "kv_above": rand(n, 2, B, band, 8, seed=12),
             "kv_below": rand(n, 2, B, band, 8, seed=13),
         }
-    _, state1 = sharded(mod, params, x1, n, state0)
+    _, state1 = sharded(mod, params, x1, n, state0, row=W)  # row: tokens per image row
     fresh1 = kv_of(params, x1)  # (2, B, T, D)
     for i in range(n):
         if kv == "stale":
@@ -211,7 +221,7 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send):
                 np.testing.assert_allclose(state1["kv_above"][i], above, atol=1e-5)
             if below is not None:
                 np.testing.assert_allclose(state1["kv_below"][i], below, atol=1e-5)
-    out2, _ = sharded(mod, params, x2, n, state1)
+    out2, _ = sharded(mod, params, x2, n, state1, row=W)
     fresh2 = kv_of(params, x2)
     q = x2 @ params["to_q"]["kernel"]
     for i in range(n):
@@ -268,3 +278,20 @@ def test_input_layer_halo_is_fresh():
 def test_band_tokens():
     assert band_tokens(64, 0.3) == 20 and band_tokens(100, 0.3) == 30 and band_tokens(10, 1.0) == 10
     assert band_tokens(3, 0.01) == 1
+    # whole rows: 0.3 of 4 rows of 6 tokens -> 2 rows; at least one row, at most all
+    assert band_tokens(24, 0.3, 6) == 12 and band_tokens(24, 0.01, 6) == 6
+    assert band_tokens(24, 1.0, 6) == 24
+
+
+def test_row_aligned_band_needs_whole_rows():
+    x = rand(B, H * W, C, seed=10)
+    ops = patch_ops(4, "steady", kv="band", portion=0.3, align="rows")
+    mod = Attention(2, 4, C, ops=ops)
+    params = init(Attention(2, 4, C), x)
+    state = {k: rand(4, 2, B, 2 * W, 8, seed=1) for k in ("kv_above", "kv_below")}
+    with pytest.raises(
+        ValueError, match=r"align=rows: .* 24 tokens do not come as whole image rows \(row=5\)"
+    ):
+        sharded(mod, params, x, 4, state, row=5)
+    with pytest.raises(ValueError, match=r"align='diagonal'; known: \['tokens', 'rows'\]"):
+        patch_ops(4, kv="band", align="diagonal")

@@ -11,6 +11,7 @@ from parallel_helpers import GUIDANCE, inputs, micro_unet, single_guided
 
 from patchpar.measure.comm import hlo_text_with_metadata, parse_collectives
 from patchpar.measure.cost import measure
+from patchpar.models.unet import LOGICAL
 from patchpar.parallel.engine import Plan, denoise, make_step
 from patchpar.parallel.rules import (
     RULES,
@@ -97,8 +98,8 @@ def test_hlo_bytes_equal_the_analytic_model_and_only_the_model_axis_reduces(
 def test_weights_per_device_follow_the_rules():
     unet, params = micro_unet("sd")
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    assert weight_bytes_per_device(params, RULES["replicated"], {"model": 2}) == whole
-    split = weight_bytes_per_device(params, RULES["tensor"], {"model": 2})
+    assert weight_bytes_per_device(params, RULES["replicated"], {"model": 2}, LOGICAL) == whole
+    split = weight_bytes_per_device(params, RULES["tensor"], {"model": 2}, LOGICAL)
     assert whole / 2 < split < whole  # split layers halve, the rest stay whole
     r = measure(unet, plan(2), (16, 16), params=params, flops=False)
     assert r["weight_bytes_per_device"] == split
@@ -111,12 +112,12 @@ def test_gated_projection_is_laid_out_per_device_and_back():
     c, mlp, m = 3, 8, 2
     kernel = jnp.arange(c * 2 * mlp, dtype=jnp.float32).reshape(c, 2 * mlp)
     params = {"ff": {"net_0": {"proj": {"kernel": kernel}}}}
-    assert logical_axes("x/ff/net_0/proj/kernel", 2) == ("embed", "mlp_gated")
-    laid, specs = placed(params, RULES["tensor"])
+    assert logical_axes("x/ff/net_0/proj/kernel", 2, LOGICAL) == ("embed", "mlp_gated")
+    laid, specs = placed(params, RULES["tensor"], LOGICAL)
     assert laid["ff"]["net_0"]["proj"]["kernel"].shape == (c, 2, mlp)
     assert tuple(specs["ff"]["net_0"]["proj"]["kernel"]) == (None, None, "model")
     share = laid["ff"]["net_0"]["proj"]["kernel"][:, :, mlp // m :]  # device 1's share
-    local = unplaced({"ff": {"net_0": {"proj": {"kernel": share}}}})["ff"]["net_0"]["proj"]
+    local = unplaced({"ff": {"net_0": {"proj": {"kernel": share}}}}, LOGICAL)["ff"]["net_0"]["proj"]
     h, gate = jnp.split(local["kernel"], 2, axis=-1)
     np.testing.assert_array_equal(h, kernel[:, mlp // m : mlp])
     np.testing.assert_array_equal(gate, kernel[:, mlp + mlp // m :])
@@ -124,11 +125,11 @@ def test_gated_projection_is_laid_out_per_device_and_back():
 
 def test_bad_rules_and_widths_are_errors():
     with pytest.raises(ValueError, match=r"unknown logical axes \['vocab'\]; known: \['heads'"):
-        check_rules({"vocab": "model"})
+        check_rules({"vocab": "model"}, LOGICAL)
     with pytest.raises(ValueError, match=r"unknown mesh axes \['tensor'\]; mesh axes: \['data'"):
-        check_rules({"heads": "tensor"})
+        check_rules({"heads": "tensor"}, LOGICAL)
     with pytest.raises(ValueError, match=r"mesh axis 'model' on both 'embed' and 'heads'"):
-        check_rules({"heads": "model", "embed": "model"})
+        check_rules({"heads": "model", "embed": "model"}, LOGICAL)
     with pytest.raises(ValueError, match=r"no option\(s\) \['tp_degree'\].*combines with exact "
                        r"row patches only"):  # fmt: skip
         make_strategy("distrifusion", tp_degree=2)

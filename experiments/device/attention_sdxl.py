@@ -46,11 +46,11 @@ def main(argv=None) -> None:
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import memory_per_device
     from patchpar.models.attention import AttentionSpec, available, resolve
-    from patchpar.models.presets import abstract_unet, latent_factor
+    from patchpar.models.presets import abstract_denoiser, latent_factor
 
     dtype = getattr(jnp, a.dtype)
     impls = a.attention or available()
-    unet = abstract_unet(a.model, dtype)
+    unet = abstract_denoiser(a.model, dtype)
     t0 = time.perf_counter()
     params = unet.init(0)  # NumPy draws, then one transfer
     init_s = time.perf_counter() - t0

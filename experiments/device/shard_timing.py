@@ -57,14 +57,14 @@ def main(argv=None) -> None:
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import abstract_inputs
-    from patchpar.models.presets import abstract_unet, latent_factor
+    from patchpar.models.presets import abstract_denoiser, latent_factor
     from patchpar.parallel.engine import make_step
     from patchpar.parallel.mesh import make_mesh
     from patchpar.parallel.strategies.base import StaleStrategy
 
     start = time.perf_counter()
     dtype = getattr(jnp, a.dtype)
-    unet = abstract_unet(a.model, dtype)
+    unet = abstract_denoiser(a.model, dtype)
     params = unet.init(0)  # NumPy draws, then one transfer
     mesh = make_mesh(1, 1)
     dev = jax.devices()[0]

@@ -6,14 +6,16 @@ GB = 1e9
 
 
 def comm_markdown(records: list[dict]) -> str:
-    """One table per model: steady / warm-up bytes received per device per UNet call (the most
-    any device receives), FLOPs per device and stale-buffer memory."""
+    """One table per model: steady / warm-up bytes received per device per model call (the
+    most any device receives), FLOPs per device and stale-buffer memory."""
     ok = [r for r in records if r.get("status") == "ok"]
     lines = [
-        "# Communication per UNet call (bytes received by the busiest device)",
+        "# Communication per model call (bytes received by the busiest device)",
         "",
-        "Made by `experiments/comm_table.py` from `runs.jsonl`; bf16, CFG pair in the UNet batch "
-        "(batch 2), 77 text tokens; pre-optimisation HLO, checked against the analytic model.",
+        "Made by `experiments/comm_table.py` from `runs.jsonl`; bf16, CFG pair in the model's "
+        "batch (batch 2), 77 text tokens (UNets; PixArt's T5: 120); pre-optimisation HLO, "
+        "checked against the analytic model. A DiT (pixart-alpha) has one site, "
+        "self-attention K/V: no halos, no GroupNorm.",
         "",
         '"steady GB" and "warm-up GB" are patchpar\'s traffic, counted in the compiled program '
         "(halos to neighbours only, GroupNorm statistics all-reduced, the latent kept sharded). "
@@ -171,10 +173,22 @@ def tensor_parallel_markdown(records: list[dict], devices: int = 8) -> str:
     return "\n".join(lines) + "\n"
 
 
-def xdit_cost_markdown(records: list[dict], model: str = "sdxl", res: int = 1024) -> str:
-    """Tensor, Ring, Ulysses and DistriFusion side by side with xDiT's cost table: measured
-    steady bytes per device per UNet call at 2/4/8 devices, and each one's ratio to
-    DistriFusion's beside the ratio the table's formulas give."""
+XDIT_POINTS = (("pixart-alpha", 1024), ("pixart-alpha", 2048), ("sdxl", 1024))
+
+
+def xdit_cost_markdown(records: list[dict], points=XDIT_POINTS) -> str:
+    """Tensor, Ring, Ulysses and DistriFusion side by side with xDiT's cost table, one section
+    per (model, px) of `points` measured: steady bytes per device per model call at 2/4/8
+    devices, and each one's ratio to DistriFusion's beside the ratio the table's formulas
+    give. The formulas are a DiT's (one exchange per block); a UNet adds halos and GroupNorm."""
+    out = []
+    for model, res in points:
+        if any(r.get("model") == model and r.get("resolution") == res for r in records):
+            out += [f"## {model} {res}px", "", _xdit_cost_rows(records, model, res), ""]
+    return "\n".join(out) if out else "(no xDiT comparison points measured yet)\n"
+
+
+def _xdit_cost_rows(records: list[dict], model: str, res: int) -> str:
     lines = [
         "| devices | strategy | xDiT cost per layer | steady GB/device | self-attention (kv) GB "
         "| / distrifusion (all) | xDiT formula / distrifusion |",

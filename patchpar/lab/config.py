@@ -116,7 +116,8 @@ class PlanFlags(StrategyOptions):
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "tiny"
-    """A preset with weights (tiny, tiny-xl) or a local diffusers-format folder."""
+    """A preset with weights (tiny, tiny-xl, tiny-dit) or a local diffusers-format folder (SD,
+    SDXL, PixArt-α/Σ)."""
     attention: str = "auto"
     """Attention kernel: auto (chunked on CPU, cudnn on GPU for bf16, splash on TPU), xla
     (whole logits: the reference), chunked (blockwise, online softmax), cudnn or splash."""
@@ -173,12 +174,12 @@ class SamplerConfig:
     guidance_scale: float = 7.5
     """Classifier-free guidance scale; <= 1 disables CFG."""
     height: int | None = None
-    """Image height in pixels (default: the UNet's sample size x the VAE factor)."""
+    """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
     width: int | None = None
     """Image width in pixels (default: as height)."""
     dtype: str = "auto"
-    """auto, float32 or bfloat16. auto: bfloat16 for the full-size models (sd15, sd21, sdxl and
-    folders whose UNet starts at >= 320 channels), float32 for the small ones."""
+    """auto, float32 or bfloat16. auto: bfloat16 for the full-size models (sd15, sd21, sdxl,
+    pixart-alpha, pixart-sigma and folders of such sizes), float32 for the small ones."""
 
 
 @dataclass(frozen=True)

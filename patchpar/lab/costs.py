@@ -1,4 +1,4 @@
-"""`patchpar comm`: what one UNet call costs under a strategy, from the compiled program."""
+"""`patchpar comm`: what one denoiser call (UNet or DiT) costs under a strategy, from the compiled program."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from patchpar.lab.config import PlanFlags
 
 @dataclass(frozen=True)
 class CommConfig(PlanFlags):
-    """Bytes received per device per UNet call (warm-up and steady phase, by site kind), FLOPs
+    """Bytes received per device per denoiser call (warm-up and steady phase, by site kind), FLOPs
     and stale-buffer memory per device, lowered with abstract parameters (no weights needed)."""
 
     model: str = "sdxl"
-    """A preset (sd15, sd21, sdxl, tiny, tiny-xl) or a local diffusers folder (only its unet/config.json is read)."""
+    """A preset (sd15, sd21, sdxl, pixart-alpha, pixart-sigma, tiny, tiny-xl, tiny-dit) or a local diffusers folder (only its unet/ or transformer/ config.json is read)."""
     resolution: int = 1024
     """Square image size in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
     batch: int = 0
@@ -39,7 +39,7 @@ def run_comm(config: CommConfig) -> dict:
     import jax.numpy as jnp
 
     from patchpar.measure.cost import measure
-    from patchpar.models.presets import abstract_unet
+    from patchpar.models.presets import abstract_denoiser
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
@@ -55,7 +55,7 @@ def run_comm(config: CommConfig) -> dict:
 
     dtype = getattr(jnp, config.dtype)
     spec = resolve(AttentionSpec(config.attention, config.block_q, config.block_kv), dtype)
-    unet = abstract_unet(config.model, dtype, spec)
+    unet = abstract_denoiser(config.model, dtype, spec)
     latent = config.resolution // f
     batch = config.batch or plan.data
     r = measure(unet, plan, (latent, latent), batch=batch, memory=config.memory)
@@ -113,7 +113,7 @@ def format_comm(rec: dict) -> str:
         f"{rec['devices']} devices | "
         f"batch {rec['batch']}",
         "",
-        f"{'MiB received per UNet call':28s} {'warm-up':>10s} {'steady':>10s}   (busiest device; mean; total)",
+        f"{'MiB received per model call':28s} {'warm-up':>10s} {'steady':>10s}   (busiest device; mean; total)",
     ]
     sites = sorted(set(rec["steady_by_site"]) | set(rec["warmup_by_site"]))
     zero = {"max": 0, "mean": 0.0, "total": 0}
@@ -126,7 +126,7 @@ def format_comm(rec: dict) -> str:
         f"  {'all (total over devices)':26s} {mb(rec['warmup_bytes_total'])} {mb(rec['steady_bytes_total'])}",
         "",
         "The released code's pattern for the same call (analytic, not measured: halos and",
-        "statistics all-gathered from every device, the UNet output all-gathered every step):",
+        "statistics all-gathered from every device, the model output all-gathered every step):",
     ]
     r_sites = sorted(set(rec["released_steady_by_site"]) | set(rec["released_warmup_by_site"]))
     for site in r_sites:

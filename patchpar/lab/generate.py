@@ -18,7 +18,7 @@ class GenerateConfig(PlanFlags):
     """Generate images from prompts and save them as PNG, with the final latent as latent.npy."""
 
     model: str = "fmnist"
-    """A preset with weights (fmnist: the trained default; tiny, tiny-xl: random) or a local diffusers-format folder."""
+    """A preset with weights (fmnist: the trained default; tiny, tiny-xl, tiny-dit: random) or a local diffusers-format folder (SD, SDXL, PixArt)."""
     prompt: tuple[str, ...] = ("a photo of a red bag",)
     """One or more prompts; one image each."""
     negative_prompt: str = ""
@@ -28,15 +28,15 @@ class GenerateConfig(PlanFlags):
     sampler: str = "ddim"
     """ddim, euler or dpmpp_2m."""
     guidance_scale: float | None = None
-    """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2 for fmnist; else 7.5)."""
+    """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2 for fmnist; 4.5 for PixArt; else 7.5)."""
     height: int | None = None
-    """Image height in pixels (default: the UNet's sample size x the VAE factor)."""
+    """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
     width: int | None = None
     """Image width in pixels (default: as height)."""
     seed: int = 0
     """Seed of the initial latent, in [0, 2^32)."""
     dtype: str = "auto"
-    """auto, float32 or bfloat16 (auto: bfloat16 for sd15/sd21/sdxl-size models, else float32)."""
+    """auto, float32 or bfloat16 (auto: bfloat16 for SD, SDXL and PixArt-size models, else float32)."""
     attention: str = "auto"
     """Attention kernel: auto, xla, chunked, cudnn or splash (patchpar/models/attention.py)."""
     out: Path = Path("runs/generate")

@@ -96,7 +96,7 @@ def comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
         "bytes_per_device_total": sync * w_bytes + (n - sync) * s_bytes,
         "flops_per_device_per_step": st.get("flops_per_device"),
         "weight_bytes_per_device": weight_bytes_per_device(
-            pipe.unet_params, plan.rules(), plan.degrees()
+            pipe.unet_params, plan.rules(), plan.degrees(), pipe.unet.logical
         ),
         "weight_rules": plan.rules_name,
         "analytic_matches_hlo": bool(wu["analytic_matches_hlo"] and st["analytic_matches_hlo"]),

@@ -95,7 +95,9 @@ def measure(
         local_out = (local_b, latent_hw[0], latent_hw[1] // plan.patch) + out_shape.shape[3:]
     record = {
         "stale_bytes_per_device": stale_bytes_per_device(state),
-        "weight_bytes_per_device": weight_bytes_per_device(params, plan.rules(), plan.degrees()),
+        "weight_bytes_per_device": weight_bytes_per_device(
+            params, plan.rules(), plan.degrees(), unet.logical
+        ),
         "mesh": plan.degrees(),
         "phases": {},
     }

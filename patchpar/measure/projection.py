@@ -129,7 +129,7 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
 
     from patchpar.measure.cost import measure
     from patchpar.models.attention import XLA
-    from patchpar.models.presets import abstract_unet, latent_factor
+    from patchpar.models.presets import abstract_denoiser, latent_factor
 
     if not plan.comm:
         raise ValueError("a plan with stand-in collectives (comm=False) has nothing to project")
@@ -139,7 +139,7 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
             f"resolution={resolution}: must be a positive multiple of {f} (the VAE factor)"
         )
     jdtype = getattr(jnp, dtype)
-    unet = abstract_unet(model, jdtype, XLA)
+    unet = abstract_denoiser(model, jdtype, XLA)
     latent = resolution // f
     r = measure(unet, plan, (latent, latent), batch=batch, flops=True, memory=False)
     phases = {

@@ -20,10 +20,12 @@ from patchpar.models.loading import (
     state_dict_to_params,
 )
 from patchpar.models.pixart import CLASS_NAMES as PIXART_CLASSES
+from patchpar.models.pixart import LOGICAL as PIXART_LOGICAL
 from patchpar.models.pixart import UNSUPPORTED as UNSUPPORTED_DITS
 from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
 from patchpar.models.sites import SiteOps
 from patchpar.models.t5 import T5Config, T5EncoderModel
+from patchpar.models.unet import LOGICAL as UNET_LOGICAL
 from patchpar.models.unet import UNet2DConditionModel, UNetConfig
 from patchpar.models.vae import AutoencoderKL, VAEConfig
 
@@ -34,6 +36,7 @@ class UNetFn:
 
     module: UNet2DConditionModel
     family = "unet"
+    logical = UNET_LOGICAL  # its parameters' logical axes (`parallel.rules`)
 
     @property
     def config(self) -> UNetConfig:
@@ -122,6 +125,7 @@ class PixArtFn:
 
     module: PixArtTransformer2DModel
     family = "pixart"
+    logical = PIXART_LOGICAL  # its parameters' logical axes (`parallel.rules`)
 
     @property
     def config(self) -> PixArtConfig:
@@ -426,7 +430,8 @@ def load_denoiser(
     """The denoiser of a diffusers folder, `(fn, params)`: a UNet (`unet/`) or a PixArt
     transformer (`transformer/`) of a pipeline folder, or such a component folder itself.
     Every fn takes `(params, sample (B, H, W, C), timesteps, encoder_hidden_states, ...)` and
-    has `row_multiple`, `example_inputs`, `abstract_params`, `check_split`, `with_ops`."""
+    has `row_multiple`, `example_inputs`, `abstract_params`, `check_split`, `with_ops` and
+    `logical` (its parameters' logical axes)."""
     path = Path(path)
     if (path / "transformer" / "config.json").is_file():
         return load_pixart(path, dtype, attention)

@@ -116,6 +116,16 @@ class RowDense(nn.Module):
         return y
 
 
+# Logical axes of Attention's parameters (path pattern, one name per dimension; the parallel
+# layer's rules map them to mesh axes): heads split under tensor parallelism, `embed` the width
+# each projection reads or writes whole.
+ATTENTION_AXES: tuple[tuple[str, tuple], ...] = (
+    (r"attn[12]/to_[qkv]/kernel$", ("embed", "heads")),
+    (r"attn[12]/to_[qkv]/bias$", ("heads",)),
+    (r"attn[12]/to_out_0/kernel$", ("heads", "embed")),
+)
+
+
 class Attention(nn.Module):
     """diffusers `Attention`: to_q/to_k/to_v/to_out.0. Self-attention goes through the site."""
 
@@ -129,8 +139,14 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, context: jax.Array | None = None, context_mask: jax.Array | None = None
-    ) -> jax.Array:  # x (B, T, C), context (B, S, Cc), context_mask (B, S) bool: real tokens
+        self,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        context_mask: jax.Array | None = None,
+        row: int | None = None,
+    ) -> jax.Array:
+        # x (B, T, C), context (B, S, Cc), context_mask (B, S) bool: real tokens; row: tokens
+        # per image row of x (self-attention's site may keep whole rows)
         # tensor parallel: this device's heads (zero heads pad a count that does not divide)
         heads = -(-self.heads // self.ops.model_degree())
         inner = heads * self.dim_head
@@ -139,7 +155,7 @@ class Attention(nn.Module):
         k = dense(inner, "to_k", self.dtype, self.qkv_bias)(src)
         v = dense(inner, "to_v", self.dtype, self.qkv_bias)(src)
         if context is None:  # the site: whole-image keys/values (or context parallel)
-            out = self.ops.self_attention(self, q, k, v, heads, self.attn)
+            out = self.ops.self_attention(self, q, k, v, heads, self.attn, row)
         else:
             out = attend(self.attn, q, k, v, heads, context_mask)
         return dense(self.out_dim, "to_out_0", self.dtype, ops=self.ops)(out)

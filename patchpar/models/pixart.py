@@ -24,7 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from patchpar.models.attention import AUTO, AttentionSpec
-from patchpar.models.layers import Attention, TimestepEmbedding, dense, timestep_embedding
+from patchpar.models.layers import (
+    ATTENTION_AXES,
+    Attention,
+    TimestepEmbedding,
+    dense,
+    timestep_embedding,
+)
 from patchpar.models.sites import IDENTITY, SiteOps
 
 CLASS_NAMES = ("PixArtTransformer2DModel", "Transformer2DModel")
@@ -36,6 +42,14 @@ UNSUPPORTED = {
     "HunyuanDiT2DModel": "HunyuanDiT",
     "DiTTransformer2DModel": "DiT (class-conditional)",
 }
+# PixArt's logical axes (`parallel.rules`): its feed-forward is GELU, not gated, so net.0's
+# output is `mlp`; everything else (adaLN, caption projection, patch embedding, proj_out, the
+# modulation tables) reads or writes the model width whole.
+LOGICAL: tuple[tuple[str, tuple], ...] = ATTENTION_AXES + (
+    (r"ff/net_0/proj/kernel$", ("embed", "mlp")),
+    (r"ff/net_0/proj/bias$", ("mlp",)),
+    (r"ff/net_2/kernel$", ("mlp", "embed")),
+)
 # config.json keys that must hold these values (anything else is another architecture)
 _REQUIRED = {
     "norm_type": "ada_norm_single",
@@ -198,7 +212,8 @@ class PixArtBlock(nn.Module):
     attn: AttentionSpec = AUTO
 
     @nn.compact
-    def __call__(self, x, context, context_mask, t6):  # x (B, T, D), t6 (B, 6, D)
+    def __call__(self, x, context, context_mask, t6, row=None):
+        # x (B, T, D), t6 (B, 6, D), row: tokens per image row (W / p)
         cfg, dt = self.config, self.dtype
         d = cfg.inner_dim
         table = self.param("scale_shift_table", nn.initializers.normal(d**-0.5), (6, d), dt)
@@ -220,7 +235,7 @@ class PixArtBlock(nn.Module):
             )
 
         h = _layer_norm(cfg.norm_eps, dt, "norm1")(x) * (1 + scale_msa) + shift_msa
-        x = gate_msa * attention("attn1")(h) + x  # the site: whole-image keys/values
+        x = gate_msa * attention("attn1")(h, row=row) + x  # the site: whole-image K/V
         # PixArt's cross-attention reads the residual stream without a norm
         x = attention("attn2")(x, context, context_mask) + x
         h = _layer_norm(cfg.norm_eps, dt, "norm2")(x) * (1 + scale_mlp) + shift_mlp
@@ -344,7 +359,7 @@ class PixArtTransformer2DModel(nn.Module):
         t6 = t6.reshape(b, 6, cfg.inner_dim)
         for i in range(cfg.num_layers):
             x = layer(PixArtBlock)(cfg, dt, ops, self.attn, name=f"transformer_blocks_{i}")(
-                x, ctx, keep, t6
+                x, ctx, keep, t6, w // p
             )
         d = cfg.inner_dim
         table = self.param("scale_shift_table", nn.initializers.normal(d**-0.5), (2, d), dt)

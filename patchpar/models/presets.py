@@ -1,6 +1,7 @@
-"""Named presets: the diffusers configs of SD 1.5, SD 2.1 and SDXL (full shapes, for abstract
-lowering without weights) and `tiny` / `tiny-xl` (SD-like / SDXL-like test and quick-start sizes,
-written on first use as a real diffusers-format folder with deterministic random weights)."""
+"""Named presets: the diffusers configs of SD 1.5, SD 2.1, SDXL, PixArt-α and PixArt-Σ (full
+shapes, for abstract lowering without weights) and `tiny` / `tiny-xl` / `tiny-dit` (SD-like,
+SDXL-like and PixArt-like test and quick-start sizes, written on first use as a real
+diffusers-format folder with deterministic random weights)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,73 @@ PRESETS: dict[str, dict[str, dict]] = {
     },
 }
 
+# PixArt-α XL-2 1024-MS and PixArt-Σ XL-2 1024-MS (diffusers folders): the same 28-block DiT
+# (D 1152, 16 heads, patch 2, learned sigma), T5 v1.1 XXL (4096 wide, 24 layers, gated GELU)
+# reading 120 / 300 tokens, DPM-Solver++ on DDPM's linear betas; α has micro-conditions and the
+# SD VAE, Σ neither micro-conditions nor that VAE (it uses SDXL's).
+_PIXART = {
+    "_class_name": "PixArtTransformer2DModel",
+    "activation_fn": "gelu-approximate",
+    "attention_bias": True,
+    "attention_head_dim": 72,
+    "caption_channels": 4096,
+    "cross_attention_dim": 1152,
+    "in_channels": 4,
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "norm_type": "ada_norm_single",
+    "num_attention_heads": 16,
+    "num_embeds_ada_norm": 1000,
+    "num_layers": 28,
+    "out_channels": 8,
+    "patch_size": 2,
+    "sample_size": 128,
+}
+_T5_XXL = {
+    "architectures": ["T5EncoderModel"],
+    "model_type": "t5",
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_heads": 64,
+    "num_layers": 24,
+    "feed_forward_proj": "gated-gelu",
+    "dense_act_fn": "gelu_new",
+    "is_gated_act": True,
+    "layer_norm_epsilon": 1e-6,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "vocab_size": 32128,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+_PIXART_SCHED = {
+    "_class_name": "DPMSolverMultistepScheduler",
+    "num_train_timesteps": 1000,
+    "beta_start": 0.0001,
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "prediction_type": "epsilon",
+    "solver_order": 2,
+    "algorithm_type": "dpmsolver++",
+    "timestep_spacing": "linspace",
+}
+PRESETS["pixart-alpha"] = {
+    "pipeline": {"_class_name": "PixArtAlphaPipeline"},
+    "transformer": {**_PIXART, "use_additional_conditions": True},
+    "vae": {**_VAE_SD, "sample_size": 1024},
+    "text_encoder": _T5_XXL,
+    "scheduler": _PIXART_SCHED,
+}
+PRESETS["pixart-sigma"] = {
+    "pipeline": {"_class_name": "PixArtSigmaPipeline"},
+    "transformer": {**_PIXART, "interpolation_scale": 2, "use_additional_conditions": False},
+    "vae": {**_VAE_SD, "sample_size": 1024, "scaling_factor": 0.13025},
+    "text_encoder": _T5_XXL,
+    "scheduler": _PIXART_SCHED,
+}
+
 _TINY_CLIP = {
     **_CLIP_L,
     "hidden_size": 32,
@@ -211,7 +279,42 @@ PRESETS["fmnist-random"] = {
         "prediction_type": "epsilon",
     },
 }
-WEIGHTED = ("tiny", "tiny-xl", "fmnist-random")  # random weights written on first use
+PRESETS["tiny-dit"] = {  # PixArt-α-like: micro-conditions, learned sigma, 120 T5 tokens
+    "pipeline": {"_class_name": "PixArtAlphaPipeline"},
+    "transformer": {
+        **_PIXART,
+        "attention_head_dim": 12,
+        "num_attention_heads": 2,
+        "cross_attention_dim": 24,
+        "caption_channels": 32,
+        "num_layers": 2,
+        "sample_size": 32,
+        "use_additional_conditions": True,
+    },
+    "vae": _TINY_VAE,
+    "text_encoder": {
+        **_T5_XXL,
+        "d_model": 32,
+        "d_ff": 64,
+        "d_kv": 8,
+        "num_heads": 4,
+        "num_layers": 2,
+        "vocab_size": 256,
+    },
+    "scheduler": _PIXART_SCHED,
+}
+# The text a random-weight preset's T5 tokenizer is trained on (sentencepiece, offline).
+_TOKENIZER_TEXT = [
+    "a photo of a cat sitting on a wooden table",
+    "an astronaut riding a horse on the moon, highly detailed",
+    "a red trouser, a blue pullover and a white sneaker",
+    "a bag, an ankle boot, a sandal, a shirt, a coat and a dress",
+    "a small house by a lake at sunset, oil painting",
+    "two dogs playing in the snow, watercolor",
+    "a city street at night in the rain with neon lights",
+    "a bowl of fruit: apples, oranges and bananas",
+]
+WEIGHTED = ("tiny", "tiny-xl", "tiny-dit", "fmnist-random")  # random weights, on first use
 # Presets with trained weights committed in the repository (experiments/train_fmnist.py).
 SHIPPED = {"fmnist": Path(__file__).resolve().parent.parent / "weights" / "fmnist"}
 # CLIP models committed in the repository (open_clip local-dir folders), by name, and the one
@@ -225,10 +328,30 @@ TINY_SEED = 0
 # paper_repro.md "The fmnist model"); other models take the SD pipelines' 7.5.
 TUNED_GUIDANCE = {"fmnist": 2.0}
 DEFAULT_GUIDANCE = 7.5
+DIT_GUIDANCE = 4.5  # PixArt-α/Σ's pipelines' default
 
 
 def default_guidance(model: str) -> float:
-    return TUNED_GUIDANCE.get(str(model), DEFAULT_GUIDANCE)
+    name = str(model)
+    if name in TUNED_GUIDANCE:
+        return TUNED_GUIDANCE[name]
+    return DIT_GUIDANCE if family(name) == "pixart" else DEFAULT_GUIDANCE
+
+
+def family(model: str | Path) -> str:
+    """`unet` or `pixart`: the denoiser of a preset or a diffusers folder (a folder whose
+    denoiser is unreadable counts as a UNet; its loader says why)."""
+    name = str(model)
+    if name in PRESETS:
+        return "pixart" if "transformer" in PRESETS[name] else "unet"
+    if name in SHIPPED:
+        return "unet"
+    folder = Path(model)
+    return "pixart" if (folder / "transformer" / "config.json").is_file() else "unet"
+
+
+# The T5 tokens each PixArt pipeline reads (diffusers' `max_sequence_length` defaults).
+MAX_TEXT_TOKENS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}
 
 
 def preset_names() -> list[str]:
@@ -242,38 +365,43 @@ def get_preset(name: str) -> dict[str, dict]:
         raise ValueError(f"unknown preset {name!r}; known: {preset_names()}") from None
 
 
-def abstract_unet(model: str | Path, dtype=jnp.bfloat16, attention=None):
-    """A UNet (no weights) from a preset name or a diffusers folder's unet/config.json: enough to
-    lower its programs with abstract parameters."""
+def abstract_denoiser(model: str | Path, dtype=jnp.bfloat16, attention=None):
+    """A denoiser (no weights: a UNet or a PixArt transformer) from a preset name or a diffusers
+    folder's unet/ or transformer/ config.json: enough to lower its programs with abstract
+    parameters."""
     from patchpar.models import api
+    from patchpar.models.attention import AttentionSpec
     from patchpar.models.loading import read_config
+    from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
     from patchpar.models.unet import UNet2DConditionModel, UNetConfig
 
     name = str(model)
     if name in SHIPPED:
         model = preset_folder(name)
+    kind = family(model)
+    sub = "transformer" if kind == "pixart" else "unet"
     if name in PRESETS:
-        cfg, where = PRESETS[name]["unet"], f"preset {name}"
+        cfg, where = PRESETS[name][sub], f"preset {name}"
     else:
         folder = Path(model)
-        folder = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
+        folder = folder / sub if (folder / sub / "config.json").is_file() else folder
         cfg, where = read_config(folder), str(folder / "config.json")
-    from patchpar.models.attention import AttentionSpec
+        if cfg.get("_class_name", "UNet2DConditionModel") != "UNet2DConditionModel":
+            kind = "pixart"  # a transformer component folder itself (unsupported ones named)
+    attn = attention or AttentionSpec()
+    if kind == "pixart":
+        module = PixArtTransformer2DModel(PixArtConfig.from_diffusers(cfg, where), dtype, attn=attn)
+        return api.PixArtFn(module)
+    return api.UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(cfg, where), dtype, attn=attn))
 
-    return api.UNetFn(
-        UNet2DConditionModel(
-            UNetConfig.from_diffusers(cfg, where), dtype, attn=attention or AttentionSpec()
-        )
-    )
 
-
-FULL_SIZE = ("sd15", "sd21", "sdxl")
+FULL_SIZE = ("sd15", "sd21", "sdxl", "pixart-alpha", "pixart-sigma")
 
 
 def default_dtype(model: str | Path) -> str:
     """The compute dtype `auto` means: bfloat16 for the full-size presets and for folders whose
-    UNet starts at >= 320 channels (SD 1.x/2.x/XL sizes), float32 for the small models (parity
-    tests, tiny, fmnist)."""
+    UNet starts at >= 320 channels (SD 1.x/2.x/XL sizes) or whose DiT is >= 1024 wide,
+    float32 for the small models (parity tests, tiny, fmnist)."""
     from patchpar.models.loading import read_config
 
     name = str(model)
@@ -282,12 +410,16 @@ def default_dtype(model: str | Path) -> str:
     if name in PRESETS or name in SHIPPED:
         return "float32"
     folder = Path(model)
-    folder = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
     try:
-        channels = read_config(folder)["block_out_channels"][0]
+        if family(folder) == "pixart":
+            cfg = read_config(folder / "transformer")
+            big = cfg["num_attention_heads"] * cfg["attention_head_dim"] >= 1024
+        else:
+            folder = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
+            big = read_config(folder)["block_out_channels"][0] >= 320
     except Exception:  # not readable here: the loader will say why
         return "float32"
-    return "bfloat16" if channels >= 320 else "float32"
+    return "bfloat16" if big else "float32"
 
 
 def resolve_dtype(dtype: str, model: str | Path) -> str:
@@ -349,11 +481,12 @@ def write_random_folder(folder: Path, preset: dict[str, dict], seed: int) -> Non
     from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
     from patchpar.models.loading import write_component
     from patchpar.models.tokenizer import write_clip_tokenizer
-    from patchpar.models.unet import UNet2DConditionModel, UNetConfig
     from patchpar.models.vae import AutoencoderKL, VAEConfig
 
     folder = Path(folder)
-    unet = api.UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(preset["unet"]), jnp.float32))
+    if "transformer" in preset:
+        return _write_random_dit(folder, preset, seed)
+    unet = _random_denoiser(preset, "unet")
     write_component(folder / "unet", preset["unet"], unet.init(seed))
     index = {
         "_class_name": "StableDiffusionPipeline",
@@ -378,4 +511,51 @@ def write_random_folder(folder: Path, preset: dict[str, dict], seed: int) -> Non
     (folder / "scheduler" / "scheduler_config.json").write_text(
         json.dumps(preset["scheduler"], indent=2)
     )
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def _random_denoiser(preset: dict, sub: str):
+    from patchpar.models import api
+    from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
+    from patchpar.models.unet import UNet2DConditionModel, UNetConfig
+
+    if sub == "transformer":
+        return api.PixArtFn(PixArtTransformer2DModel(PixArtConfig.from_diffusers(preset[sub])))
+    return api.UNetFn(UNet2DConditionModel(UNetConfig.from_diffusers(preset[sub]), jnp.float32))
+
+
+def _write_random_dit(folder: Path, preset: dict, seed: int) -> None:
+    """A PixArt pipeline folder: transformer/, vae/, a T5 text_encoder/ and its sentencepiece
+    tokenizer/ (trained here on a few captions), scheduler/, model_index.json."""
+    import json
+
+    from patchpar.models import api
+    from patchpar.models.loading import write_component
+    from patchpar.models.t5 import T5Config, T5EncoderModel
+    from patchpar.models.tokenizer import write_t5_tokenizer
+    from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+    write_component(
+        folder / "transformer",
+        preset["transformer"],
+        _random_denoiser(preset, "transformer").init(seed),
+    )
+    vae = api.VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"]), jnp.float32))
+    write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
+    t5 = api.T5EncoderFn(T5EncoderModel(T5Config.from_transformers(preset["text_encoder"])))
+    write_component(folder / "text_encoder", preset["text_encoder"], t5.init(seed + 2))
+    vocab = preset["text_encoder"]["vocab_size"]
+    write_t5_tokenizer(folder / "tokenizer", _TOKENIZER_TEXT, vocab_size=vocab)
+    (folder / "scheduler").mkdir(parents=True, exist_ok=True)
+    (folder / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps(preset["scheduler"], indent=2)
+    )
+    index = {
+        "_class_name": preset["pipeline"]["_class_name"],
+        "transformer": ["diffusers", "PixArtTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "text_encoder": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "T5Tokenizer"],
+        "scheduler": ["diffusers", preset["scheduler"]["_class_name"]],
+    }
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))

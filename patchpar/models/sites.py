@@ -47,19 +47,28 @@ class SiteOps:
         return mean, mean_sq
 
     def self_attn_kv(
-        self, mod, k: jax.Array, v: jax.Array
+        self, mod, k: jax.Array, v: jax.Array, row: int | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Keys/values the local queries attend to, from the local ones: each (B, h*W, D) ->
-        (B, T, D), and a (T,) bool mask of the keys that exist (None = all)."""
-        del mod
+        (B, T, D), and a (T,) bool mask of the keys that exist (None = all). `row`: tokens per
+        image row (W; a DiT's columns / p), for exchanges that keep whole rows."""
+        del mod, row
         return k, v, None
 
     def self_attention(
-        self, mod, q: jax.Array, k: jax.Array, v: jax.Array, heads: int, spec: AttentionSpec
+        self,
+        mod,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        heads: int,
+        spec: AttentionSpec,
+        row: int | None = None,
     ) -> jax.Array:
-        """Self-attention of the local queries: q, k, v (B, h*W, H*D) -> (B, h*W, H*D). This
-        default attends to the keys/values `self_attn_kv` gives, with `spec`'s kernel."""
-        k, v, mask = self.self_attn_kv(mod, k, v)  # (B, T_keys, H*D)
+        """Self-attention of the local queries: q, k, v (B, h*W, H*D) -> (B, h*W, H*D), `row`
+        = W tokens per image row. This default attends to the keys/values `self_attn_kv`
+        gives, with `spec`'s kernel."""
+        k, v, mask = self.self_attn_kv(mod, k, v, row)  # (B, T_keys, H*D)
         return attend(spec, q, k, v, heads, mask)
 
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:

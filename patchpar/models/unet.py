@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
+    ATTENTION_AXES,
     Attention,
     Conv,
     Downsample2D,
@@ -193,7 +194,8 @@ class BasicTransformerBlock(nn.Module):
     attn: AttentionSpec = AUTO
 
     @nn.compact
-    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, T, C)
+    def __call__(self, x: jax.Array, context: jax.Array, row: int | None = None) -> jax.Array:
+        # x (B, T, C); row: tokens per image row (W)
         def ln(name: str) -> nn.LayerNorm:
             return nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, param_dtype=self.dtype, name=name)
 
@@ -207,7 +209,7 @@ class BasicTransformerBlock(nn.Module):
                 ops=self.ops,
                 attn=self.attn,
                 name="attn1",
-            )(ln("norm1")(x))
+            )(ln("norm1")(x), row=row)
             + x
         )
         x = (
@@ -248,7 +250,7 @@ class Transformer2DModel(nn.Module):
         for i in range(self.num_layers):
             x = layer(BasicTransformerBlock)(
                 c, self.heads, dt, self.ops, self.attn, name=f"transformer_blocks_{i}"
-            )(x, context)
+            )(x, context, w)
         if self.use_linear_projection:
             x = layer(nn.Dense)(c, dtype=dt, param_dtype=dt, name="proj_out")(x)
             x = x.reshape(b, h, w, c)
@@ -345,6 +347,22 @@ class UpBlock(nn.Module):
         if i < n - 1:
             x = ops.layer(Upsample2D)(c, dt, ops, name="upsamplers_0")(x)
         return x
+
+
+_RESNET = r"resnets_\d+/"
+# The UNet's logical axes (`parallel.rules`): GEGLU feed-forwards, ResNet middle channels, the
+# latent output channels; any other kernel is (..., conv_in, embed), a bias or scale (embed,).
+LOGICAL: tuple[tuple[str, tuple], ...] = ATTENTION_AXES + (
+    (r"ff/net_0/proj/kernel$", ("embed", "mlp_gated")),
+    (r"ff/net_0/proj/bias$", ("mlp_gated",)),
+    (r"ff/net_2/kernel$", ("mlp", "embed")),
+    (_RESNET + r"conv1/kernel$", (None, None, "embed", "conv_mid")),
+    (_RESNET + r"(conv1|time_emb_proj|norm2)/(bias|scale)$", ("conv_mid",)),
+    (_RESNET + r"time_emb_proj/kernel$", ("embed", "conv_mid")),
+    (_RESNET + r"conv2/kernel$", (None, None, "conv_mid", "embed")),
+    (r"(^|/)conv_out/kernel$", (None, None, "embed", "conv_out")),
+    (r"(^|/)conv_out/bias$", ("conv_out",)),
+)
 
 
 class UNet2DConditionModel(nn.Module):

@@ -86,7 +86,9 @@ class SpatialSelfAttention(nn.Module):
         )
         q = dense(c, "to_q", self.dtype)(y)
         k, v = dense(c, "to_k", self.dtype)(y), dense(c, "to_v", self.dtype)(y)
-        y = dense(c, "to_out_0", self.dtype)(self.ops.self_attention(self, q, k, v, 1, self.attn))
+        y = dense(c, "to_out_0", self.dtype)(
+            self.ops.self_attention(self, q, k, v, 1, self.attn, w)
+        )
         return x + y.reshape(b, h, w, c)
 
 

@@ -114,7 +114,7 @@ class Plan:
             make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
         unet.check_split(self.model)
         if self.fsdp_degree > 1:
-            check_sharded(_param_shapes(unet), self.rules(), self.degrees())
+            check_sharded(_param_shapes(unet), self.rules(), self.degrees(), unet.logical)
         if not s.parallel and self.devices != 1:
             raise ValueError(
                 f"strategy {s.name!r} runs on 1 device, got devices={self.devices} (data="
@@ -190,7 +190,9 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
 
     def local(params, x, t, cond, state):
         # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
-        variables = {"params": unplaced(params, rules)}  # this device's share of each weight
+        variables = {
+            "params": unplaced(params, unet.logical, rules)
+        }  # this device's share of each weight
         if reads_state:
             variables[STALE] = jax.tree.map(lambda a: a[0, 0, 0, 0], state)  # drop device axes
         mutable = [STALE, SEND] if groups else [STALE]
@@ -213,7 +215,7 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
         # split by the logical-axis rules
-        params, param_specs = placed(params, rules, local_shapes, plan.degrees())
+        params, param_specs = placed(params, rules, unet.logical, local_shapes, plan.degrees())
         fn = jax.shard_map(
             local,
             mesh=mesh,

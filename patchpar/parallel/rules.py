@@ -1,14 +1,16 @@
-"""Where parameters live: every UNet parameter carries logical axis names, and a rule set maps
-logical axes to mesh axes (MaxDiffusion's `logical_axis_rules`, written as data).
+"""Where parameters live: every parameter of a model carries logical axis names (its family's
+table of path patterns, the denoiser's `logical`), and a rule set maps logical axes to mesh
+axes (MaxDiffusion's `logical_axis_rules`, written as data).
 
 Logical axes (one name per dimension; None = never split):
 - `heads`: attention heads x head dim (to_q/to_k/to_v outputs, to_out input);
-- `mlp`: the feed-forward inner width (net.2 input); `mlp_gated`: GEGLU's projection output,
-  [h | gate], each half split alike (laid out as (2, mlp) while placed);
+- `mlp`: the feed-forward inner width (net.2 input; net.0's output in a DiT's GELU
+  feed-forward); `mlp_gated`: GEGLU's projection output, [h | gate], each half split alike
+  (laid out as (2, mlp) while placed);
 - `conv_mid`: a ResNet block's middle channels (conv1 and time_emb_proj outputs, norm2,
   conv2 input);
 - `embed`: the model width a layer reads or writes whole (a hidden size: 320 ... 1280, or the
-  text width for cross-attention K/V); every parameter of a UNet has at most one;
+  text width for cross-attention K/V); every parameter has at most one;
 - `conv_in`: a layer's input width where its output is `embed` (conv_in's latent channels,
   shortcut, sampler, projection and embedding inputs);
 - `conv_out`: the UNet's output (latent) channels.
@@ -38,26 +40,12 @@ from patchpar.parallel.mesh import AXES, CFG, DATA, MODEL, PATCH, divisors
 LOGICAL_AXES = ("heads", "mlp", "mlp_gated", "conv_mid", "embed", "conv_in", "conv_out")
 FSDP_AXES = (DATA, CFG, PATCH)  # the devices that hold the same weights (all but `model`)
 
-# (path pattern, logical axes of the parameter); the first match wins. No match: a kernel is
-# (..., conv_in, embed), a bias or scale (embed,) (`logical_axes`).
-_ATTN = r"attn[12]/"
-_RESNET = r"resnets_\d+/"
-LOGICAL: tuple[tuple[str, tuple], ...] = (
-    (_ATTN + r"to_[qkv]/kernel$", ("embed", "heads")),
-    (_ATTN + r"to_[qkv]/bias$", ("heads",)),
-    (_ATTN + r"to_out_0/kernel$", ("heads", "embed")),
-    (r"ff/net_0/proj/kernel$", ("embed", "mlp_gated")),
-    (r"ff/net_0/proj/bias$", ("mlp_gated",)),
-    (r"ff/net_2/kernel$", ("mlp", "embed")),
-    (_RESNET + r"conv1/kernel$", (None, None, "embed", "conv_mid")),
-    (_RESNET + r"(conv1|time_emb_proj|norm2)/(bias|scale)$", ("conv_mid",)),
-    (_RESNET + r"time_emb_proj/kernel$", ("embed", "conv_mid")),
-    (_RESNET + r"conv2/kernel$", (None, None, "conv_mid", "embed")),
-    (r"(^|/)conv_out/kernel$", (None, None, "embed", "conv_out")),
-    (r"(^|/)conv_out/bias$", ("conv_out",)),
-)
+# A model family's table: (path pattern, logical axes of the parameter), the first match wins
+# (`models.unet.LOGICAL`, `models.pixart.LOGICAL`; the denoiser's `logical`). No match: a
+# kernel is (..., conv_in, embed), a bias or scale (embed,) (`logical_axes`).
+Table = tuple[tuple[str, tuple], ...]
 
-_KERNEL = ("conv_in", "embed")  # any kernel LOGICAL does not name: (..., in, out)
+_KERNEL = ("conv_in", "embed")  # any kernel the table does not name: (..., in, out)
 
 Axes = str | tuple[str, ...] | None  # what a rule maps a logical axis to: mesh axis (or axes)
 RULES: dict[str, dict[str, Axes]] = {
@@ -71,9 +59,9 @@ def _axes(value: Axes) -> tuple[str, ...]:
     return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 
-def check_rules(rules: dict[str, Axes]) -> None:
+def check_rules(rules: dict[str, Axes], table: Table = ()) -> None:
     """Errors naming the rule: an unknown logical axis, an unknown mesh axis, or one mesh axis
-    given to two dimensions of the same parameter."""
+    given to two dimensions of the same parameter (of `table`'s patterns or any other kernel)."""
     bad = sorted(set(rules) - set(LOGICAL_AXES))
     if bad:
         raise ValueError(f"rules name unknown logical axes {bad}; known: {list(LOGICAL_AXES)}")
@@ -83,7 +71,7 @@ def check_rules(rules: dict[str, Axes]) -> None:
             f"rules map to unknown mesh axes {sorted(set(axes) - set(AXES))}; mesh axes: "
             f"{list(AXES)}"
         )
-    for pattern, names in LOGICAL + (("any other kernel", _KERNEL),):
+    for pattern, names in tuple(table) + (("any other kernel", _KERNEL),):
         mapped = [(n, a) for n in names if n for a in _axes(rules.get(n))]
         seen: dict[str, str] = {}
         for name, axis in mapped:
@@ -96,9 +84,10 @@ def check_rules(rules: dict[str, Axes]) -> None:
             seen[axis] = name
 
 
-def logical_axes(path: str, ndim: int) -> tuple:
-    """Logical axis names of the parameter at `path` ('down_blocks_0/.../to_q/kernel')."""
-    for pattern, names in LOGICAL:
+def logical_axes(path: str, ndim: int, table: Table) -> tuple:
+    """Logical axis names of the parameter at `path` ('down_blocks_0/.../to_q/kernel') in a
+    family's `table`."""
+    for pattern, names in table:
         if re.search(pattern, path):
             return names
     if path.endswith("/kernel") and ndim >= 2:  # (kh, kw,) in, out: a layer writing `embed`
@@ -120,20 +109,26 @@ def _spec(names: tuple, rules: dict) -> tuple:
     return tuple(out)
 
 
-def placed(params, rules: dict, local_shapes=None, degrees: dict[str, int] | None = None):
+def placed(
+    params,
+    rules: dict,
+    table: Table,
+    local_shapes=None,
+    degrees: dict[str, int] | None = None,
+):
     """(params laid out for placement, their PartitionSpecs). `mlp_gated` dimensions become
     (2, mlp) so that each device's share holds its part of both halves (a reshape, no copy).
     `local_shapes` (the modules' parameter shapes on one device) and the mesh `degrees` pad
     `heads` split over `model` with zero heads up to local x degree, where the heads do not
     divide (DistriFusion's tensor parallelism splits them unevenly instead; a zero head adds
     nothing to the output). Dimensions sharded at rest (FSDP) must divide: `check_sharded`."""
-    check_rules(rules)
+    check_rules(rules, table)
     if degrees is not None:
-        check_sharded(params, rules, degrees)
+        check_sharded(params, rules, degrees, table)
     local = _leaves(local_shapes) if local_shapes is not None else {}
     out, specs = {}, {}
     for path, leaf in _leaves(params).items():
-        names = logical_axes(path, leaf.ndim)
+        names = logical_axes(path, leaf.ndim, table)
         axes = _spec(names, rules)
         if not any(axes):  # whole on every device, as it is
             out[path], specs[path] = leaf, P()
@@ -160,18 +155,18 @@ def _tree(flat: dict):
     return unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
 
 
-def unplaced(local_params, rules: dict | None = None):
+def unplaced(local_params, table: Table, rules: dict | None = None):
     """Inside `shard_map`: this device's shares back in the modules' shapes ((2, mlp / m) ->
     2 x mlp / m for `mlp_gated`). With `rules`, a share sharded at rest over axes other than
     `model` (FSDP) comes boxed (`nn.Partitioned`, names = those axes per dimension) for the
     layer that owns it to gather just before it runs (`PatchOps.layer`)."""
     out = {}
     for path, leaf in _leaves(local_params).items():
-        names = logical_axes(path, leaf.ndim - 1)
+        names = logical_axes(path, leaf.ndim - 1, table)
         if "mlp_gated" in names and leaf.ndim == len(names) + 1:
             at = names.index("mlp_gated")
             leaf = leaf.reshape(leaf.shape[:at] + (-1,) + leaf.shape[at + 2 :])
-        names = logical_axes(path, leaf.ndim)
+        names = logical_axes(path, leaf.ndim, table)
         rest = [_axes(rules.get(n)) if rules and n else () for n in names]
         rest = [tuple(a for a in axes if a != MODEL) or None for axes in rest]
         if any(rest):
@@ -180,31 +175,31 @@ def unplaced(local_params, rules: dict | None = None):
     return unflatten_dict(out)
 
 
-def _split(path: str, ndim: int, rules: dict, degrees: dict[str, int]) -> list[tuple]:
+def _split(path: str, ndim: int, rules: dict, degrees: dict[str, int], table: Table) -> list:
     """(dimension, logical name, ways) of every dimension `rules` split, for one parameter."""
     out = []
-    for dim, name in enumerate(logical_axes(path, ndim)):
+    for dim, name in enumerate(logical_axes(path, ndim, table)):
         ways = math.prod(degrees.get(a, 1) for a in _axes(rules.get(name))) if name else 1
         if ways > 1:
             out.append((dim, name, ways))
     return out
 
 
-def weight_bytes_per_device(params, rules: dict, degrees: dict[str, int]) -> int:
+def weight_bytes_per_device(params, rules: dict, degrees: dict[str, int], table: Table) -> int:
     """Parameter bytes one device holds under `rules` on a mesh of `degrees` ({axis: size})."""
     total = 0
     for path, leaf in _leaves(params).items():
-        split = math.prod(w for _, _, w in _split(path, leaf.ndim, rules, degrees))
+        split = math.prod(w for _, _, w in _split(path, leaf.ndim, rules, degrees, table))
         total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
     return total
 
 
-def check_sharded(params, rules: dict, degrees: dict[str, int]) -> None:
+def check_sharded(params, rules: dict, degrees: dict[str, int], table: Table) -> None:
     """Every dimension sharded at rest (over axes other than `model`: FSDP) divides by its
     degree; ValueError naming the parameter, the size and the degrees that divide them all."""
     bad, sizes = [], set()
     for path, leaf in _leaves(params).items():
-        for dim, name, _ in _split(path, leaf.ndim, rules, degrees):
+        for dim, name, _ in _split(path, leaf.ndim, rules, degrees, table):
             axes = [a for a in _axes(rules.get(name)) if a != MODEL]
             ways = math.prod(degrees.get(a, 1) for a in axes)
             if ways == 1:

@@ -1,6 +1,8 @@
 """Text-to-image: prompts -> tokens -> text embeddings (with the negative prompt for CFG) ->
-denoising loop -> VAE decode -> uint8 images. SD-style folders (one text encoder) and
-SDXL-style folders (two, penultimate hidden states, pooled embedding and size conditioning)."""
+denoising loop -> VAE decode -> uint8 images. SD-style folders (one text encoder), SDXL-style
+folders (two, penultimate hidden states, pooled embedding and size conditioning) and PixArt-α/Σ
+folders (a DiT with a T5 encoder: 120 / 300 tokens and their mask, micro-conditions where the
+transformer has them)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, load_unet, load_vae
+from patchpar.models.api import Denoiser, T5EncoderFn, load_pixart, load_t5_encoder
 from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.loading import CheckpointError, read_config
-from patchpar.models.presets import PRESETS, SHIPPED, preset_folder
-from patchpar.models.tokenizer import Tokenizer, load_tokenizer
+from patchpar.models.presets import MAX_TEXT_TOKENS, PRESETS, SHIPPED, preset_folder
+from patchpar.models.tokenizer import T5Tokenizer, Tokenizer, load_tokenizer
 from patchpar.parallel.engine import Plan, denoise_phase, phase_steps, stale_bytes_per_device
 from patchpar.parallel.engine import denoise as denoise_parallel
 from patchpar.parallel.mesh import to_local
@@ -44,19 +47,24 @@ class Output:
 
 @dataclass
 class Pipeline:
-    unet: UNetFn
+    unet: Denoiser  # the denoiser: a UNet or a PixArt transformer (field named as before DiTs)
     unet_params: dict
     vae: VAEFn | None  # None: a pixel-space model (the "latent" is the image in [-1, 1])
     vae_params: dict | None
-    text_encoders: list[tuple[TextEncoderFn, dict]]
-    tokenizers: list[Tokenizer]
+    text_encoders: list[tuple[TextEncoderFn | T5EncoderFn, dict]]
+    tokenizers: list[Tokenizer | T5Tokenizer]
     scheduler: SchedulerConfig
     force_zeros_for_empty_prompt: bool = True  # SDXL: zero negative embeddings for "" negatives
     name: str = ""
+    text_tokens: int | None = None  # T5 pipelines: tokens the encoder reads (PixArt-α 120, Σ 300)
 
     @property
     def is_xl(self) -> bool:
         return len(self.text_encoders) == 2
+
+    @property
+    def family(self) -> str:
+        return self.unet.family
 
     @property
     def latent_factor(self) -> int:
@@ -64,7 +72,7 @@ class Pipeline:
 
     def check_size(self, height: int, width: int, rows_multiple: int = 1) -> tuple[int, int]:
         """Latent (h, w) for an image size; ValueError when it does not fit the networks."""
-        f, down = self.latent_factor, 2**self.unet.config.num_downsamples
+        f, down = self.latent_factor, self.unet.row_multiple
         for name, v, mult in (
             ("height", height, f * down * rows_multiple),
             ("width", width, f * down),
@@ -76,8 +84,8 @@ class Pipeline:
                     else [mult]
                 )
                 raise ValueError(
-                    f"{name}={v!r} must be a positive multiple of {mult} (VAE factor {f} x UNet "
-                    f"downsampling {down}"
+                    f"{name}={v!r} must be a positive multiple of {mult} (VAE factor {f} x "
+                    f"{down} for the {self.unet.row_multiple_reason}"
                     + (f" x {rows_multiple} row patches" if rows_multiple > 1 else "")
                     + f"); nearest that fit: {fit}"
                 )
@@ -100,6 +108,8 @@ class Pipeline:
             raise ValueError(
                 f"{len(negative)} negative prompts for {len(prompts)} prompts; give one per prompt or none"
             )
+        if self.family == "pixart":
+            return self._t5_conditioning(prompts, negative, cfg, height, width)
         ctx, pooled = self._embed(prompts)
         if not cfg:
             stack = lambda a: None if a is None else a[None]  # noqa: E731
@@ -123,6 +133,23 @@ class Pipeline:
         return Conditioning(
             ctx, {"text_embeds": pooled, "time_ids": jnp.broadcast_to(tid, (g, b, 6))}
         )
+
+    def _t5_conditioning(self, prompts, negative, cfg: bool, height, width) -> Conditioning:
+        """PixArt: T5's last hidden states and their mask (the negative prompt encoded as any
+        other, "" by default), and the micro-conditions (height, width) and height / width of
+        the image when the transformer has them, the same for both guidance halves."""
+        (fn, params), tok = self.text_encoders[0], self.tokenizers[0]
+        texts = [*negative, *prompts] if cfg else prompts
+        ids, mask = tok(texts, self.text_tokens or 120)
+        g, b = 1 + cfg, len(prompts)
+        ctx = _encode_text(fn, params, jnp.asarray(ids), jnp.asarray(mask))["last_hidden_state"]
+        extras = {"encoder_attention_mask": jnp.asarray(mask).reshape(g, b, -1)}
+        if self.unet.config.use_additional_conditions:
+            size = jnp.asarray([height, width], jnp.float32)
+            extras["resolution"] = jnp.broadcast_to(size, (g, b, 2))
+            ratio = jnp.asarray([height / width], jnp.float32)
+            extras["aspect_ratio"] = jnp.broadcast_to(ratio, (g, b, 1))
+        return Conditioning(ctx.reshape((g, b) + ctx.shape[1:]), extras)
 
     def _embed(self, prompts: list[str]) -> tuple[jax.Array, jax.Array | None]:
         """SD: last hidden state. SDXL: both encoders' penultimate states, concatenated, and the
@@ -302,8 +329,8 @@ def check_guidance(guidance_scale, negative_prompts: list[str] | None = None) ->
 
 
 @partial(jax.jit, static_argnums=(0,))
-def _encode_text(fn: TextEncoderFn, params, ids):
-    return fn(params, ids)
+def _encode_text(fn: TextEncoderFn | T5EncoderFn, params, ids, *mask):
+    return fn(params, ids, *mask)
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -333,9 +360,10 @@ def _single_phase(unet, smp, _plan, _phase, params, cond, schedule, x, loop, gui
 def load_pipeline(
     path_or_preset: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
 ) -> Pipeline:
-    """A pipeline from a local diffusers folder, or a preset name with weights (`fmnist`,
-    `tiny`, `tiny-xl`). A folder without `vae/` is a pixel-space model. `attention` picks the
-    attention kernel of the UNet and the VAE (default `auto`: patchpar/models/attention.py)."""
+    """A pipeline from a local diffusers folder (SD, SDXL, PixArt-α/Σ), or a preset name with
+    weights (`fmnist`, `tiny`, `tiny-xl`, `tiny-dit`). A folder without `vae/` is a pixel-space
+    model. `attention` picks the attention kernel of the denoiser and the VAE (default `auto`:
+    patchpar/models/attention.py)."""
     name = str(path_or_preset)
     if name in PRESETS or name in SHIPPED:
         folder = preset_folder(name)
@@ -347,6 +375,8 @@ def load_pipeline(
                 f"diffusers folder"
             )
     index = _model_index(folder)
+    if (folder / "transformer").is_dir():
+        return _load_pixart_pipeline(folder, index, dtype, attention, name)
     unet = load_unet(folder / "unet", dtype, attention)
     vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
     encoders, tokenizers = [], []
@@ -363,12 +393,36 @@ def load_pipeline(
     return Pipeline(*unet, *vae, encoders, tokenizers, sched, force_zeros, name)
 
 
-SUPPORTED_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
+def _load_pixart_pipeline(folder: Path, index: dict, dtype, attention, name: str) -> Pipeline:
+    """A PixArt-α/Σ folder: transformer/, vae/, a T5 text_encoder/ and tokenizer/, scheduler/;
+    the T5 tokens from the pipeline class (α 120, Σ 300; 120 without model_index.json)."""
+    dit = load_pixart(folder / "transformer", dtype, attention)
+    for sub in ("vae", "text_encoder", "tokenizer"):
+        if not (folder / sub).is_dir():
+            raise CheckpointError(f"{str(folder)!r}: a PixArt pipeline needs {sub}/; it is missing")
+    vae = load_vae(folder / "vae", dtype, attention)
+    encoder = load_t5_encoder(folder / "text_encoder", dtype)
+    tokenizer = T5Tokenizer(folder / "tokenizer")
+    sched = SchedulerConfig.from_diffusers(
+        read_config(folder / "scheduler", "scheduler_config.json")
+    )
+    tokens = MAX_TEXT_TOKENS.get(index.get("_class_name"), 120)
+    return Pipeline(*dit, *vae, [encoder], [tokenizer], sched, True, name, tokens)
+
+
+SUPPORTED_PIPELINES = (
+    "StableDiffusionPipeline",
+    "StableDiffusionXLPipeline",
+    "PixArtAlphaPipeline",
+    "PixArtSigmaPipeline",
+)
 # pipelines people will point patchpar at, and what they are
 _KNOWN_OTHERS = {
-    "StableDiffusion3": "SD3 (an MMDiT transformer, no UNet)",
-    "Flux": "Flux (a DiT transformer, no UNet)",
-    "PixArt": "PixArt (a DiT transformer, no UNet)",
+    "StableDiffusion3": "SD3 (an MMDiT transformer, not supported yet)",
+    "Flux": "Flux (an MMDiT transformer, not supported yet)",
+    "Sana": "Sana (a linear-attention DiT, not supported yet)",
+    "HunyuanDiT": "HunyuanDiT (not supported yet)",
+    "DiTPipeline": "DiT (class-conditional, not text-to-image)",
     "Inpaint": "inpainting (a UNet with extra input channels)",
     "Img2Img": "image-to-image",
     "ControlNet": "ControlNet",
@@ -388,7 +442,8 @@ def _model_index(folder: Path) -> dict:
     name = index.get("_class_name")
     if name is not None and name not in SUPPORTED_PIPELINES:
         what = next(
-            (v for k, v in _KNOWN_OTHERS.items() if k in name), "not a text-to-image UNet pipeline"
+            (v for k, v in _KNOWN_OTHERS.items() if k in name),
+            "not a text-to-image pipeline patchpar knows",
         )
         raise CheckpointError(
             f"{str(folder)!r}: unsupported: {name} is {what}; patchpar runs "

@@ -95,11 +95,13 @@ class PatchOps(SiteOps):
     def group_stats(self, mod, mean, mean_sq):
         return self.gn_op(mod, mean, mean_sq)
 
-    def self_attn_kv(self, mod, k, v):
-        return self.attn_op.keys(mod, k, v)
+    def self_attn_kv(self, mod, k, v, row: int | None = None):
+        return self.attn_op.keys(mod, k, v, row)
 
-    def self_attention(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
-        return self.attn_op(mod, q, k, v, heads, spec)
+    def self_attention(
+        self, mod, q, k, v, heads: int, spec: AttentionSpec, row: int | None = None
+    ) -> jax.Array:
+        return self.attn_op(mod, q, k, v, heads, spec, row)
 
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
         """This device's rows of the whole image's position table: the image has n x rows
@@ -135,13 +137,14 @@ def patch_ops(
     kv: str = "all",
     portion: float = 1.0,
     send: str = "full",
+    align: str = "tokens",
     exchange: bool = True,
     ulysses: int | None = None,
     packed: bool = False,
 ) -> PatchOps:
     """The ops of the row-patch sites on `n` patch devices in `phase`, by mode words (see each
     site's module): halo fresh | stale | zero, gn sync | separate | stale | corrected, kv all |
-    local | stale | band (with `portion` and `send`), or `ulysses` = d for context-parallel
+    local | stale | band (with `portion`, `send` and `align`), or `ulysses` = d for context-parallel
     attention (Ring x Ulysses, ring degree n / d). `exchange=False` is DistriFusion's no_sync;
     `packed`: steady sends go to the engine's packed exchange."""
     if not exchange and gn != "separate":
@@ -151,7 +154,7 @@ def patch_ops(
         )
     common = dict(n=n, phase=phase, packed=packed)
     if ulysses is None:
-        attn = KV(**common, mode=kv, portion=portion, sends=send, exchange=exchange)
+        attn = KV(**common, mode=kv, portion=portion, sends=send, align=align, exchange=exchange)
     else:
         attn = ContextAttention(n=n, phase=phase, ulysses=ulysses)
     return PatchOps(

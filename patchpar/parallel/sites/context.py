@@ -44,7 +44,7 @@ class ContextAttention(PatchSite):
         if self.ulysses < 1 or self.n % self.ulysses:
             raise ValueError(f"ulysses={self.ulysses} must divide the patch axis n={self.n}")
 
-    def __call__(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
+    def __call__(self, mod, q, k, v, heads: int, spec: AttentionSpec, row=None) -> jax.Array:
         note(self, shape=q.shape, itemsize=q.dtype.itemsize, heads=heads)
         if self.n == 1:
             return attend(spec, q, k, v, heads)

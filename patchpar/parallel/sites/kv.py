@@ -7,7 +7,10 @@ or on a patch axis of 2 the other patch's alone, (2, B, L, D)),
 `band` (own fresh + the last `portion` of the patch above and the first `portion` of the patch
 below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each). During
 warm-up `stale` and `band` gather exactly and write their buffers. `send=full` sends the whole
-neighbour K/V and crops at the receiver (PCPP's code); `send=band` only the rows used.
+neighbour K/V and crops at the receiver (PCPP's code); `send=band` only the rows used. The band
+is `portion` of the patch's tokens (`align=tokens`, PCPP's code) or of its image rows, rounded
+up to whole rows (`align=rows`: the model passes `row`, its tokens per image row; a whole-row
+band is what a 2-D neighbour of a token actually is).
 `exchange=False` is DistriFusion's no_sync (buffers stay as at the last warm-up step).
 """
 
@@ -26,11 +29,15 @@ from patchpar.parallel.sites.common import STALE, PatchSite, exchange, nbytes, n
 
 MODES = ("all", "local", "stale", "band")
 SENDS = ("full", "band")
+ALIGNS = ("tokens", "rows")
 
 
-def band_tokens(tokens: int, portion: float) -> int:
-    """Tokens of a neighbour's patch kept on each side: ceil(portion x tokens), at least one.
-    (PCPP's code rounds the band above up and the band below down; they differ by <= 1 token.)"""
+def band_tokens(tokens: int, portion: float, row: int | None = None) -> int:
+    """Tokens of a neighbour's patch kept on each side: ceil(portion x tokens), at least one
+    (PCPP's code rounds the band above up and the band below down; they differ by <= 1 token).
+    With `row` (tokens per image row): ceil(portion x rows) whole rows, at least one."""
+    if row:
+        return row * band_tokens(tokens // row, portion)
     return max(1, min(tokens, math.ceil(portion * tokens - 1e-9)))
 
 
@@ -54,23 +61,29 @@ class KV(PatchSite):
     mode: str = "all"
     portion: float = 1.0  # band: share of each neighbour patch's tokens kept
     sends: str = "full"  # band: send whole K/V and crop at the receiver, or only the band
+    align: str = "tokens"  # band: portion of the patch's tokens, or of its rows (whole rows)
     exchange: bool = True  # steady phase: refresh the buffers (False: DistriFusion's no_sync)
 
     def __post_init__(self):
         super().__post_init__()
-        for name, value, known in (("kv", self.mode, MODES), ("send", self.sends, SENDS)):
+        for name, value, known in (
+            ("kv", self.mode, MODES),
+            ("send", self.sends, SENDS),
+            ("align", self.align, ALIGNS),
+        ):
             if value not in known:
                 raise ValueError(f"{name}={value!r}; known: {list(known)}")
 
-    def __call__(self, mod, q, k, v, heads: int, spec: AttentionSpec) -> jax.Array:
+    def __call__(self, mod, q, k, v, heads: int, spec: AttentionSpec, row=None) -> jax.Array:
         """Self-attention of the local queries (B, L, H*D) over the keys/values the mode gives."""
-        k, v, mask = self.keys(mod, k, v)
+        k, v, mask = self.keys(mod, k, v, row)
         return attend(spec, q, k, v, heads, mask)
 
-    def keys(self, mod, k: jax.Array, v: jax.Array):
+    def keys(self, mod, k: jax.Array, v: jax.Array, row: int | None = None):
         """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a (T,) mask of
-        the keys that exist (None: all)."""
-        note(self, shape=(2,) + k.shape, itemsize=k.dtype.itemsize)
+        the keys that exist (None: all). `row`: tokens per image row (`align=rows`)."""
+        row = self._row(k.shape[1], row)
+        note(self, shape=(2,) + k.shape, itemsize=k.dtype.itemsize, row=row)
         if self.mode == "local" or self.n == 1:
             return k, v, None
         kv = jnp.stack([k, v])  # (2, B, L, D): one payload for both
@@ -80,13 +93,25 @@ class KV(PatchSite):
             if self.mode == "stale":
                 mod.variable(STALE, "kv", lambda: self.receive(got)["kv"])
             elif self.mode == "band":
-                above, below = self._bands_from_full(full, kv.shape[2])
+                above, below = self._bands_from_full(full, kv.shape[2], row)
                 mod.variable(STALE, "kv_above", lambda: above)
                 mod.variable(STALE, "kv_below", lambda: below)
             return full[0], full[1], None
         if self.mode == "stale":
             return self._stale_all(mod, kv)
-        return self._stale_band(mod, kv)
+        return self._stale_band(mod, kv, row)
+
+    def _row(self, length: int, row: int | None) -> int | None:
+        """Tokens per row the band keeps whole (None: tokens, as PCPP's code)."""
+        if self.mode != "band" or self.align == "tokens":
+            return None
+        if not row or length % row:
+            raise ValueError(
+                f"pcpp align=rows: this self-attention's {length} tokens do not come as whole "
+                f"image rows (row={row}); the model must pass its tokens per row, or use "
+                f"align=tokens"
+            )
+        return row
 
     def _others(self, kv) -> dict:
         """What a device sends for the K/V of the other patches."""
@@ -109,16 +134,18 @@ class KV(PatchSite):
             buf.value = self.receive(got)["kv"]
         return full[0], full[1], None
 
-    def _stale_band(self, mod, kv):
+    def _stale_band(self, mod, kv, row):
         length = kv.shape[2]
-        band = band_tokens(length, self.portion)
+        band = band_tokens(length, self.portion, row)
         shape = kv.shape[:2] + (band,) + kv.shape[3:]
         above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
         below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
         keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
         if self.exchange:
             if self.sends == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
-                sends = {"down": kv, "up": kv}
+                # whole rows travel as (2, B, rows, row, D): the receiver crops rows
+                whole = kv if row is None else kv.reshape(kv.shape[:2] + (-1, row, kv.shape[3]))
+                sends = {"down": whole, "up": whole}
             else:  # only the rows used
                 sends = {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
             if (got := self.send(mod, sends)) is not None:
@@ -129,13 +156,17 @@ class KV(PatchSite):
     def receive(self, got):
         if self.mode == "stale":
             return {"kv": got["other"] if self.n == 2 else _whole(got["gather"])}
-        down, up = got["down"], got["up"]  # (2, B, L or band, D) from the patches above, below
+        # from the patches above, below: (2, B, L or band, D), or (2, B, rows, row, D) whole
+        down, up = got["down"], got["up"]
         band = band_tokens(down.shape[2], self.portion) if self.sends == "full" else down.shape[2]
-        return {"kv_above": down[:, :, down.shape[2] - band :], "kv_below": up[:, :, :band]}
+        above, below = down[:, :, down.shape[2] - band :], up[:, :, :band]
+        if above.ndim == 5:  # whole rows, cropped by rows
+            above, below = (a.reshape(a.shape[:2] + (-1, a.shape[4])) for a in (above, below))
+        return {"kv_above": above, "kv_below": below}
 
-    def _bands_from_full(self, full, length):
+    def _bands_from_full(self, full, length, row):
         """The neighbours' bands out of an exact all-gather (zeros where there is no neighbour)."""
-        band = band_tokens(length, self.portion)
+        band = band_tokens(length, self.portion, row)
         idx = lax.axis_index(PATCH)
         start_above = jnp.maximum(idx * length - band, 0)
         above = lax.dynamic_slice_in_dim(full, start_above, band, axis=2)
@@ -167,7 +198,8 @@ class KV(PatchSite):
         if self.warmup or self.mode in ("all", "stale"):
             return (n - 1) * size  # all-gather
         length = info["shape"][2]
-        sent = size if self.sends == "full" else size // length * band_tokens(length, self.portion)
+        band = band_tokens(length, self.portion, info.get("row"))
+        sent = size if self.sends == "full" else size // length * band
         return sent * ((p > 0) + (p < n - 1))
 
     def released_bytes(self, info, p):

@@ -9,10 +9,12 @@ from patchpar.models.sites import IDENTITY, SiteOps
 from patchpar.parallel.sites.groupnorm import MODES as GROUPNORM_MODES
 
 
-def option(default: Any, help: str) -> Any:
+def option(default: Any, help: str, quiet: bool = False) -> Any:
     """A strategy option: a dataclass field with its default and its help text (with the paper
-    reference); the experiment layer builds its configs and command-line flags from these."""
-    return field(default=default, metadata={"help": help})
+    reference); the experiment layer builds its configs and command-line flags from these.
+    `quiet`: `describe` leaves it out at its default (an option added after records were keyed
+    by `describe`, whose default behaves as before: the old keys stay valid)."""
+    return field(default=default, metadata={"help": help, "quiet": quiet})
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,11 @@ class Strategy:
         """Strategy-specific checks beyond the shapes; ValueError naming the numbers."""
 
     def describe(self) -> str:
-        opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        opts = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if not (f.metadata.get("quiet") and getattr(self, f.name) == f.default)
+        )
         return f"{self.name}({opts})"
 
 

@@ -5,9 +5,8 @@ neighbours: the last `portion` of the patch above and the first `portion` of the
 from dataclasses import dataclass
 
 from patchpar.parallel.sites import PatchOps, patch_ops
+from patchpar.parallel.sites.kv import ALIGNS, SENDS
 from patchpar.parallel.strategies.base import StaleStrategy, option
-
-SENDS = ("full", "band")
 
 
 @dataclass(frozen=True)
@@ -23,6 +22,13 @@ class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
         "full (the whole neighbour K/V, cropped at the receiver, as PCPP's code; default) or "
         "band (only the rows used).",
     )
+    align: str = option(
+        "tokens",
+        "tokens (the band is portion x the patch's tokens, as PCPP's code; default) or rows "
+        "(portion x its image rows, rounded up to whole rows: a DiT's token rows, a UNet "
+        "level's pixel rows).",
+        quiet=True,
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -32,6 +38,8 @@ class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
             )
         if self.send not in SENDS:
             raise ValueError(f"pcpp: send={self.send!r}; known: {list(SENDS)}")
+        if self.align not in ALIGNS:
+            raise ValueError(f"pcpp: align={self.align!r}; known: {list(ALIGNS)}")
 
     def ops(self, phase: str, n: int) -> PatchOps:
         return patch_ops(
@@ -42,5 +50,6 @@ class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
             kv="band",
             portion=float(self.portion),
             send=self.send,
+            align=self.align,
             packed=self.packs(phase),
         )
