@@ -168,30 +168,42 @@ class T5Tokenizer:
     """Prompts -> (ids, mask), each (B, max_length) int32, as PixArt's pipelines tokenize: the
     prompt lower-cased and stripped (diffusers' `clean_caption=False` preprocessing), its
     sentencepiece pieces then </s>, truncated to max_length - 1 pieces + </s>, padded with
-    <pad>; mask 1 on real tokens. Reads the folder's `spiece.model`."""
+    <pad>; mask 1 on real tokens. Reads the folder's `spiece.model` (the sentencepiece model,
+    as T5's own folders hold it), else its `tokenizer.json` (the same unigram model as
+    transformers' fast tokenizer saves it)."""
 
     def __init__(self, folder: str | Path):
-        import sentencepiece as spm
-
         folder = Path(folder)
         path = folder / "spiece.model"
-        if not path.is_file():
+        if path.is_file():
+            import sentencepiece as spm
+
+            sp = spm.SentencePieceProcessor(model_file=str(path))
+            self._encode, self._decode = sp.encode, sp.decode
+            self.pad_id, self.eos_id = max(sp.pad_id(), 0), sp.eos_id()
+        elif (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as Fast
+
+            path = folder / "tokenizer.json"
+            fast = Fast.from_file(str(path))
+            self._encode = lambda text: fast.encode(text, add_special_tokens=False).ids
+            self._decode = fast.decode
+            self.pad_id = fast.token_to_id("<pad>") or 0
+            self.eos_id = -1 if fast.token_to_id("</s>") is None else fast.token_to_id("</s>")
+        else:
             present = (
                 sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder missing"
             )
             raise CheckpointError(
                 f"no T5 tokenizer in {str(folder)!r}: spiece.model (the sentencepiece model) is "
-                f"missing (found: {present})"
+                f"missing, and so is tokenizer.json (found: {present})"
             )
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        self.pad_id = max(self.sp.pad_id(), 0)
-        self.eos_id = self.sp.eos_id()
         if self.eos_id < 0:
             raise CheckpointError(f"{str(path)!r} has no </s> piece: not a T5 tokenizer")
 
     def pieces(self, prompt: str) -> list[int]:
         """The prompt's ids before truncation: pieces then </s>."""
-        return [*self.sp.encode(prompt.lower().strip()), self.eos_id]
+        return [*self._encode(prompt.lower().strip()), self.eos_id]
 
     def __call__(self, prompts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
         ids = np.full((len(prompts), max_length), self.pad_id, np.int32)
@@ -199,7 +211,7 @@ class T5Tokenizer:
         for i, prompt in enumerate(prompts):
             full = self.pieces(prompt)
             if len(full) > max_length:
-                dropped = self.sp.decode(full[max_length - 1 : -1])
+                dropped = self._decode(full[max_length - 1 : -1])
                 warnings.warn(
                     f"prompt {prompt[:40]!r}... has {len(full)} tokens; the text encoder takes "
                     f"{max_length}, so this part was truncated: {dropped!r}",
