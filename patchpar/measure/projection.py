@@ -121,7 +121,7 @@ def synchronous_sites(plan, phase: str) -> list[str]:
 
 
 def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16"):
-    """Lower one UNet call per phase with abstract parameters (no weights) and read its FLOPs
+    """Lower one denoiser call per phase with abstract parameters (no weights) and read its FLOPs
     and collectives, plus the text encoders' and the VAE decoder's FLOPs. The attention kernel
     is `xla` here: XLA's cost analysis counts a loop body once, so the chunked kernel's FLOPs
     would be under-counted (the bytes are the same for every kernel). Validates like `run`."""
@@ -174,25 +174,33 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
 
 @functools.lru_cache(maxsize=32)
 def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tuple[float, float]:
-    """FLOPs of the text encoders (2 x batch prompts of 77 tokens) and of the VAE decoder on the
-    batch, from the lowered programs of a preset's configs; 0 where the preset has none."""
+    """FLOPs of the text encoders (2 x batch prompts of 77 CLIP tokens, or of T5's 120 / 300
+    for PixArt-α / Σ) and of the VAE decoder on the batch, from the lowered programs of a
+    preset's configs; 0 where the preset has none."""
     import jax
 
     from patchpar.models.attention import XLA
     from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
-    from patchpar.models.presets import PRESETS
+    from patchpar.models.presets import MAX_TEXT_TOKENS, PRESETS
+    from patchpar.models.t5 import T5Config, T5EncoderModel
     from patchpar.models.vae import AutoencoderKL, VAEConfig
 
     preset = PRESETS.get(str(model), {})
     sds = jax.ShapeDtypeStruct
     encode = 0.0
     for name in ("text_encoder", "text_encoder_2"):
-        if name in preset:
+        if name in preset and preset[name].get("model_type") == "t5":
+            module = T5EncoderModel(T5Config.from_transformers(preset[name], name), dtype)
+            tokens = MAX_TEXT_TOKENS.get(preset.get("pipeline", {}).get("_class_name"), 120)
+            ids = sds((2 * batch, tokens), np.int32)
+        elif name in preset:
             module = CLIPTextModel(CLIPTextConfig.from_transformers(preset[name], name), dtype)
             ids = sds((2 * batch, 77), np.int32)
-            params = jax.eval_shape(lambda i, m=module: m.init(jax.random.key(0), i)["params"], ids)
-            lowered = jax.jit(lambda p, i, m=module: m.apply({"params": p}, i)).lower(params, ids)
-            encode += float(lowered.cost_analysis()["flops"])
+        else:
+            continue
+        params = jax.eval_shape(lambda i, m=module: m.init(jax.random.key(0), i)["params"], ids)
+        lowered = jax.jit(lambda p, i, m=module: m.apply({"params": p}, i)).lower(params, ids)
+        encode += float(lowered.cost_analysis()["flops"])
     decode = 0.0
     if "vae" in preset:
         cfg = VAEConfig.from_diffusers(preset["vae"], "vae")
