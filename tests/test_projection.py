@@ -409,6 +409,40 @@ def test_paper_check_rederived_from_its_records(monkeypatch):
         assert r["error"] == pytest.approx(r["projected_s"] / r["published_s"] - 1)
 
 
+XDIT = REPO / "results" / "latency_xdit"
+
+
+@pytest.mark.skipif(not (XDIT / "xdit.jsonl").is_file(), reason="no xDiT check committed")
+def test_xdit_check_rederived_from_its_workloads(tmp_path, monkeypatch, capsys):
+    """Every projected PixArt-α latency beside xDiT's follows from the committed workloads and
+    the stored a100 constants (nothing fitted on these points); PipeFusion rows stay empty."""
+    import shutil
+
+    from patchpar.measure import projection
+
+    def not_cached(*args):
+        raise AssertionError(f"workload {args[:2]} missing from the committed cache")
+
+    monkeypatch.setattr(projection, "compute_workload", not_cached)
+    shutil.copy(XDIT / "workloads.jsonl", tmp_path / "workloads.jsonl")
+    xdit = _experiment("latency_xdit")
+    assert xdit.main(["--out", str(tmp_path)]) == 0
+    ours = [json.loads(line) for line in (tmp_path / "xdit.jsonl").read_text().splitlines()]
+    committed = [json.loads(line) for line in (XDIT / "xdit.jsonl").read_text().splitlines()]
+    assert len(ours) == len(committed) == 3 + 3 * len(xdit.PUBLISHED)
+    for a, b in zip(ours, committed, strict=True):
+        assert (a["setup"], a["method"], a["resolution"]) == (
+            b["setup"],
+            b["method"],
+            b["resolution"],
+        )
+        if b["projected_s"] is None:
+            assert a["projected_s"] is None and b["method"] == "pipefusion"
+        else:
+            assert a["projected_s"] == pytest.approx(b["projected_s"], rel=1e-6), b
+    assert "median absolute error" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not (LATENCY / "paper.jsonl").is_file(), reason="no paper check committed")
 def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
     """experiments/notebooks/latency.ipynb reads the committed records only and draws its plots
