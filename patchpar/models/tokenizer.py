@@ -128,10 +128,14 @@ def load_tokenizer(path: str | Path, subfolder: str = "tokenizer") -> Tokenizer:
 T5_PAD, T5_EOS, T5_UNK = 0, 1, 2  # T5's sentencepiece ids: <pad>, </s>, <unk>
 
 
-def write_t5_tokenizer(folder: str | Path, texts: list[str], vocab_size: int = 256) -> Path:
-    """Train a small sentencepiece unigram model on `texts` (offline, a second at most) and write
-    it as a T5 tokenizer folder: `spiece.model` with T5's special ids (<pad> 0, </s> 1, <unk> 2,
-    no <s>) and `tokenizer_config.json`. For tests and the random-weight presets."""
+def write_t5_tokenizer(
+    folder: str | Path, texts: list[str], vocab_size: int = 256, model_type: str = "unigram"
+) -> Path:
+    """Train a small sentencepiece model on `texts` (offline, a second at most) and write it as
+    a T5 tokenizer folder: `spiece.model` with T5's special ids (<pad> 0, </s> 1, <unk> 2, no
+    <s>) and `tokenizer_config.json`. For tests, the random-weight presets and fmnist-dit.
+    `model_type`: unigram (T5's; on a few short texts it stays near characters) or bpe (merges
+    up to whole words, characters for the rest)."""
     import io
 
     import sentencepiece as spm
@@ -143,7 +147,7 @@ def write_t5_tokenizer(folder: str | Path, texts: list[str], vocab_size: int = 2
         sentence_iterator=iter(texts),
         model_writer=model,
         vocab_size=vocab_size,
-        model_type="unigram",
+        model_type=model_type,
         pad_id=T5_PAD,
         eos_id=T5_EOS,
         unk_id=T5_UNK,

@@ -394,13 +394,14 @@ def load_pipeline(
 
 
 def _load_pixart_pipeline(folder: Path, index: dict, dtype, attention, name: str) -> Pipeline:
-    """A PixArt-α/Σ folder: transformer/, vae/, a T5 text_encoder/ and tokenizer/, scheduler/;
-    the T5 tokens from the pipeline class (α 120, Σ 300; 120 without model_index.json)."""
+    """A PixArt-α/Σ folder: transformer/, vae/ (none: pixel space), a T5 text_encoder/ and
+    tokenizer/, scheduler/; the T5 tokens from the pipeline class (α 120, Σ 300; 120 without
+    model_index.json)."""
     dit = load_pixart(folder / "transformer", dtype, attention)
-    for sub in ("vae", "text_encoder", "tokenizer"):
+    for sub in ("text_encoder", "tokenizer"):
         if not (folder / sub).is_dir():
             raise CheckpointError(f"{str(folder)!r}: a PixArt pipeline needs {sub}/; it is missing")
-    vae = load_vae(folder / "vae", dtype, attention)
+    vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
     encoder = load_t5_encoder(folder / "text_encoder", dtype)
     tokenizer = T5Tokenizer(folder / "tokenizer")
     sched = SchedulerConfig.from_diffusers(
