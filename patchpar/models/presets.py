@@ -316,13 +316,19 @@ _TOKENIZER_TEXT = [
 ]
 WEIGHTED = ("tiny", "tiny-xl", "tiny-dit", "fmnist-random")  # random weights, on first use
 # Presets with trained weights committed in the repository (experiments/train_fmnist.py).
-SHIPPED = {"fmnist": Path(__file__).resolve().parent.parent / "weights" / "fmnist"}
+_WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
+# fmnist-dit: a PixArt-architecture DiT trained by experiments/train_fmnist_dit.py
+SHIPPED = {"fmnist": _WEIGHTS / "fmnist", "fmnist-dit": _WEIGHTS / "fmnist-dit"}
 # CLIP models committed in the repository (open_clip local-dir folders), by name, and the one
 # `clip_score` uses by default for each model (experiments/train_clip_fmnist.py).
-CLIP_MODELS = {"fmnist-clip": SHIPPED["fmnist"].parent / "fmnist-clip"}
-DEFAULT_CLIP = {"fmnist": "fmnist-clip", "fmnist-random": "fmnist-clip"}
-# fmnist-random makes images in fmnist's frame: it is scored by fmnist's classifier.
-CLASSIFIER_OF = {"fmnist-random": "fmnist"}
+CLIP_MODELS = {"fmnist-clip": _WEIGHTS / "fmnist-clip"}
+DEFAULT_CLIP = {
+    "fmnist": "fmnist-clip",
+    "fmnist-random": "fmnist-clip",
+    "fmnist-dit": "fmnist-clip",
+}
+# fmnist-random and fmnist-dit make images in fmnist's frame: fmnist's classifier scores them.
+CLASSIFIER_OF = {"fmnist-random": "fmnist", "fmnist-dit": "fmnist"}
 TINY_SEED = 0
 # Classifier-free guidance each trained preset was tuned at (fmnist: on held-out seeds 100-104;
 # paper_repro.md "The fmnist model"); other models take the SD pipelines' 7.5.
@@ -345,7 +351,7 @@ def family(model: str | Path) -> str:
     if name in PRESETS:
         return "pixart" if "transformer" in PRESETS[name] else "unet"
     if name in SHIPPED:
-        return "unet"
+        model = SHIPPED[name]
     folder = Path(model)
     return "pixart" if (folder / "transformer" / "config.json").is_file() else "unet"
 
@@ -451,7 +457,7 @@ def preset_folder(name: str) -> Path:
         if not (SHIPPED[name] / "model_index.json").is_file():
             raise ValueError(
                 f"preset {name!r}: its weights are not at {SHIPPED[name]} (made by "
-                f"experiments/train_fmnist.py and committed)"
+                f"experiments/train_{name.replace('-', '_')}.py and committed)"
             )
         return SHIPPED[name]
     get_preset(name)
