@@ -165,3 +165,44 @@ def test_clip_training_script_in_miniature(tmp_path, capsys, monkeypatch):
     assert q.clip_cosines(images, ["a bag", "a coat"], str(tmp_path / "out")).shape == (2,)
     with pytest.raises(SystemExit, match="different recipe"):
         train.main(train.TrainConfig(epochs=3, **kw))
+
+
+@pytest.mark.slow  # about 65 s: trains, exports and resumes in miniature
+def test_dit_train_script_exports_resumes_and_refuses_another_recipe(tmp_path, capsys, monkeypatch):
+    """experiments/train_fmnist_dit.py in miniature: two steps, a pixel-space PixArt folder
+    (transformer, T5 text encoder, BPE tokenizer) the pipeline loads and runs on row patches,
+    a resume, and a changed recipe refused."""
+    import importlib.util
+    import json
+
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+    from patchpar.pipelines import load_pipeline
+
+    experiments = Path(__file__).resolve().parent.parent / "experiments"
+    monkeypatch.syspath_prepend(str(experiments))  # it imports train_fmnist's data helpers
+    spec = importlib.util.spec_from_file_location(
+        "train_fmnist_dit", experiments / "train_fmnist_dit.py"
+    )
+    train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_fmnist_dit", train)  # its dataclass looks it up
+    spec.loader.exec_module(train)
+    cfg = train.TrainConfig(
+        max_steps=2, work=tmp_path / "work", out=tmp_path / "out", plots=tmp_path / "plots"
+    )
+    train.main(cfg)
+    assert json.loads((cfg.out / "training.json").read_text())["trained_steps"] == 2
+    pipe = load_pipeline(cfg.out)
+    assert pipe.family == "pixart" and pipe.vae is None
+    ids, mask = pipe.tokenizers[0](["a picture of a ankle boot"], 16)
+    assert mask.sum() <= 8  # BPE: whole words, not characters
+    one = pipe(["a photo of a bag"], steps=2, seed=0, guidance_scale=2.0)
+    two = pipe(["a photo of a bag"], steps=2, seed=0, guidance_scale=2.0,
+               plan=Plan(make_strategy("sync_patch"), 2))  # fmt: skip
+    assert one.images.shape == (1, 32, 32, 3)
+    # as fmnist-random above: DDIM's x0 divides eps by sqrt(alpha_bar_T) ~ 0.0064
+    np.testing.assert_allclose(two.latents, one.latents, atol=1e-3, rtol=0)
+    train.main(train.TrainConfig(**{**vars(cfg), "max_steps": 3}))
+    assert "resumed at step 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
+        train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
