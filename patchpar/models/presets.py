@@ -331,8 +331,9 @@ DEFAULT_CLIP = {
 CLASSIFIER_OF = {"fmnist-random": "fmnist", "fmnist-dit": "fmnist"}
 TINY_SEED = 0
 # Classifier-free guidance each trained preset was tuned at (fmnist: on held-out seeds 100-104;
-# paper_repro.md "The fmnist model"); other models take the SD pipelines' 7.5.
-TUNED_GUIDANCE = {"fmnist": 2.0}
+# paper_repro.md "The fmnist model" and "The fmnist-dit model"); other models take the SD
+# pipelines' 7.5 (PixArt: 4.5).
+TUNED_GUIDANCE = {"fmnist": 2.0, "fmnist-dit": 1.5}
 DEFAULT_GUIDANCE = 7.5
 DIT_GUIDANCE = 4.5  # PixArt-α/Σ's pipelines' default
 
