@@ -89,6 +89,23 @@ def test_fmnist_preset_one_image_per_class_deterministic():
     assert acc >= 0.5, acc  # 10 images; the 500-sample figure is in paper_repro.md
 
 
+def test_fmnist_dit_preset_follows_the_prompt():
+    """The shipped DiT: a pixel-space PixArt folder; one image per class at its tuned guidance,
+    deterministic, most of them the class asked for (500 samples: paper_repro.md)."""
+    from patchpar.models.presets import default_guidance, family
+    from patchpar.pipelines import load_pipeline
+
+    assert family("fmnist-dit") == "pixart" and default_guidance("fmnist-dit") == 1.5
+    pipe = load_pipeline("fmnist-dit")
+    assert pipe.vae is None and pipe.unet.config.patch_size == 4
+    prompts = [f"a photo of a {c}" for c in FASHION_MNIST_CLASSES]
+    a = pipe(prompts, steps=20, seed=0, guidance_scale=1.5)
+    b = pipe(prompts, steps=20, seed=0, guidance_scale=1.5)
+    np.testing.assert_array_equal(a.images, b.images)
+    acc = clf.prompt_accuracy(SHIPPED["fmnist"] / "classifier", a.images, prompts)
+    assert acc >= 0.4, acc
+
+
 @pytest.mark.slow  # about 100 s: trains, exports and resumes in miniature
 def test_train_script_exports_resumes_and_refuses_another_recipe(tmp_path, capsys, monkeypatch):
     """experiments/train_fmnist.py in miniature: two steps, export (UNet and the jointly trained
