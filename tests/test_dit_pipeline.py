@@ -13,7 +13,7 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("sentencepiece")
 
 import jax.numpy as jnp  # noqa: E402
-from torch_refs import make_vae, nchw, nhwc  # noqa: E402
+from torch_refs import make_vae, nchw, nhwc, rel_err  # noqa: E402
 
 from patchpar.models.loading import CheckpointError  # noqa: E402
 from patchpar.models.tokenizer import write_t5_tokenizer  # noqa: E402
@@ -66,11 +66,6 @@ def alpha_folder(tmp_path_factory):
     )
     pipe.save_pretrained(folder / "pipe")
     return folder / "pipe", pipe
-
-
-def rel_err(ours, theirs):
-    ours, theirs = np.asarray(ours), np.asarray(theirs)
-    return np.abs(ours - theirs).max() / np.abs(theirs).max()
 
 
 def test_pixart_embeddings_mask_and_final_latent_match_diffusers(alpha_folder):

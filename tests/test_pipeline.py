@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
 import jax.numpy as jnp  # noqa: E402
-from torch_refs import make_text_encoder, make_unet, make_vae, nchw, nhwc  # noqa: E402
+from torch_refs import make_text_encoder, make_unet, make_vae, nchw, nhwc, rel_err  # noqa: E402
 
 from patchpar.models.tokenizer import write_clip_tokenizer  # noqa: E402
 from patchpar.pipelines import Conditioning, load_pipeline  # noqa: E402
@@ -69,11 +69,6 @@ def sdxl_folder(tmp_path_factory):
     )
     pipe.save_pretrained(folder / "pipe")
     return folder / "pipe", pipe
-
-
-def rel_err(ours, theirs):
-    ours, theirs = np.asarray(ours), np.asarray(theirs)
-    return np.abs(ours - theirs).max() / np.abs(theirs).max()
 
 
 def test_sd_prompt_embeddings_match(sd_folder):

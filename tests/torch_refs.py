@@ -6,6 +6,12 @@ import numpy as np
 import torch
 
 
+def rel_err(ours, theirs) -> float:
+    """Max abs difference relative to the reference's largest magnitude."""
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
 def close(ours, ref, rel=1e-4):
     """Parity: max abs diff <= rel x the reference output's scale (max |ref|)."""
     ours, ref = np.asarray(ours), np.asarray(ref)
