@@ -5,13 +5,16 @@ the XLA:CPU options patchpar gives a multi-device process (patchpar/xla_flags.py
 unsupported layout in YNN fusion" (smaller latents, such as the micro models' 16 x 24, did
 not). The exact strategies equal `single` (fp32, <= 1e-4 on the final latent); the others give
 finite latents of the right shape, and the stale ones with warm-up covering every step equal
-sync_patch. The default tier keeps sync_patch against single; the other strategies, tiny-xl
-and the warm-up checks run with `make test-slow`."""
+sync_patch. `pipefusion` (DiTs only) runs on `tiny-dit` at the same size: its exact warm-up
+equals single and its pipelined steps give finite latents. The default tier keeps sync_patch
+and pipefusion against single; the other strategies, tiny-xl and the warm-up checks run with
+`make test-slow`."""
 
 import functools
 
 import numpy as np
 import pytest
+from torch_refs import rel_err
 
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import STRATEGIES, make_strategy
@@ -38,7 +41,14 @@ def latent(model, strategy, devices, options=()):
 
 
 def test_every_strategy_is_covered():
-    assert set(STRATEGIES) == {"single", "naive_patch", "distrifusion", "pcpp", *EXACT}
+    assert set(STRATEGIES) == {
+        "single",
+        "naive_patch",
+        "distrifusion",
+        "pcpp",
+        "pipefusion",
+        *EXACT,
+    }
 
 
 @pytest.mark.parametrize(
@@ -77,3 +87,14 @@ def test_stale_strategies_with_warmup_over_every_step_equal_sync_patch(strategy)
     ref = latent("tiny", "sync_patch", 2)
     out = latent("tiny", strategy, 2, (("warmup_steps", STEPS - 1),))
     assert float(np.abs(out - ref).max()) <= 1e-4
+
+
+def test_pipefusion_on_a_non_square_dit_image():
+    """tiny-dit (2 blocks, patch 2: 16 x 20 tokens) on 2 stages: warm-up over every step equals
+    single; one exact pass, then 4 patches pipelined, gives a finite latent of the right shape."""
+    ref = latent("tiny-dit", "single", 1)
+    assert ref.shape == (1, H // 8, W // 8, 4)
+    exact = latent("tiny-dit", "pipefusion", 2, (("warmup_steps", STEPS),))
+    assert rel_err(exact, ref) <= 1e-5  # random weights: latents ~500 (test_dit_pipeline)
+    out = latent("tiny-dit", "pipefusion", 2, (("num_patches", 4), ("warmup_steps", 1)))
+    assert out.shape == ref.shape and np.isfinite(out).all()

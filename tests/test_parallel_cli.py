@@ -113,7 +113,7 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         (
             dict(strategy="megatron"),
             r"unknown strategy 'megatron'; known: \['single', 'naive_patch', 'sync_patch', "
-            r"'distrifusion', 'pcpp', 'ring', 'ulysses', 'tensor'\]",
+            r"'distrifusion', 'pcpp', 'ring', 'ulysses', 'tensor', 'pipefusion'\]",
         ),
         (
             dict(strategy="sync_patch", devices=8, data=3),

@@ -41,20 +41,25 @@ def build_plan(
     return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp)
 
 
-def _strategy_options() -> dict[str, tuple[Any, str, list[str]]]:
+def _strategy_options() -> dict[str, tuple[Any, str]]:
     """Every strategy option, from the strategy dataclasses themselves (`patchpar/parallel/
-    strategies/`, each option declared with its help by `base.option`): name -> (type, help,
-    the strategies that have it), in registry order. A new strategy brings its options with
+    strategies/`, each option declared with its help by `base.option`): name -> (type, help
+    prefixed by the strategies that have it), in registry order. A new strategy brings its options with
     it; nothing here lists them."""
     from patchpar.parallel.strategies import STRATEGIES
 
-    found: dict[str, tuple[Any, str, list[str]]] = {}
+    found: dict[str, tuple[Any, dict[str, list[str]]]] = {}
     for name, cls in STRATEGIES.items():
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
-            entry = found.setdefault(f.name, (hints[f.name], f.metadata.get("help", ""), []))
-            entry[2].append(name)
-    return found
+            entry = found.setdefault(f.name, (hints[f.name], {}))
+            entry[1].setdefault(f.metadata.get("help", ""), []).append(name)
+    # an option that means one thing to some strategies and another to others (warmup_steps:
+    # DistriFusion's and PipeFusion's conventions) gets each meaning prefixed by its users
+    return {
+        k: (t, " ".join(f"{'/'.join(users)}: {text}" for text, users in helps.items()))
+        for k, (t, helps) in found.items()
+    }
 
 
 def _optional(t):
@@ -74,10 +79,10 @@ StrategyOptions = make_dataclass(
     [
         (
             name,
-            Annotated[_optional(t), tyro.conf.arg(help=f"{'/'.join(users)}: {text}")],
+            Annotated[_optional(t), tyro.conf.arg(help=text)],
             field(default=None),
         )
-        for name, (t, text, users) in _OPTIONS.items()
+        for name, (t, text) in _OPTIONS.items()
     ],
     frozen=True,
     namespace={"options": _options, "__module__": __name__},
@@ -93,7 +98,7 @@ class PlanFlags(StrategyOptions):
     `comm`)."""
 
     strategy: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses or tensor."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses, tensor or pipefusion."""
     devices: int = 1
     """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
     cfg: int = 1
@@ -158,7 +163,7 @@ class StrategyConfig(StrategyOptions):
     """A strategy and its options."""
 
     name: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses or tensor."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses, tensor or pipefusion."""
 
     def label(self) -> str:
         """Name and the options set, e.g. `pcpp portion=0.5 send=band`."""

@@ -79,25 +79,26 @@ def comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
     """Bytes received per device per step (warm-up, steady, and the mean over the run's steps)
     and FLOPs per device of one step, from the timed phase programs themselves (`counted`:
     phase -> `measure.cost.count_lowered` of its loop, whose body is one step)."""
-    from patchpar.parallel.rules import weight_bytes_per_device
+    from patchpar.parallel.engine import weight_bytes
 
     wu = counted["warmup"]
     st = counted.get("steady", wu)  # an exact strategy's steps are all warm-up steps
     n = config.sampler.steps
     sync = plan.strategy.warmup_phase_steps(n)
+    # loop iterations per phase (a pipeline's steady loop has one more, to drain)
+    loops = plan.strategy.phase_iterations
+    iw, i_s = loops("warmup", sync, plan.patch), loops("steady", n - sync, plan.patch)
     w_bytes, s_bytes = wu["hlo"]["all"]["max"], st["hlo"]["all"]["max"]
     rw, rs = wu["released"]["all"]["max"], st["released"]["all"]["max"]
     return {
         # analytic: the released DistriFusion / PCPP code's traffic pattern for the same run
-        "released_bytes_per_device_per_step": (sync * rw + (n - sync) * rs) / n,
+        "released_bytes_per_device_per_step": (iw * rw + i_s * rs) / n,
         "warmup_bytes_per_device": w_bytes,
         "steady_bytes_per_device": s_bytes,
-        "bytes_per_device_per_step": (sync * w_bytes + (n - sync) * s_bytes) / n,
-        "bytes_per_device_total": sync * w_bytes + (n - sync) * s_bytes,
+        "bytes_per_device_per_step": (iw * w_bytes + i_s * s_bytes) / n,
+        "bytes_per_device_total": iw * w_bytes + i_s * s_bytes,
         "flops_per_device_per_step": st.get("flops_per_device"),
-        "weight_bytes_per_device": weight_bytes_per_device(
-            pipe.unet_params, plan.rules(), plan.degrees(), pipe.unet.logical
-        ),
+        "weight_bytes_per_device": weight_bytes(plan, pipe.unet, pipe.unet_params),
         "weight_rules": plan.rules_name,
         "analytic_matches_hlo": bool(wu["analytic_matches_hlo"] and st["analytic_matches_hlo"]),
     }
@@ -112,7 +113,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
 
     from patchpar.measure.cost import check_fits, count_lowered, memory_per_device
     from patchpar.measure.timing import time_phases
-    from patchpar.parallel.engine import stale_bytes_per_device
+    from patchpar.parallel.engine import guided_slab, stale_bytes_per_device
     from patchpar.parallel.sites import record_sites
 
     s, m = config.sampler, config.measure
@@ -154,14 +155,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         out[f"{phase}_step_s_median"] = ph["median"] / steps[phase] if ph else None
     counted = None
     if m.comm and not m.compute_only:  # the timed programs are the counted ones
-        b, h, w, c = x0.shape  # the global latent; one device's slab of the guided output:
-        axis = plan.strategy.patch_axis(0)
-        local_out = (
-            b // plan.data,
-            h // plan.patch if axis == "row" else h,
-            w // plan.patch if axis == "col" else w,
-            c,
-        )
+        local_out = guided_slab(plan, x0.shape)  # one device's share of the guided output
         itemsize = jax.numpy.dtype(pipe.unet.module.dtype).itemsize
         counted = {
             phase: count_lowered(low, calls, plan, local_out, itemsize)

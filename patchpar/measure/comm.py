@@ -41,7 +41,15 @@ DTYPE_BYTES = {
     "f8e5m2": 1,
 }
 OPS = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
-SITES = ("halo", "gn", "kv", "cfg", "tp", "fsdp")  # pp_<site> scopes; anything else is "other"
+SITES = (
+    "halo",
+    "gn",
+    "kv",
+    "cfg",
+    "tp",
+    "fsdp",
+    "pipe",
+)  # pp_<site> scopes; anything else is "other"
 
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?)\s+"

@@ -19,8 +19,17 @@ from patchpar.measure.comm import (
     parse_collectives,
 )
 from patchpar.models import UNetFn
-from patchpar.parallel.engine import Plan, abstract_inputs, make_step, stale_bytes_per_device
-from patchpar.parallel.rules import weight_bytes_per_device
+from patchpar.parallel.engine import (
+    Plan,
+    abstract_inputs,
+    denoise_phase,
+    guided_slab,
+    make_step,
+    phase_steps,
+    placed_params,
+    stale_bytes_per_device,
+    weight_bytes,
+)
 from patchpar.parallel.sites import PHASES, record_sites
 
 __all__ = [
@@ -58,7 +67,9 @@ def released_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
     the all-gather of the UNet output over all devices that it runs every step to hand the
     full latent to the scheduler (patchpar keeps the latent sharded instead)."""
     count = _site_count(plan, log, "released_bytes")
-    if plan.devices > 1:  # out_shape: one device's slab of the guided output (its CFG part)
+    if plan.devices > 1 and not plan.strategy.owns_program:
+        # out_shape: one device's slab of the guided output (its CFG part); PipeFusion's
+        # released code (xDiT) returns each latent patch to the first stage, as patchpar does
         slab = int(np.prod(out_shape)) * out_itemsize * (2 if plan.cfg == 1 else 1)
         count.add("output", np.full(plan.devices, (plan.devices - 1) * slab, np.int64))
     return count
@@ -79,8 +90,10 @@ def measure(
     `memory` the compiled steady-phase program's memory per device (compiles it; the
     warm-up program is the same one without stale buffers coming in)."""
     plan.validate(unet, latent_hw, 1_000_000, guidance_scale, batch)
-    mesh = plan.mesh()
     params = unet.abstract_params() if params is None else params
+    if plan.strategy.owns_program:
+        return _measure_phases(unet, plan, latent_hw, batch, params, guidance_scale, flops, memory)
+    mesh = plan.mesh()
     x, t, cond = abstract_inputs(unet, latent_hw, batch)
     axis = plan.strategy.patch_axis(0)
     warm = make_step(unet, plan, "warmup", axis, guidance_scale, mesh)
@@ -95,9 +108,7 @@ def measure(
         local_out = (local_b, latent_hw[0], latent_hw[1] // plan.patch) + out_shape.shape[3:]
     record = {
         "stale_bytes_per_device": stale_bytes_per_device(state),
-        "weight_bytes_per_device": weight_bytes_per_device(
-            params, plan.rules(), plan.degrees(), unet.logical
-        ),
+        "weight_bytes_per_device": weight_bytes(plan, unet, params),
         "mesh": plan.degrees(),
         "phases": {},
     }
@@ -118,6 +129,42 @@ def measure(
             entry["memory"] = memory_per_device(lowered.compile())
             entry["compile_s"] = round(time.perf_counter() - t0, 2)
         record["phases"][phase] = entry
+    return record
+
+
+def _measure_phases(unet, plan, latent_hw, batch, params, guidance_scale, flops, memory) -> dict:
+    """`measure` for a strategy that owns its program (PipeFusion): each phase's compiled loop
+    on a two-step schedule, one step per phase (the loop body is one step, counted once)."""
+    from dataclasses import replace
+
+    from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
+
+    plan = replace(plan, strategy=replace(plan.strategy, warmup_steps=1))
+    sampler = get_sampler("ddim")
+    schedule = sampler.schedule(SchedulerConfig(), 2)
+    x, _, cond = abstract_inputs(unet, latent_hw, batch)
+    local_out = guided_slab(plan, x.shape)
+    record = {
+        "weight_bytes_per_device": weight_bytes(plan, unet, params),
+        "mesh": plan.degrees(),
+        "phases": {},
+    }
+    loop, params = None, placed_params(plan, unet, params)
+    for phase in phase_steps(plan, 2):
+        t0 = time.perf_counter()
+        with record_sites() as log:
+            lowered = denoise_phase.lower(
+                unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale
+            )
+        entry = count_lowered(lowered, log, plan, local_out, x.dtype.itemsize, flops)
+        entry["lower_s"] = round(time.perf_counter() - t0, 2)
+        if memory and phase == "steady":
+            t0 = time.perf_counter()
+            entry["memory"] = memory_per_device(lowered.compile())
+            entry["compile_s"] = round(time.perf_counter() - t0, 2)
+        record["phases"][phase] = entry
+        _, loop = lowered.out_info
+        record.setdefault("stale_bytes_per_device", stale_bytes_per_device(loop[1]))
     return record
 
 

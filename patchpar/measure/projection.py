@@ -59,12 +59,16 @@ class Workload:
     phases: dict  # warmup / steady -> {"flops_per_device": float, "collectives": [group, ...]}
     synchronous_sites: dict  # phase -> sites whose collectives the step waits for
     stale_bytes_per_device: int
-    warmup_steps: int | None  # a stale strategy's warm-up (warmup_steps + 1 synchronous steps)
+    warmup_steps: int | None  # a stale strategy's warm-up option (see sync_offset)
     encode_flops: float  # text encoders, the CFG pair, one device
     decode_flops: float  # VAE decode of the batch, one device
     data: int = 1  # devices splitting the images (absent from cache lines written before)
     fsdp: bool = False  # weights sharded, gathered per layer
     comm_groups: int | None = None  # the packed stale exchange's groups (None: per site)
+    # synchronous steps = warmup_steps + sync_offset: DistriFusion's counter (1), PipeFusion's
+    # full passes (0)
+    sync_offset: int = 1
+    drain_steps: int = 0  # loop iterations beyond the steady steps (a pipeline's drain)
     # what lowered it (WORKLOAD_VERSION): a cache line of another version is not served
     version: int = 1
 
@@ -113,7 +117,8 @@ def synchronous_sites(plan, phase: str) -> list[str]:
     from patchpar.parallel.strategies.base import StaleStrategy
 
     if phase == "warmup" or not isinstance(plan.strategy, StaleStrategy):
-        return ["halo", "gn", "kv", "cfg", "tp", "fsdp", "other"]
+        # (a pipeline's hops: the next slot's compute needs them)
+        return ["halo", "gn", "kv", "cfg", "tp", "fsdp", "pipe", "other"]
     sites = ["cfg", "tp", "fsdp", "other"]
     if getattr(plan.strategy, "gn", None) == "sync":
         sites.append("gn")
@@ -168,6 +173,8 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
         data=plan.data,
         fsdp=plan.fsdp_degree > 1,
         comm_groups=plan.strategy.packed_groups(),
+        sync_offset=0 if plan.strategy.owns_program else 1,
+        drain_steps=plan.strategy.phase_iterations("steady", 1, plan.patch) - 1,
         version=WORKLOAD_VERSION,
     )
 
@@ -375,7 +382,7 @@ def _queue_overrun(issue: list[tuple[float, float]], compute: float) -> float:
 def warmup_phase_steps(w: Workload, steps: int) -> int:
     """Steps run as the warm-up program: all of a strategy without stale state, else DistriFusion's
     `warmup_steps + 1` (its counter runs synchronously while counter <= warmup_steps)."""
-    return steps if w.warmup_steps is None else min(steps, w.warmup_steps + 1)
+    return steps if w.warmup_steps is None else min(steps, w.warmup_steps + w.sync_offset)
 
 
 def project(
@@ -400,14 +407,15 @@ def project(
     times = {ph: phase_time(w, ph, hw, overlap, m.get(ph)) for ph in PHASES}
     other = hw.compute_s(w.encode_flops) + hw.compute_s(w.decode_flops)
     steady = steps - n_warm
-    latency = n_warm * times["warmup"].step_s + steady * times["steady"].step_s + other
+    runs = steady + (w.drain_steps if steady else 0)  # steady loop iterations
+    latency = n_warm * times["warmup"].step_s + runs * times["steady"].step_s + other
     single_step = m.get("single", hw.compute_s(single.phases["warmup"]["flops_per_device"]))
     single_latency = steps * single_step + other
     compute = sum(
         k * (times[ph].compute_s + times[ph].stale_traffic_s)
-        for k, ph in ((n_warm, "warmup"), (steady, "steady"))
+        for k, ph in ((n_warm, "warmup"), (runs, "steady"))
     )
-    exposed = n_warm * times["warmup"].exposed_comm_s + steady * times["steady"].exposed_comm_s
+    exposed = n_warm * times["warmup"].exposed_comm_s + runs * times["steady"].exposed_comm_s
     return Projection(
         hardware=hw.name,
         latency_s=latency,

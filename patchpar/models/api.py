@@ -22,7 +22,7 @@ from patchpar.models.loading import (
 from patchpar.models.pixart import CLASS_NAMES as PIXART_CLASSES
 from patchpar.models.pixart import LOGICAL as PIXART_LOGICAL
 from patchpar.models.pixart import UNSUPPORTED as UNSUPPORTED_DITS
-from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
+from patchpar.models.pixart import PixArtConfig, PixArtStack, PixArtTransformer2DModel
 from patchpar.models.sites import SiteOps
 from patchpar.models.t5 import T5Config, T5EncoderModel
 from patchpar.models.unet import LOGICAL as UNET_LOGICAL
@@ -55,6 +55,8 @@ class UNetFn:
     def prediction(self, out: jax.Array) -> jax.Array:
         """The sampler's model output from the network's: all of it."""
         return out
+
+    stack = None  # no stack of identical blocks: its levels differ in width and resolution
 
     def check_split(self, model: int) -> None:
         """Tensor parallel over `model` devices: every split width divides (the ResNet widths
@@ -145,6 +147,12 @@ class PixArtFn:
         """The sampler's model output from the network's: with learned sigma (twice the
         latent's channels) the first half, as diffusers' PixArt pipelines take it."""
         return out[..., : self.config.in_channels] if self.config.learned_sigma else out
+
+    @property
+    def stack(self) -> PixArtStack:
+        """The model as input part, identical blocks and output part (for PipeFusion)."""
+        m = self.module
+        return PixArtStack(m.config, m.dtype, m.attn)
 
     def check_split(self, model: int) -> None:
         """Tensor parallel over `model` devices: the feed-forward's inner width divides (heads

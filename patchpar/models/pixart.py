@@ -50,6 +50,7 @@ LOGICAL: tuple[tuple[str, tuple], ...] = ATTENTION_AXES + (
     (r"ff/net_0/proj/bias$", ("mlp",)),
     (r"ff/net_2/kernel$", ("mlp", "embed")),
 )
+BLOCK = "transformer_blocks_{}"  # the blocks' parameter names, layer i
 # config.json keys that must hold these values (anything else is another architecture)
 _REQUIRED = {
     "norm_type": "ada_norm_single",
@@ -197,9 +198,15 @@ class _Proj(nn.Module):  # diffusers' GELU module: a linear `proj`, then the act
         return dense(self.features, "proj", self.dtype)(x)
 
 
-def _layer_norm(eps: float, dtype, name: str) -> nn.LayerNorm:  # no affine parameters
+def _layer_norm(eps: float, dtype, name: str | None = None, **kw) -> nn.LayerNorm:  # no affine
     return nn.LayerNorm(
-        epsilon=eps, use_bias=False, use_scale=False, dtype=dtype, param_dtype=dtype, name=name
+        epsilon=eps,
+        use_bias=False,
+        use_scale=False,
+        dtype=dtype,
+        param_dtype=dtype,
+        name=name,
+        **kw,
     )
 
 
@@ -358,14 +365,86 @@ class PixArtTransformer2DModel(nn.Module):
         keep = None if encoder_attention_mask is None else encoder_attention_mask.astype(bool)
         t6 = t6.reshape(b, 6, cfg.inner_dim)
         for i in range(cfg.num_layers):
-            x = layer(PixArtBlock)(cfg, dt, ops, self.attn, name=f"transformer_blocks_{i}")(
+            x = layer(PixArtBlock)(cfg, dt, ops, self.attn, name=BLOCK.format(i))(
                 x, ctx, keep, t6, w // p
             )
         d = cfg.inner_dim
         table = self.param("scale_shift_table", nn.initializers.normal(d**-0.5), (2, d), dt)
-        mods = table[None] + emb[:, None]  # (B, 2, D)
-        shift, scale = mods[:, :1], mods[:, 1:]
-        x = _layer_norm(1e-6, dt, "norm_out")(x) * (1 + scale) + shift
-        x = layer(nn.Dense)(p * p * cfg.out_channels, dtype=dt, param_dtype=dt, name="proj_out")(x)
-        x = x.reshape(b, h // p, w // p, p, p, cfg.out_channels)
-        return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, cfg.out_channels)
+        proj = layer(nn.Dense)(p * p * cfg.out_channels, dtype=dt, param_dtype=dt, name="proj_out")
+        return output_head(cfg, dt, x, emb, table, proj, h, w)
+
+
+def output_head(config: PixArtConfig, dtype, x, emb, table, proj, h: int, w: int) -> jax.Array:
+    """The model's last layers on (B, T, D) tokens of an h x w latent slab: norm_out modulated
+    by `table` (2, D) + the embedded timestep, `proj` (proj_out) and un-patching to
+    (B, h, w, out_channels)."""
+    p, b = config.patch_size, x.shape[0]
+    mods = table[None] + emb[:, None]  # (B, 2, D)
+    shift, scale = mods[:, :1], mods[:, 1:]
+    x = _layer_norm(1e-6, dtype, parent=None).apply({}, x) * (1 + scale) + shift
+    x = proj(x).reshape(b, h // p, w // p, p, p, config.out_channels)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, config.out_channels)
+
+
+@dataclass(frozen=True)
+class PixArtStack:
+    """The transformer as what a layer-splitting strategy needs (PipeFusion,
+    `patchpar.parallel.pipeline`): an input part, `num_layers` identical blocks and an output
+    part, each run on explicit parameters. Run in order on the whole latent they are the
+    model's `__call__` (a test holds this). `variables` are extra Flax collections for the
+    site ops (`ops`), `mutable` those a block returns."""
+
+    config: PixArtConfig
+    dtype: jnp.dtype = jnp.float32
+    attn: AttentionSpec = AUTO
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def blocks(self, params) -> list:
+        """The blocks' parameters in layer order."""
+        return [params[BLOCK.format(i)] for i in range(self.num_layers)]
+
+    def outer(self, params) -> dict:
+        """Every parameter that is not a block's (input and output parts)."""
+        names = {BLOCK.format(i) for i in range(self.num_layers)}
+        return {k: v for k, v in params.items() if k not in names}
+
+    def context(self, outer, encoder_hidden_states, encoder_attention_mask=None):
+        """(projected caption (B, S, D), its key mask (B, S) bool or None): step-invariant."""
+        ctx = encoder_hidden_states.astype(self.dtype)
+        if self.config.caption_channels is not None:
+            proj = CaptionProjection(self.config.inner_dim, self.dtype, parent=None)
+            ctx = proj.apply({"params": outer["caption_projection"]}, ctx)
+        keep = None if encoder_attention_mask is None else encoder_attention_mask.astype(bool)
+        return ctx, keep
+
+    def embed(self, outer, ops: SiteOps, sample, variables=None) -> jax.Array:
+        """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions
+        (`ops.positions`)."""
+        mod = PatchEmbed(self.config, self.dtype, ops, parent=None)
+        return mod.apply({"params": outer["pos_embed"], **(variables or {})}, sample)
+
+    def time(self, outer, timesteps, resolution=None, aspect_ratio=None):
+        """((B, 6, D) block modulations, (B, D) embedded timestep)."""
+        b = timesteps.shape[0]
+        mod = AdaLayerNormSingle(self.config, self.dtype, parent=None)
+        t6, emb = mod.apply({"params": outer["adaln_single"]}, timesteps, resolution, aspect_ratio)
+        return t6.reshape(b, 6, self.config.inner_dim), emb
+
+    def block(self, ops: SiteOps, block_params, x, ctx, keep, t6, row, variables=None, mutable=()):
+        """One block on (B, T, D) tokens -> (tokens, the `mutable` collections)."""
+        mod = PixArtBlock(self.config, self.dtype, ops, self.attn, parent=None)
+        variables = {"params": block_params, **(variables or {})}
+        if not mutable:
+            return mod.apply(variables, x, ctx, keep, t6, row), {}
+        return mod.apply(variables, x, ctx, keep, t6, row, mutable=list(mutable))
+
+    def head(self, outer, x, emb, h: int, w: int) -> jax.Array:
+        """(B, T, D) tokens of an h x w latent slab -> (B, h, w, out_channels)."""
+        cfg, dt = self.config, self.dtype
+        features = cfg.patch_size**2 * cfg.out_channels
+        dense = nn.Dense(features, dtype=dt, param_dtype=dt, parent=None)
+        proj = lambda y: dense.apply({"params": outer["proj_out"]}, y)  # noqa: E731
+        return output_head(cfg, dt, x, emb, outer["scale_shift_table"], proj, h, w)

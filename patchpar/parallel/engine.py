@@ -27,9 +27,17 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models import Denoiser
 from patchpar.models.sites import IDENTITY
+from patchpar.parallel import pipeline
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
-from patchpar.parallel.rules import FSDP_AXES, RULES, check_sharded, placed, unplaced
+from patchpar.parallel.rules import (
+    FSDP_AXES,
+    RULES,
+    check_sharded,
+    placed,
+    unplaced,
+    weight_bytes_per_device,
+)
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.guidance import Conditioning, call_on_stack
@@ -90,7 +98,10 @@ class Plan:
 
     @property
     def rules_name(self) -> str:
-        """`replicated`, `tensor`, `fsdp` or `tensor+fsdp` (FSDP of degree 1 is nothing)."""
+        """`replicated`, `tensor`, `fsdp` or `tensor+fsdp` (FSDP of degree 1 is nothing);
+        `stages` for a pipeline (each device its stage's blocks)."""
+        if self.strategy.owns_program:
+            return "stages"
         if self.fsdp_degree == 1:
             return self.strategy.rules
         return "fsdp" if self.strategy.rules == "replicated" else f"{self.strategy.rules}+fsdp"
@@ -135,6 +146,14 @@ class Plan:
                 f"cfg=2 puts the unconditional and conditional halves on different devices, but "
                 f"guidance_scale={guidance_scale} turns guidance off; use cfg=1 or guidance_scale > 1"
             )
+        if s.owns_program:  # its own program, its own checks (rows into its patches)
+            if self.fsdp or self.model > 1:
+                raise ValueError(
+                    f"strategy {s.name!r} splits the blocks over the patch axis itself; it does "
+                    f"not combine with fsdp or tensor parallelism (use fsdp=False)"
+                )
+            s.validate_model(unet, tuple(latent_hw), self.patch)
+            return
         down = unet.row_multiple
         axes = {s.patch_axis(0), s.patch_axis(1)}
         if "col" in axes and unet.family != "unet":
@@ -154,6 +173,32 @@ class Plan:
                 )
 
 
+def guided_slab(plan: Plan, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One device's share of one step's guided output, (B, H, W, C) -> its slab (the unit of
+    the cfg gather's bytes): its images, and its rows (or columns) of the patch axis; a
+    strategy owning its program (PipeFusion) guides every row of the image each step."""
+    b, h, w, c = latent_shape
+    axis = plan.strategy.patch_axis(0)
+    n = 1 if plan.strategy.owns_program else plan.patch
+    return (b // plan.data, h // n if axis == "row" else h, w // n if axis == "col" else w, c)
+
+
+def placed_params(plan: Plan, unet: Denoiser, params):
+    """The parameters as `plan`'s programs take them best, placed once outside them: a
+    pipeline's stages (`pipeline.Staged`: each device its own blocks); the others place
+    theirs inside the program (`parallel.rules`), so the parameters themselves."""
+    if plan.strategy.owns_program:
+        return pipeline.staged(unet.stack, params, plan)
+    return params
+
+
+def weight_bytes(plan: Plan, unet: Denoiser, params) -> int:
+    """Parameter bytes one device holds under `plan` (a pipeline's stage: its blocks)."""
+    if plan.strategy.owns_program:
+        return pipeline.block_bytes_per_device(unet.stack, params, plan.patch)
+    return weight_bytes_per_device(params, plan.rules(), plan.degrees(), unet.logical)
+
+
 def _x_spec(axis: str) -> P:  # (B, H, W, C): images over data, rows (or columns) over patch
     return P(DATA, PATCH, None, None) if axis == "row" else P(DATA, None, PATCH, None)
 
@@ -171,6 +216,12 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
     `state` is None in the `warmup` phase (buffers are written, not read). In the steady phase
     of a strategy with packed exchange, the sites' pending sends are exchanged after the model
     call, in the strategy's `comm_groups` groups (`patchpar.parallel.exchange`)."""
+    if plan.strategy.owns_program:
+        raise ValueError(
+            f"strategy {plan.strategy.name!r} runs its own program per phase "
+            f"(`patchpar.parallel.pipeline`), not one model call with site ops; time or count "
+            f"its phases with `denoise_phase`"
+        )
     ops = plan.strategy.ops(phase, plan.patch)
     if plan.model > 1:
         ops = replace(ops, tp_op=TensorSum(degree=plan.model))
@@ -356,6 +407,11 @@ def denoise(
 
 
 def _run_phase(unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale):
+    if plan.strategy.owns_program:
+        span = phase_steps(plan, schedule.timesteps.shape[0])[phase]
+        return pipeline.run_phase(
+            unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale
+        )
     mesh = plan.mesh()
     if loop is None:  # the first phase starts the solver history and the stale buffers
         state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)

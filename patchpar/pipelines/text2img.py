@@ -22,7 +22,13 @@ from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.presets import MAX_TEXT_TOKENS, PRESETS, SHIPPED, preset_folder
 from patchpar.models.tokenizer import T5Tokenizer, Tokenizer, load_tokenizer
-from patchpar.parallel.engine import Plan, denoise_phase, phase_steps, stale_bytes_per_device
+from patchpar.parallel.engine import (
+    Plan,
+    denoise_phase,
+    phase_steps,
+    placed_params,
+    stale_bytes_per_device,
+)
 from patchpar.parallel.engine import denoise as denoise_parallel
 from patchpar.parallel.mesh import to_local
 from patchpar.sampling.guidance import Conditioning, call_on_stack
@@ -185,9 +191,19 @@ class Pipeline:
         gs = float(guidance_scale)
         if plan is None or not plan.strategy.parallel:
             fn, static = _denoise_single, (self.unet, smp, None)
+            params = self.unet_params
         else:
             fn, static = denoise_parallel, (self.unet, plan, smp)
-        return fn, (*static, self.unet_params, cond, schedule, x, gs)
+            params = self._placed(plan)
+        return fn, (*static, params, cond, schedule, x, gs)
+
+    def _placed(self, plan: Plan):
+        """The denoiser's parameters placed for `plan` (`engine.placed_params`), once per plan."""
+        cache = self.__dict__.setdefault("_placed_cache", {})
+        if plan not in cache:
+            cache.clear()  # one plan's placement at a time: it may hold a copy of the weights
+            cache[plan] = placed_params(plan, self.unet, self.unet_params)
+        return cache[plan]
 
     def denoise_phases(self, cond, latents, sampler, steps, guidance_scale, plan=None):
         """The denoising split into its phases, each its own jitted program, for timing the

@@ -8,13 +8,24 @@ from patchpar.parallel.strategies.context import Ring, Ulysses
 from patchpar.parallel.strategies.distrifusion import DistriFusion
 from patchpar.parallel.strategies.naive_patch import NaivePatch
 from patchpar.parallel.strategies.pcpp import PCPP
+from patchpar.parallel.strategies.pipefusion import PipeFusion
 from patchpar.parallel.strategies.single import Single
 from patchpar.parallel.strategies.sync_patch import SyncPatch
 from patchpar.parallel.strategies.tensor import Tensor
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (Single, NaivePatch, SyncPatch, DistriFusion, PCPP, Ring, Ulysses, Tensor)
+    for cls in (
+        Single,
+        NaivePatch,
+        SyncPatch,
+        DistriFusion,
+        PCPP,
+        Ring,
+        Ulysses,
+        Tensor,
+        PipeFusion,
+    )
 }
 
 

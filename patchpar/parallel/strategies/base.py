@@ -24,6 +24,9 @@ class Strategy:
     name: ClassVar[str] = "base"
     parallel: ClassVar[bool] = True  # runs under shard_map over the (data, cfg, patch, model) mesh
     rules: ClassVar[str] = "replicated"  # how parameters are placed (`parallel.rules.RULES`)
+    # True: the strategy runs its own shard_map program per phase instead of the engine's
+    # model call with site ops (PipeFusion: `patchpar.parallel.pipeline`)
+    owns_program: ClassVar[bool] = False
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -33,6 +36,16 @@ class Strategy:
         """How many of the first steps run in the `warmup` phase (exact exchanges); the rest
         run in the `steady` phase."""
         return steps
+
+    def phase_iterations(self, phase: str, steps: int, patch: int) -> int:
+        """Iterations of a phase's compiled loop of `steps` steps on a patch axis of `patch`
+        (its body is one step; a pipeline runs one more to drain)."""
+        del phase, patch
+        return steps
+
+    def validate_model(self, unet, latent_hw: tuple[int, int], patch: int) -> None:
+        """Checks against the denoiser, for a strategy that owns its program (the engine's
+        own row-patch checks do not apply to it); ValueError naming the numbers."""
 
     def packed_groups(self) -> int | None:
         """Groups of the steady phase's packed stale exchange (`patchpar.parallel.exchange`);

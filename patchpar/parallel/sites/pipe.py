@@ -1,0 +1,97 @@
+"""PipeFusion's sites (docs/design.md §3b): a stage's self-attention over its full-image K/V
+buffer, and the hops that carry activations from stage to stage.
+
+`PipeKV` is the `SiteOps` of the blocks a stage runs on one of `patches` row patches. Each
+self-attention layer keeps the whole image's keys and values (buffers `k`, `v`, (B, T, D), in
+the `stale` collection); the patch being computed writes its own fresh keys/values into its slot
+first, then its queries attend over the whole buffer: the slots of the patches this stage has
+already computed in this step are fresh, the later ones are as at the previous step. The patch
+index comes in the Flax collection `slot` (`at`, a traced int32) of the module, since it changes
+from slot to slot of the compiled step, with `live` (a traced bool, optional): false where the
+stage has no item in this slot, so that the buffer keeps what it held. With `patches = 1` (a full-image pass) the buffer is
+the layer's own keys/values and the attention is exact. `positions` gives the patch's rows of
+the whole image's position table, as `PatchOps` does for a device's slab.
+
+`Hop` passes an array over the patch (stage) axis by one collective-permute along the given
+(source, target) pairs, in the `pp_pipe` scope; its byte model is that permute's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from patchpar.models.attention import AttentionSpec, attend
+from patchpar.models.sites import SiteOps
+from patchpar.parallel.mesh import PATCH
+from patchpar.parallel.sites.common import STALE, Site, nbytes, note
+
+SLOT = "slot"  # Flax collection: `at`, the index of the row patch being computed
+
+
+@dataclass(frozen=True)
+class PipeKV(SiteOps):
+    """Self-attention over a full-image K/V buffer per layer, the computed patch fresh."""
+
+    patches: int = 1
+
+    def _at(self, mod) -> jax.Array:
+        at = mod.get_variable(SLOT, "at")
+        if at is None:
+            raise ValueError(
+                f"{mod.name or type(mod).__name__}: no patch index in collection {SLOT!r}"
+            )
+        return at
+
+    def self_attention(
+        self,
+        mod,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        heads: int,
+        spec: AttentionSpec,
+        row: int | None = None,
+    ) -> jax.Array:
+        del row  # patches are whole image rows
+        b, tokens, d = k.shape
+        whole = (b, tokens * self.patches, d)
+        at = self._at(mod) * tokens
+        live = mod.get_variable(SLOT, "live")  # False: nothing of this call is kept
+        for name, fresh in (("k", k), ("v", v)):
+            buf = mod.variable(STALE, name, jnp.zeros, whole, fresh.dtype)
+            if live is not None:
+                old = lax.dynamic_slice_in_dim(buf.value, at, tokens, axis=1)
+                fresh = jnp.where(live, fresh, old)
+            buf.value = lax.dynamic_update_slice_in_dim(buf.value, fresh, at, axis=1)
+        kb, vb = mod.get_variable(STALE, "k"), mod.get_variable(STALE, "v")
+        return attend(spec, q, kb, vb, heads, None)
+
+    def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
+        whole = jnp.asarray(table(rows * self.patches, cols))
+        return lax.dynamic_slice_in_dim(whole, self._at(mod) * rows * cols, rows * cols, axis=0)
+
+
+@dataclass(frozen=True)
+class Hop(Site):
+    """An array passed between stages over `patch`; `local`: a stand-in (each device keeps its
+    own, `Plan(comm=False)`)."""
+
+    kind: ClassVar[str] = "pipe"
+
+    def send(self, x: jax.Array, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
+        """Device `dst` of each (src, dst) pair receives device `src`'s `x`; the others zeros."""
+        if not pairs:
+            return x
+        if self.local:
+            return x
+        note(self, shape=x.shape, itemsize=x.dtype.itemsize, pairs=tuple(pairs))
+        with jax.named_scope(f"pp_{self.kind}"):
+            return lax.ppermute(x, PATCH, perm=list(pairs))
+
+    def received_bytes(self, info: dict, p: int) -> int:
+        return nbytes(info) * sum(1 for _, dst in info["pairs"] if dst == p)
