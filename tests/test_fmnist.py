@@ -92,18 +92,19 @@ def test_fmnist_preset_one_image_per_class_deterministic():
 def test_fmnist_dit_preset_follows_the_prompt():
     """The shipped DiT: a pixel-space PixArt folder; one image per class at its tuned guidance,
     deterministic, most of them the class asked for (500 samples: paper_repro.md)."""
-    from patchpar.models.presets import default_guidance, family
+    from patchpar.models.presets import default_guidance, default_sampler, family
     from patchpar.pipelines import load_pipeline
 
-    assert family("fmnist-dit") == "pixart" and default_guidance("fmnist-dit") == 1.5
+    assert family("fmnist-dit") == "pixart" and default_guidance("fmnist-dit") == 2.0
+    assert default_sampler("fmnist-dit") == "dpmpp_2m" and default_sampler("fmnist") == "ddim"
     pipe = load_pipeline("fmnist-dit")
     assert pipe.vae is None and pipe.unet.config.patch_size == 4
     prompts = [f"a photo of a {c}" for c in FASHION_MNIST_CLASSES]
-    a = pipe(prompts, steps=20, seed=0, guidance_scale=1.5)
-    b = pipe(prompts, steps=20, seed=0, guidance_scale=1.5)
+    a = pipe(prompts, steps=20, seed=0, guidance_scale=2.0, sampler="dpmpp_2m")
+    b = pipe(prompts, steps=20, seed=0, guidance_scale=2.0, sampler="dpmpp_2m")
     np.testing.assert_array_equal(a.images, b.images)
     acc = clf.prompt_accuracy(SHIPPED["fmnist"] / "classifier", a.images, prompts)
-    assert acc >= 0.4, acc
+    assert acc >= 0.6, acc  # 8 of 10 at seed 0
 
 
 @pytest.mark.slow  # about 100 s: trains, exports and resumes in miniature

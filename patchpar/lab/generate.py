@@ -25,8 +25,8 @@ class GenerateConfig(PlanFlags):
     """Negative prompt for classifier-free guidance ("" = unconditional)."""
     steps: int = 20
     """Denoising steps."""
-    sampler: str = "ddim"
-    """ddim, euler or dpmpp_2m."""
+    sampler: str | None = None
+    """ddim, euler or dpmpp_2m (default: the preset's tuned solver, dpmpp_2m for fmnist-dit; else ddim)."""
     guidance_scale: float | None = None
     """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2 for fmnist; 4.5 for PixArt; else 7.5)."""
     height: int | None = None
@@ -55,7 +55,7 @@ def generate(config: GenerateConfig) -> dict:
 
     from patchpar.lab.results import check_writable
     from patchpar.models.attention import AttentionSpec, resolve
-    from patchpar.models.presets import default_guidance, resolve_dtype
+    from patchpar.models.presets import default_guidance, default_sampler, resolve_dtype
     from patchpar.pipelines import load_pipeline
     from patchpar.pipelines.text2img import check_guidance, check_seed
 
@@ -77,6 +77,7 @@ def generate(config: GenerateConfig) -> dict:
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
     check_guidance(guidance, [config.negative_prompt])
+    sampler = default_sampler(config.model) if config.sampler is None else config.sampler
     check_writable(config.out, "out")  # before any work, not after generating
     plan = config.plan()  # unknown strategy or option: error before loading anything
     t0 = time.perf_counter()
@@ -95,7 +96,7 @@ def generate(config: GenerateConfig) -> dict:
         steps=config.steps,
         guidance_scale=guidance,
         seed=config.seed,
-        sampler=config.sampler,
+        sampler=sampler,
         negative_prompts=negative,
         plan=plan,
         check_memory=True,  # compiled first: a program that cannot fit is refused up front
@@ -106,6 +107,7 @@ def generate(config: GenerateConfig) -> dict:
         "images": [],
         "latent_shape": list(out.latents.shape),
         "guidance_scale": guidance,
+        "sampler": sampler,
         "compute_dtype": jnp.dtype(pipe.unet.module.dtype).name,
         "attention": pipe.unet.module.attn.impl,
         "strategy": plan.strategy.describe(),
