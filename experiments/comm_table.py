@@ -38,8 +38,14 @@ STRATEGIES = (
     ("ulysses", {}),
     ("tensor", {}),
 )
-# Strategies for a model family only: PCPP's band in whole token rows (a DiT's 2-D neighbours)
-FAMILY_STRATEGIES = {"pixart": (("pcpp", {"portion": 0.3, "send": "band", "align": "rows"}),)}
+# Strategies for a model family only: PCPP's band in whole token rows (a DiT's 2-D neighbours),
+# PipeFusion (a stack of identical blocks; M = S patches, one full warm-up pass)
+FAMILY_STRATEGIES = {
+    "pixart": (
+        ("pcpp", {"portion": 0.3, "send": "band", "align": "rows"}),
+        ("pipefusion", {}),
+    )
+}
 
 
 def key(r: dict) -> tuple:
