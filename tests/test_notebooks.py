@@ -38,11 +38,15 @@ def test_table2_communication_notebook(tmp_path, monkeypatch, run_notebook):
     not (RESULTS / "fmnist_quality" / "runs.jsonl").is_file(), reason="no fmnist_quality records"
 )
 def test_table1_quality_notebook(tmp_path, monkeypatch, run_notebook):
-    copy_records(tmp_path, "fmnist_quality")
+    found = copy_records(tmp_path, "fmnist_quality", "fmnist_dit_quality")
     monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
     text, _ = run_notebook(NOTEBOOKS / "table1_quality.ipynb")
     assert "| single | 1 | ∞ (identical) |" in text and "| pcpp send=band | 8 |" in text
     assert (tmp_path / "fmnist_quality" / "plots" / "table1_quality.png").stat().st_size > 0
+    if "fmnist_dit_quality" in found:  # the DiT's table, figure and the beside-xDiT ratios
+        assert "| pipefusion | 8 |" in text and "pipefusion: ours" in text
+        for name in ("table1_quality_dit", "fid_vs_xdit"):
+            assert (tmp_path / "fmnist_dit_quality" / "plots" / f"{name}.png").stat().st_size > 0
 
 
 def test_ablations_notebook(tmp_path, monkeypatch, run_notebook):
