@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from patchpar.models.presets import family, get_preset
+
 GB = 1e9
 
 
@@ -84,8 +86,9 @@ PAPER_TABLE2 = {
 }  # DistriFusion Table 2, "Comm." (unit "G", undefined)
 PAPER_TABLE2_TP = {1024: 1.33, 2048: 5.33, 3840: 18.7}  # its "sync tensor parallel" row
 # xDiT's cost table (PipeFusion arXiv 2405.14430): communication per layer in units of
-# O(p x hs) (p tokens, hidden size hs), N devices
-XDIT_COST = {"tensor": "4", "ring": "2", "ulysses": "4/N", "distrifusion": "2"}
+# O(p x hs) (p tokens, hidden size hs), N devices; PipeFusion's 2 O(p x hs) is per step, not per
+# layer: 2/L per layer for L blocks
+XDIT_COST = {"tensor": "4", "ring": "2", "ulysses": "4/N", "distrifusion": "2", "pipefusion": "2/L"}
 
 
 def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
@@ -188,6 +191,11 @@ def xdit_cost_markdown(records: list[dict], points=XDIT_POINTS) -> str:
     return "\n".join(out) if out else "(no xDiT comparison points measured yet)\n"
 
 
+def _layers(model: str) -> int:
+    """A DiT preset's block count (PipeFusion's formula per layer)."""
+    return int(get_preset(model)["transformer"]["num_layers"])
+
+
 def _xdit_cost_rows(records: list[dict], model: str, res: int) -> str:
     lines = [
         "| devices | strategy | xDiT cost per layer | steady GB/device | self-attention (kv) GB "
@@ -197,11 +205,17 @@ def _xdit_cost_rows(records: list[dict], model: str, res: int) -> str:
     for n in (2, 4, 8):
         d = _pick(records, model, res, n, "distrifusion")
         for name, cost in XDIT_COST.items():
+            if name == "pipefusion" and family(model) != "pixart":
+                continue  # a stack of identical blocks only
             r = _pick(records, model, res, n, name)
             if r is None or d is None:
                 lines.append(f"| {n} | {name} | {cost}·O(p·hs) | (not measured yet) | | | |")
                 continue
-            formula = {"4": 2.0, "2": 1.0, "4/N": 2.0 / n}[cost]
+            formula = (
+                1.0 / _layers(model)
+                if cost == "2/L"
+                else {"4": 2.0, "2": 1.0, "4/N": 2.0 / n}[cost]
+            )
             b = r["steady_bytes_per_device"]
             lines.append(
                 f"| {n} | {name} | {cost}·O(p·hs) | {b / GB:.3f} | "
