@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-STRATEGIES = ("single", "sync_patch", "distrifusion", "pcpp")
+STRATEGIES = ("single", "sync_patch", "distrifusion", "pcpp", "pipefusion")  # pipefusion: DiTs only
 GIB = 2**30
 H200_GB = 141e9  # one H200's HBM (bytes, decimal as NVIDIA quotes it)
 
