@@ -42,7 +42,6 @@ from jax.sharding import PartitionSpec as P
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
 from patchpar.parallel.sites import STALE
 from patchpar.parallel.sites.pipe import SLOT, Hop, PipeKV
-from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.loop import guided
 
 STATE_SPEC = P(*AXES)  # what each device carries from phase to phase: leading device axes
@@ -300,7 +299,6 @@ def _whole(lat: jax.Array) -> jax.Array:
 
 
 __all__ = [
-    "Conditioning",
     "Staged",
     "block_bytes_per_device",
     "layer_counts",
