@@ -167,3 +167,30 @@ def test_processes_run_and_sweep_record_layout_phases_and_speedups(micro_folder,
     assert df["steady_step_s_median"] > 0 and sync["steady_step_s_median"] is None
     assert df["bytes_per_device_per_step"] > 0 and "psnr" in df
     assert df["latent_max_abs_diff"] < 1.0 and sync["latent_max_abs_diff"] < 1e-3
+
+
+@pytest.mark.slow
+def test_pipefusion_in_two_processes_equals_two_fake_devices(tmp_path):
+    """PipeFusion's own program (stages placed per process, hops and the latent's return by
+    collective-permute over gloo) on the trained fmnist-dit: the latent of 2 launched processes
+    equals that of 2 fake devices in this process."""
+    from patchpar.lab.generate import GenerateConfig, generate
+
+    common = ["--model", "fmnist-dit", "--strategy", "pipefusion", "--devices", "2",
+              "--num-patches", "4", "--prompt", "a photo of a sneaker", "a photo of a bag"]  # fmt: skip
+    cmd = [sys.executable, "-m", "patchpar.lab.cli", "generate", *common, "--processes", "2",
+           "--out", str(tmp_path / "mp")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    here = GenerateConfig(
+        model="fmnist-dit",
+        prompt=("a photo of a sneaker", "a photo of a bag"),
+        strategy="pipefusion",
+        devices=2,
+        num_patches=4,
+        out=tmp_path / "here",
+    )
+    generate(here)
+    got, want = (np.load(tmp_path / d / "latent.npy") for d in ("mp", "here"))
+    assert got.shape == want.shape == (2, 32, 32, 1)
+    assert _rel(got, want) <= 1e-5
