@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from patchpar.models.attention import AttentionSpec, attend
 from patchpar.models.sites import SiteOps
 from patchpar.parallel.mesh import PATCH
 from patchpar.parallel.sites.common import STALE, Site, nbytes, note
@@ -47,16 +46,10 @@ class PipeKV(SiteOps):
             )
         return at
 
-    def self_attention(
-        self,
-        mod,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        heads: int,
-        spec: AttentionSpec,
-        row: int | None = None,
-    ) -> jax.Array:
+    def self_attn_kv(self, mod, k: jax.Array, v: jax.Array, row: int | None = None):
+        """The patch's fresh (B, T/M, D) keys/values written into its slot of the layer's
+        whole-image buffers (B, T, D), which the queries then attend to (the default
+        `self_attention`)."""
         del row  # patches are whole image rows
         b, tokens, d = k.shape
         whole = (b, tokens * self.patches, d)
@@ -68,8 +61,7 @@ class PipeKV(SiteOps):
                 old = lax.dynamic_slice_in_dim(buf.value, at, tokens, axis=1)
                 fresh = jnp.where(live, fresh, old)
             buf.value = lax.dynamic_update_slice_in_dim(buf.value, fresh, at, axis=1)
-        kb, vb = mod.get_variable(STALE, "k"), mod.get_variable(STALE, "v")
-        return attend(spec, q, kb, vb, heads, None)
+        return mod.get_variable(STALE, "k"), mod.get_variable(STALE, "v"), None
 
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
         whole = jnp.asarray(table(rows * self.patches, cols))
