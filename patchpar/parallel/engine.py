@@ -252,7 +252,7 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
         out = unet.prediction(out)  # the sampler's model output (a learned-sigma DiT: half)
         stale = mutated.get(STALE, {})
         if groups:  # the steady phase's stale sends, exchanged together
-            stale = merged(stale, exchange_packed(mutated.get(SEND, {}), ops, groups))
+            stale = merged(stale, exchange_packed(mutated.get(SEND, {}), ops, groups, stale))
         if cfg == 2 and not plan.comm:
             out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below
         elif cfg == 2:

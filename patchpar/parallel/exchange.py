@@ -9,7 +9,8 @@ collectives (GPU, TPU) may start them as soon as the group's last site has run a
 with the compute of groups g+1..; on XLA:CPU collectives run synchronously, and the gain is the
 number of collectives (each pays gloo's latency). Exchanging is data movement (and an
 elementwise mean for GroupNorm statistics), so the buffers equal those of per-site exchanges
-bit for bit.
+bit for bit. A compressed site's payloads are its `uint8` wire payloads; its new bases come
+from the same update as at the site (`PatchSite.absorb`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def pending_sends(tree: dict, path: tuple[str, ...] = ()) -> Iterator[Pending]:
             yield from pending_sends(node, path + (key,))
 
 
-def exchange_packed(tree: dict, ops: PatchOps, groups: int) -> dict:
+def exchange_packed(tree: dict, ops: PatchOps, groups: int, stale: dict) -> dict:
     """Exchange the pending sends of `tree` in `groups` groups of consecutive sites; returns the
-    new stale buffers as a nested dict {module path...: {buffer name: value}}."""
+    new stale buffers as a nested dict {module path...: {buffer name: value}}. `stale`: the
+    call's stale collection (what a compressed site's update starts from)."""
     pending = list(pending_sends(tree))
     check_groups(groups, len(pending))
     out: dict = {}
@@ -47,11 +49,14 @@ def exchange_packed(tree: dict, ops: PatchOps, groups: int) -> dict:
         for kind, items in by_kind.items():
             op = ops.site(kind)
             got = exchange(kind, [sends for _, _, sends in items], op.n, op.local)
-            for (path, _, _), received in zip(items, got, strict=True):
+            for (path, _, sends), received in zip(items, got, strict=True):
+                held = stale
+                for part in path:
+                    held = held.get(part, {})
                 node = out
                 for part in path:
                     node = node.setdefault(part, {})
-                node.update(op.receive(received))
+                node.update(op.absorb(received, held, sends))
     return out
 
 

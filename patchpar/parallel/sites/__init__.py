@@ -141,24 +141,37 @@ def patch_ops(
     exchange: bool = True,
     ulysses: int | None = None,
     packed: bool = False,
+    links: dict | None = None,
 ) -> PatchOps:
     """The ops of the row-patch sites on `n` patch devices in `phase`, by mode words (see each
     site's module): halo fresh | stale | zero, gn sync | separate | stale | corrected, kv all |
     local | stale | band (with `portion`, `send` and `align`), or `ulysses` = d for context-parallel
     attention (Ring x Ulysses, ring degree n / d). `exchange=False` is DistriFusion's no_sync;
-    `packed`: steady sends go to the engine's packed exchange."""
+    `packed`: steady sends go to the engine's packed exchange; `links`: {site kind: Link}, how the
+    steady phase's halos and K/V are compressed and extrapolated (`sites.compress`)."""
     if not exchange and gn != "separate":
         raise ValueError(
             f"exchange=False (no_sync) keeps no GroupNorm statistics fresh: gn must be "
             f"'separate' (local after warm-up), got gn={gn!r}"
         )
     common = dict(n=n, phase=phase, packed=packed)
+    links = links or {}
     if ulysses is None:
-        attn = KV(**common, mode=kv, portion=portion, sends=send, align=align, exchange=exchange)
+        attn = KV(
+            **common,
+            mode=kv,
+            portion=portion,
+            sends=send,
+            align=align,
+            exchange=exchange,
+            link=links.get("kv"),
+        )
     else:
         attn = ContextAttention(n=n, phase=phase, ulysses=ulysses)
     return PatchOps(
-        Halo(**common, mode=halo, exchange=exchange), GroupStats(**common, mode=gn), attn
+        Halo(**common, mode=halo, exchange=exchange, link=links.get("halo")),
+        GroupStats(**common, mode=gn),
+        attn,
     )
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from patchpar.parallel.mesh import PATCH
+from patchpar.parallel.sites.compress import Link
 
 PHASES = ("warmup", "steady")  # exact exchanges (and buffers written), then stale ones
 STALE = "stale"  # Flax collection: the buffers a stale site reads at step t (written at t-1)
@@ -105,11 +106,14 @@ class Site:
 class PatchSite(Site):
     """A site over the row patches: `n` devices on the patch axis, in one phase. `packed`:
     in the steady phase, leave the sends for the engine's packed exchange
-    (`patchpar.parallel.exchange`) instead of exchanging at the site."""
+    (`patchpar.parallel.exchange`) instead of exchanging at the site. `link`: how the steady
+    phase's payloads are compressed and extrapolated (`sites.compress.Link`; None: sent as
+    they are)."""
 
     n: int = 1
     phase: str = "warmup"
     packed: bool = False
+    link: Link | None = None
     buffers: ClassVar[tuple[str, ...]] = ()  # the stale buffers a send of this site refreshes
 
     def __post_init__(self):
@@ -120,13 +124,47 @@ class PatchSite(Site):
     def warmup(self) -> bool:
         return self.phase == "warmup"
 
-    def send(self, mod, sends: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
+    def send(self, mod, sends: dict[str, jax.Array]) -> None:
         """A stale site's exchange for step t+1: with `packed`, left in the `send` collection
-        for the engine (None comes back); otherwise exchanged here (what was received)."""
+        for the engine; otherwise exchanged here and its new stale buffers written."""
+        wire = self.link.encode(mod, self.kind, sends, self.n) if self.link else sends
         if self.packed:
-            mod.variable(SEND, self.kind, lambda: sends)
-            return None
-        return exchange(self.kind, [sends], self.n, self.local)[0]
+            mod.variable(SEND, self.kind, lambda: wire)
+            return
+        got = exchange(self.kind, [wire], self.n, self.local)[0]
+        held = self.link.held(mod, self.kind, sends) if self.link else {}
+        for name, value in self.absorb(got, held, wire).items():
+            mod.put_variable(STALE, name, value)
+
+    def exchange_now(self, mod, sends: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """A fresh exchange at the site: what was received, or with a link in the steady phase
+        the estimate of it (its variables updated)."""
+        if self.link is None or self.warmup:
+            got = exchange(self.kind, [sends], self.n, self.local)[0]
+            if self.link is not None:
+                self.link.start(mod, self.kind, sends, got, self.n)
+            return got
+        wire = self.link.encode(mod, self.kind, sends, self.n)
+        got = exchange(self.kind, [wire], self.n, self.local)[0]
+        held = self.link.held(mod, self.kind, sends)
+        est, new = self.link.update(self.kind, wire, got, held, self.n)
+        for name, value in new.items():
+            mod.put_variable(STALE, name, value)
+        return est
+
+    def absorb(self, got: dict, held: dict, sent: dict) -> dict[str, jax.Array]:
+        """The new stale variables from what a send received (`held`: the site's stale
+        variables before; `sent`: its own wire payloads)."""
+        if self.link is None:
+            return self.receive(got)
+        est, new = self.link.update(self.kind, sent, got, held, self.n)
+        return {**self.receive(est), **new}
+
+    def wire_bytes(self, shape: tuple[int, ...], itemsize: int) -> int:
+        """Bytes one payload of `shape` takes on the wire in this phase."""
+        if self.warmup or self.link is None:
+            return math.prod(shape) * itemsize
+        return self.link.wire_bytes(shape, itemsize)
 
     def receive(self, got: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The stale buffers for step t+1 from what a send received: {buffer name: value}."""

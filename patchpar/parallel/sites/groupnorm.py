@@ -52,8 +52,7 @@ class GroupStats(PatchSite):
             est = g.value + (fresh - loc.value) / self.n
         else:  # corrected: DistriFusion Eq. 2
             est = g.value + (fresh - loc.value)
-        if (got := self.send(mod, {"mean": fresh})) is not None:
-            g.value = self.receive(got)["gn_global"]
+        self.send(mod, {"mean": fresh})  # the next step's gn_global
         loc.value = fresh
         e_mean, e_sq = est[0], est[1]
         if self.mode == "corrected":  # where the estimated variance is negative, the local one

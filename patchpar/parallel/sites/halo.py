@@ -6,6 +6,8 @@ Modes: `fresh` (exchanged every step), `stale` (the previous step's rows, refres
 next step; exact during warm-up, which writes the first buffer), `zero` (nothing exchanged:
 naive patches). `exchange=False` is DistriFusion's no_sync: the buffer stays as at the last
 warm-up step. Buffer `halo`: (B, top + bottom, W, C), the rows above then the rows below.
+With a `link` the steady phase's rows are compressed (and may be extrapolated), stale or fresh
+(`sites.compress`); the model's first conv stays exact.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
-from patchpar.parallel.sites.common import STALE, PatchSite, exchange, nbytes, note
+from patchpar.parallel.sites.common import STALE, PatchSite, nbytes, note
 
 MODES = ("fresh", "stale", "zero")
 
@@ -37,7 +39,8 @@ class Halo(PatchSite):
         """`conv_in` reads the latent itself, which the sampler updates every step: a stale halo
         would be last step's input (with Euler, under last step's input scaling), so it is
         exchanged fresh (2 rows x W x C_in per neighbour). `zero` (naive patch) stays zero."""
-        return replace(self, mode="fresh" if self.mode == "stale" else self.mode, input=True)
+        mode = "fresh" if self.mode == "stale" else self.mode
+        return replace(self, mode=mode, input=True, link=None)  # exact: the latent is small
 
     def __call__(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
         """(B, h, W, C) -> (B, top + h + bottom, W, C)."""
@@ -46,15 +49,14 @@ class Halo(PatchSite):
             return jnp.pad(x, ((0, 0), (top, bottom), (0, 0), (0, 0)))
         sends = self._sends(x, top, bottom)
         if self.warmup or self.mode == "fresh":
-            buf = self.receive(exchange(self.kind, [sends], self.n, self.local)[0])["halo"]
+            buf = self.receive(self.exchange_now(mod, sends))["halo"]
             if self.mode == "stale":  # warm-up: the buffer the steady phase reads first
                 mod.variable(STALE, "halo", lambda: buf)
         else:
             shape = (x.shape[0], top + bottom) + x.shape[2:]
-            var = mod.variable(STALE, "halo", jnp.zeros, shape, x.dtype)
-            buf = var.value
-            if self.exchange and (got := self.send(mod, sends)) is not None:
-                var.value = self.receive(got)["halo"]
+            buf = mod.variable(STALE, "halo", jnp.zeros, shape, x.dtype).value
+            if self.exchange:
+                self.send(mod, sends)
         return jnp.concatenate([buf[:, :top], x, buf[:, top:]], axis=1)
 
     @staticmethod
@@ -80,8 +82,9 @@ class Halo(PatchSite):
     def received_bytes(self, info, p):
         if self.n == 1 or not self._exchanged():
             return 0
-        per_row = nbytes(info) // info["shape"][1]
-        return per_row * ((info["top"] if p > 0 else 0) + (info["bottom"] if p < self.n - 1 else 0))
+        b, _, w, c = info["shape"]
+        rows = (info["top"] if p > 0 else 0), (info["bottom"] if p < self.n - 1 else 0)
+        return sum(self.wire_bytes((b, r, w, c), info["itemsize"]) for r in rows if r)
 
     def released_bytes(self, info, p):
         """The released code all-gathers every 3x3 conv's top and bottom `padding` rows from

@@ -88,14 +88,20 @@ class KV(PatchSite):
             return k, v, None
         kv = jnp.stack([k, v])  # (2, B, L, D): one payload for both
         if self.warmup or self.mode == "all":
-            got = exchange(self.kind, [self._others(kv)], self.n, self.local)[0]
+            got = self.exchange_now(mod, self._others(kv)) if self.mode == "all" else None
+            if got is None:  # warm-up of a stale mode: exact, and the first buffers written
+                got = exchange(self.kind, [self._others(kv)], self.n, self.local)[0]
             full = self._full(kv, got)  # (2, B, n*L, D)
             if self.mode == "stale":
                 mod.variable(STALE, "kv", lambda: self.receive(got)["kv"])
+                if self.link is not None:
+                    self.link.start(mod, self.kind, self._others(kv), got, self.n)
             elif self.mode == "band":
                 above, below = self._bands_from_full(full, kv.shape[2], row)
                 mod.variable(STALE, "kv_above", lambda: above)
                 mod.variable(STALE, "kv_below", lambda: below)
+                if self.link is not None:
+                    self._start_band(mod, kv, full, row)
             return full[0], full[1], None
         if self.mode == "stale":
             return self._stale_all(mod, kv)
@@ -118,8 +124,15 @@ class KV(PatchSite):
         return {"other": kv} if self.n == 2 else {"gather": kv}
 
     def _full(self, kv, got) -> jax.Array:
-        """(2, B, n*L, D): own fresh K/V with the others' received."""
-        return _pair(kv, got["other"]) if self.n == 2 else _whole(got["gather"])
+        """(2, B, n*L, D): own fresh K/V with the others' received (a compressed exchange's
+        own slot is its base: the fresh K/V goes in its place)."""
+        if self.n == 2:
+            return _pair(kv, got["other"])
+        full = _whole(got["gather"])
+        if self.link is None or self.warmup:
+            return full
+        idx = lax.axis_index(PATCH)
+        return lax.dynamic_update_slice_in_dim(full, kv, idx * kv.shape[2], axis=2)
 
     def _stale_all(self, mod, kv):
         n, length = self.n, kv.shape[2]
@@ -130,8 +143,8 @@ class KV(PatchSite):
         else:  # own slot fresh
             idx = lax.axis_index(PATCH)
             full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)
-        if self.exchange and (got := self.send(mod, self._others(kv))) is not None:
-            buf.value = self.receive(got)["kv"]
+        if self.exchange:
+            self.send(mod, self._others(kv))
         return full[0], full[1], None
 
     def _stale_band(self, mod, kv, row):
@@ -142,16 +155,35 @@ class KV(PatchSite):
         below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
         keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
         if self.exchange:
-            if self.sends == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
-                # whole rows travel as (2, B, rows, row, D): the receiver crops rows
-                whole = kv if row is None else kv.reshape(kv.shape[:2] + (-1, row, kv.shape[3]))
-                sends = {"down": whole, "up": whole}
-            else:  # only the rows used
-                sends = {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
-            if (got := self.send(mod, sends)) is not None:
-                new = self.receive(got)
-                above.value, below.value = new["kv_above"], new["kv_below"]
+            self.send(mod, self._band_sends(kv, band, row))
         return keys[0], keys[1], self._band_mask(band, length)
+
+    def _band_sends(self, kv, band: int, row) -> dict:
+        """What a device sends its neighbours for their bands: down to the patch below, up to
+        the patch above."""
+        if self.sends == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
+            # whole rows travel as (2, B, rows, row, D): the receiver crops rows
+            whole = kv if row is None else kv.reshape(kv.shape[:2] + (-1, row, kv.shape[3]))
+            return {"down": whole, "up": whole}
+        length = kv.shape[2]  # only the rows used
+        return {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
+
+    def _start_band(self, mod, kv, full, row) -> None:
+        """The link's bases after the exact warm-up: what the band sends of this patch and of
+        its neighbours (out of the all-gather; zeros where there is no neighbour) would be."""
+        length, n = kv.shape[2], self.n
+        band = band_tokens(length, self.portion, row)
+        idx = lax.axis_index(PATCH)
+
+        def patch(i, present):
+            got = lax.dynamic_slice_in_dim(full, jnp.clip(i, 0, n - 1) * length, length, axis=2)
+            return jnp.where(present, got, jnp.zeros_like(got))
+
+        got = {
+            "down": self._band_sends(patch(idx - 1, idx > 0), band, row)["down"],
+            "up": self._band_sends(patch(idx + 1, idx < n - 1), band, row)["up"],
+        }
+        self.link.start(mod, self.kind, self._band_sends(kv, band, row), got, n)
 
     def receive(self, got):
         if self.mode == "stale":
@@ -194,13 +226,13 @@ class KV(PatchSite):
         n = self.n
         if n == 1 or not self._exchanged():
             return 0
-        size = nbytes(info)
+        shape, itemsize = info["shape"], info["itemsize"]
         if self.warmup or self.mode in ("all", "stale"):
-            return (n - 1) * size  # all-gather
-        length = info["shape"][2]
-        band = band_tokens(length, self.portion, info.get("row"))
-        sent = size if self.sends == "full" else size // length * band
-        return sent * ((p > 0) + (p < n - 1))
+            return (n - 1) * self.wire_bytes(shape, itemsize)  # all-gather
+        band = band_tokens(shape[2], self.portion, info.get("row"))
+        if self.sends == "band":
+            shape = shape[:2] + (band,) + shape[3:]
+        return self.wire_bytes(shape, itemsize) * ((p > 0) + (p < n - 1))
 
     def released_bytes(self, info, p):
         """The released code all-gathers K/V (warm-up, DistriFusion); PCPP's steady phase sends

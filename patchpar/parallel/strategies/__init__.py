@@ -4,6 +4,7 @@ that list the known ones."""
 from __future__ import annotations
 
 from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.compact import Compact
 from patchpar.parallel.strategies.context import Ring, Ulysses
 from patchpar.parallel.strategies.distrifusion import DistriFusion
 from patchpar.parallel.strategies.naive_patch import NaivePatch
@@ -21,6 +22,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         SyncPatch,
         DistriFusion,
         PCPP,
+        Compact,
         Ring,
         Ulysses,
         Tensor,
@@ -59,6 +61,12 @@ COMBINE = {
     "comm_groups": "comm_groups packs the steady phase's stale exchange, which only "
     "distrifusion and pcpp have; the other strategies exchange fresh activations at each site, "
     "as the layer needs them",
+    **dict.fromkeys(
+        ("codec", "residual", "extrapolate"),
+        "compressed or extrapolated exchange applies to the activations that distrifusion and "
+        "pcpp exchange stale and compact exchanges fresh; naive_patch and single exchange "
+        "nothing, and the exact strategies' exchanges stay exact",
+    ),
 }
 
 

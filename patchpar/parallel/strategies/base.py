@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from patchpar.models.sites import IDENTITY, SiteOps
+from patchpar.parallel.sites.compress import EXTRAPOLATE_RANGE, RESIDUALS, site_links
 from patchpar.parallel.sites.groupnorm import MODES as GROUPNORM_MODES
 
 
@@ -111,7 +112,39 @@ class StaleStrategy(Strategy):
         "comm_checkpoint; default 1), or per_site (each site its own collectives).",
     )
 
+    codec: str = option(
+        "none",
+        "compress the steady phase's exchange of activations: one codec for K/V (int2) or one "
+        "per site kind (kv=sign1,halo=int8); codecs none (default), int8, int4, int2, sign1, "
+        "lowrank-r; GroupNorm statistics stay exact (CompactFusion, arXiv 2507.17511).",
+        quiet=True,
+    )
+    residual: str = option(
+        "ef",
+        "what a codec compresses: ef (the residual against a base sender and receiver keep "
+        "identical, error feedback; default), plain (the residual against the last step's "
+        "activation), none (the activation itself) (CompactFusion Fig. 5; EF21).",
+        quiet=True,
+    )
+    extrapolate: float = option(
+        0.0,
+        f"a in [{EXTRAPOLATE_RANGE[0]:g}, {EXTRAPOLATE_RANGE[1]:g}]: a stale site estimates "
+        "step t's activation of the other patches as x_{t-1} + a (x_{t-1} - x_{t-2}) from "
+        "the last two it received, at no extra bytes (default 0: the last one).",
+        quiet=True,
+    )
+
+    def links(self) -> dict:
+        """{site kind: `sites.compress.Link`} of the kinds that compress or extrapolate."""
+        return site_links(self.codec, self.residual, self.extrapolate)
+
     def __post_init__(self):
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"{self.name}: residual={self.residual!r}; known: {list(RESIDUALS)}")
+        try:  # codec names, ranks, extrapolation
+            self.links()
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
         if self.gn not in GN_MODES:
             raise ValueError(f"{self.name}: gn={self.gn!r}; known: {list(GN_MODES)}")
         g = self.comm_groups

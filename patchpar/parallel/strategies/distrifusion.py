@@ -1,7 +1,8 @@
 """`distrifusion`: displaced patch parallelism (Li et al., CVPR 2024, arXiv 2402.19430).
 After `warmup_steps + 1` exact steps, every site uses the previous step's activations of the
 other patches (halos, all K/V, GroupNorm statistics) and refreshes them for the next step,
-exchanged together in `comm_groups` groups (or per site).
+exchanged together in `comm_groups` groups (or per site), optionally compressed (`codec`,
+`residual`) or extrapolated from the last two (`extrapolate`).
 
 `no_sync=True` is the released code's `no_sync` mode: after warm-up nothing is exchanged; halos
 and K/V stay as at the last warm-up step and GroupNorm is local, so it needs `gn='separate'`."""
@@ -28,6 +29,12 @@ class DistriFusion(StaleStrategy):
                 f"{self.name}: no_sync=True exchanges nothing after warm-up, so GroupNorm is local "
                 f"then (the released code's no_sync mode); it needs gn='separate', got gn={self.gn!r}"
             )
+        if self.no_sync and self.links():
+            raise ValueError(
+                f"{self.name}: no_sync=True exchanges nothing after warm-up: there is nothing to "
+                f"compress or extrapolate (codec={self.codec!r}, extrapolate={self.extrapolate!r}); "
+                f"use no_sync=False"
+            )
 
     def ops(self, phase: str, n: int) -> PatchOps:
         return patch_ops(
@@ -38,4 +45,5 @@ class DistriFusion(StaleStrategy):
             kv="stale",
             exchange=not self.no_sync,
             packed=self.packs(phase),
+            links=self.links(),
         )

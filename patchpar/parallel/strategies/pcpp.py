@@ -52,4 +52,5 @@ class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
             send=self.send,
             align=self.align,
             packed=self.packs(phase),
+            links=self.links(),
         )
