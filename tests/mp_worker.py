@@ -4,6 +4,8 @@ joins the others, then does what its first argument says.
   denoise OUT.npz CFG NAME...   the micro SD UNet's final latent under each strategy NAME
                     (of STRATEGIES) on a (data, cfg, patch) mesh over every process's device;
                     process 0 saves them
+  bases OUT.npz NAME   the link variables (compressed exchange) of the stale state under NAME
+                    after each of STEPS steps (whole runs of 1..STEPS steps), every device's
   die RANK          process RANK exits at once with code 7; the others wait in a collective
   hang              every process sleeps (for the launcher's timeout)
 """
@@ -58,6 +60,14 @@ STRATEGIES = {  # name: (strategy, options, data parallel, fsdp)
     "tensor": ("tensor", {}, False, False),
     "data": ("sync_patch", {}, True, False),  # every device of a cfg half takes its own images
     "fsdp": ("sync_patch", {}, False, True),  # weights sharded, gathered per layer
+    # compressed exchange: stale (packed) on distrifusion, fresh with compact
+    "distrifusion_int2": (
+        "distrifusion",
+        {"warmup_steps": 0, "codec": "kv=int2,halo=int8"},
+        False,
+        False,
+    ),
+    "compact_sign1": ("compact", {"warmup_steps": 0, "codec": "kv=sign1,halo=int4"}, False, False),
 }
 EXACT = ("sync_patch", "ring", "ulysses", "tensor", "data", "fsdp")  # equal to the single device
 STEPS = 4
@@ -94,6 +104,36 @@ def final_latents(devices: int, cfg: int, names) -> dict:
     return out
 
 
+def link_states(devices: int, name: str) -> dict:
+    """{'<steps>/<variable path>': every device's value} of the link variables (`cx_...`)
+    after runs of 1..STEPS steps under strategy NAME, gathered from every process."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from parallel_helpers import GUIDANCE, inputs, micro_unet
+
+    from patchpar.parallel.engine import Plan, denoise
+    from patchpar.parallel.strategies import make_strategy
+    from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
+
+    unet, params = micro_unet("sd")
+    x, _, cond = inputs("sd")
+    smp = get_sampler("ddim")
+    strategy, options, _, _ = STRATEGIES[name]
+    plan = Plan(make_strategy(strategy, **options), devices, 1)
+    out = {}
+    for steps in range(1, STEPS + 1):
+        sched = smp.schedule(SchedulerConfig(), steps)
+        _, state = denoise(
+            unet, plan, smp, params, cond, sched, x * sched.init_noise_sigma, GUIDANCE
+        )
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            if path[-1].key.startswith("cx_"):
+                key = f"{steps}/" + "/".join(p.key for p in path)
+                out[key] = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return out
+
+
 def main() -> None:
     from patchpar.lab import launch
 
@@ -110,6 +150,12 @@ def main() -> None:
             import numpy as np
 
             np.savez(args[1], **latents)
+    elif what == "bases":
+        states = link_states(jax.device_count(), args[2])
+        if jax.process_index() == 0:
+            import numpy as np
+
+            np.savez(args[1], **states)
     elif what == "die":
         if jax.process_index() == int(args[1]):
             os._exit(7)

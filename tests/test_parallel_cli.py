@@ -108,12 +108,12 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         ),
         (
             dict(strategy="distrifusion", devices=2, portion=0.3),
-            r"no option\(s\) \['portion'\]; its options: \['warmup_steps', 'gn', 'comm_groups', 'no_sync'\]",
+            r"no option\(s\) \['portion'\]; its options: \['warmup_steps', 'gn', 'comm_groups', 'codec', 'residual', 'extrapolate', 'no_sync'\]",
         ),
         (
             dict(strategy="megatron"),
             r"unknown strategy 'megatron'; known: \['single', 'naive_patch', 'sync_patch', "
-            r"'distrifusion', 'pcpp', 'ring', 'ulysses', 'tensor', 'pipefusion'\]",
+            r"'distrifusion', 'pcpp', 'compact', 'ring', 'ulysses', 'tensor', 'pipefusion'\]",
         ),
         (
             dict(strategy="sync_patch", devices=8, data=3),

@@ -194,3 +194,25 @@ def test_pipefusion_in_two_processes_equals_two_fake_devices(tmp_path):
     got, want = (np.load(tmp_path / d / "latent.npy") for d in ("mp", "here"))
     assert got.shape == want.shape == (2, 32, 32, 1)
     assert _rel(got, want) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["distrifusion_int2", "compact_sign1"])
+def test_compressed_bases_are_bit_identical_across_two_processes(name, tmp_path):
+    """Error feedback over gloo: after every step, the base each process holds of the other's
+    payload equals the other's own base bit for bit (halos and K/V, stale and fresh)."""
+    from test_compress import _assert_bases_identical
+
+    out = tmp_path / "bases.npz"
+    launch.launch(["bases", str(out), name], 2, timeout_s=400, log=quiet, program=WORKER_PROGRAM)
+    got = dict(np.load(out))
+    by_steps: dict = {}
+    for key, value in got.items():
+        steps, *path = key.split("/")
+        node = by_steps.setdefault(int(steps), {})
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    assert sorted(by_steps) == [1, 2, 3, 4]
+    for steps, state in by_steps.items():
+        assert _assert_bases_identical(state, 2) > 10, steps
