@@ -98,7 +98,8 @@ class PlanFlags(StrategyOptions):
     `comm`)."""
 
     strategy: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses, tensor or pipefusion."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, compact, ring, ulysses, tensor or
+    pipefusion."""
     devices: int = 1
     """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
     cfg: int = 1
@@ -163,7 +164,8 @@ class StrategyConfig(StrategyOptions):
     """A strategy and its options."""
 
     name: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, ring, ulysses, tensor or pipefusion."""
+    """single, naive_patch, sync_patch, distrifusion, pcpp, compact, ring, ulysses, tensor or
+    pipefusion."""
 
     def label(self) -> str:
         """Name and the options set, e.g. `pcpp portion=0.5 send=band`."""

@@ -31,6 +31,12 @@ class Compact(StaleStrategy):
         "statistics stay exact.",
     )
 
+    extrapolate: float = option(
+        0.0,
+        "must stay 0: compact uses this step's compressed activations, not stale ones.",
+        quiet=True,
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.extrapolate:
