@@ -24,6 +24,7 @@ TOPOLOGIES = {
     "pcie-host": 0.5,  # no peer-to-peer: each transfer is staged through host memory (two hops)
     "torus": 2.0,  # TPU ICI: a ring along one torus axis sends over both of its links at once
     "tcp": 1.0,  # processes over loopback TCP (gloo): measured per collective kind instead
+    "ethernet": 1.0,  # one NIC per device through a switch, full duplex (NCCL over sockets)
 }
 OPS = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
 SOURCED = (  # figures that must name their source in `sources`
