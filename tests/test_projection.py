@@ -502,3 +502,17 @@ def test_workload_cache_lives_under_patchpar_home_and_skips_what_does_not_read(
     cache._write(dataclasses.replace(w, resolution=32))  # appends after an unterminated line
     assert len(path.read_text().splitlines()) == 4
     assert not list(tmp_path.glob(".workloads-*"))
+
+
+def test_compact_waits_for_its_compressed_exchange_and_stale_compression_does_not():
+    """compact exchanges fresh (compressed) halos and K/V: the steady step waits for them;
+    a stale strategy's compressed sends overlap as uncompressed ones do."""
+    from patchpar.lab.config import build_plan
+    from patchpar.measure.projection import synchronous_sites
+
+    compact = synchronous_sites(
+        build_plan("compact", {"codec": "kv=int2,halo=int2"}, 4, 1), "steady"
+    )
+    assert {"kv", "halo", "gn"} <= set(compact)
+    stale = synchronous_sites(build_plan("distrifusion", {"codec": "int2"}, 4, 1), "steady")
+    assert not {"kv", "halo", "gn"} & set(stale)

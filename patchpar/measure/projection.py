@@ -111,18 +111,19 @@ def workload_key(
 
 def synchronous_sites(plan, phase: str) -> list[str]:
     """Sites whose collectives a step waits for: all in the warm-up phase (and in every phase of
-    a strategy without stale state); in the steady phase the CFG output gather, tensor
-    parallelism's all-reduces, FSDP's weight gathers (each waits for its layer's input),
-    anything outside a site, and GroupNorm statistics with `gn=sync`."""
+    a strategy without stale state); in the steady phase every site but those whose op sends
+    for a stale buffer (read at the next step): the CFG output gather, tensor parallelism's
+    all-reduces, FSDP's weight gathers (each waits for its layer's input), anything outside a
+    site, GroupNorm statistics with `gn=sync`, and `compact`'s fresh compressed halos and K/V."""
     from patchpar.parallel.strategies.base import StaleStrategy
 
+    every = ["halo", "gn", "kv", "cfg", "tp", "fsdp", "pipe", "other"]
     if phase == "warmup" or not isinstance(plan.strategy, StaleStrategy):
         # (a pipeline's hops: the next slot's compute needs them)
-        return ["halo", "gn", "kv", "cfg", "tp", "fsdp", "pipe", "other"]
-    sites = ["cfg", "tp", "fsdp", "other"]
-    if getattr(plan.strategy, "gn", None) == "sync":
-        sites.append("gn")
-    return sites
+        return every
+    ops = plan.strategy.ops("steady", plan.patch)
+    stale = {op.kind for op in ops.sites() if op.sends_stale()}
+    return [s for s in every if s not in stale and s != "pipe"]
 
 
 def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16"):
