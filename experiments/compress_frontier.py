@@ -59,7 +59,8 @@ def targets(df) -> list[str]:
     same_warmup = df["config.strategy.warmup_steps"].isna() | (
         df["config.strategy.warmup_steps"] == ref["config.strategy.warmup_steps"]
     )
-    stale = df[df["family"].str.contains("stale, compressed") & same_warmup].copy()
+    compressed = df["family"].str.contains("compressed") & ~df["family"].str.startswith("compact")
+    stale = df[compressed & same_warmup].copy()  # extrapolated ones too
     stale["share"] = stale["metrics.steady_bytes_per_device"] / ref_steady
     stale["gap"] = ref_psnr - stale["metrics.psnr"]
     hit = stale[(stale["share"] <= STALE_BYTES) & (stale["gap"] <= STALE_DB)]
