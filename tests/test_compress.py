@@ -223,7 +223,7 @@ def test_extrapolation_changes_a_stale_run_and_an_exact_warm_up_leaves_it_exact(
 @pytest.mark.parametrize(
     "strategy, options, patch, groups",
     [
-        ("pcpp", {"codec": "kv=sign1,halo=int4", "send": "band"}, 2, (1,)),
+        pytest.param("pcpp", {"codec": "kv=sign1,halo=int4", "send": "band"}, 2, (1,), marks=SLOW),
         pytest.param("distrifusion", {"codec": "kv=int2,halo=int8"}, 4, (1, 2), marks=SLOW),
         pytest.param(
             "distrifusion", {"codec": "lowrank-1", "extrapolate": 0.5}, 2, (1, 2), marks=SLOW

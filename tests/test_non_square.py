@@ -46,6 +46,7 @@ def test_every_strategy_is_covered():
         "naive_patch",
         "distrifusion",
         "pcpp",
+        "compact",
         "pipefusion",
         *EXACT,
     }
@@ -74,6 +75,12 @@ def test_exact_strategies_equal_single_on_a_non_square_image(model, strategy, de
         pytest.param("naive_patch", (), marks=SLOW),
         pytest.param("distrifusion", (("warmup_steps", 0),), marks=SLOW),
         pytest.param("pcpp", (("send", "band"), ("warmup_steps", 0)), marks=SLOW),
+        pytest.param("compact", (("codec", "kv=sign1,halo=int2"), ("warmup_steps", 0)), marks=SLOW),
+        pytest.param(
+            "distrifusion",
+            (("codec", "lowrank-2"), ("extrapolate", 0.5), ("warmup_steps", 0)),
+            marks=SLOW,
+        ),
     ],
 )
 def test_approximate_strategies_run_on_a_non_square_image(strategy, options):
