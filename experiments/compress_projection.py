@@ -117,9 +117,7 @@ def main(argv=None) -> int:
     for (model, r, method), w in wl.items():
         if method == "single":
             continue
-        per_step = {
-            ph: max_received(w.phases[ph]["collectives"], w.devices) for ph in ("warmup", "steady")
-        }
+        per_step = {ph: received(w.phases[ph]["collectives"]) for ph in ("warmup", "steady")}
         n_warm = warmup_phase_steps(w, STEPS)
         total = n_warm * per_step["warmup"] + (STEPS - n_warm) * per_step["steady"]
         row = {
@@ -152,10 +150,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def max_received(collectives: list[dict], devices: int) -> int:
+def received(collectives: list[dict]) -> int:
     """Bytes received in one step: each collective's busiest device, summed (the projection's
     own reading of the workload; an edge device receives a halo from one side only)."""
-    del devices
     return sum(g["received_bytes"] for g in collectives)
 
 

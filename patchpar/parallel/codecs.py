@@ -107,17 +107,19 @@ class Codec:
         m = x.reshape(g, n, c).astype(jnp.float32)
         if self.name == "lowrank":
             p, q = jax.vmap(_power_step)(m, state)
-            return _join([_f16_bytes(p), _f16_bytes(q)]), q
+            return jnp.concatenate([_f16_bytes(p), _f16_bytes(q)]), q
         if self.name == "int8":
             s = jnp.max(jnp.abs(m), axis=2, keepdims=True) / 127  # (G, N, 1)
             s = _f16(s)
             q = jnp.round(m / _safe(s)).clip(-127, 127).astype(jnp.int8)
-            return _join([lax.bitcast_convert_type(q, jnp.uint8).reshape(-1), _f16_bytes(s)]), None
+            return jnp.concatenate(
+                [lax.bitcast_convert_type(q, jnp.uint8).reshape(-1), _f16_bytes(s)]
+            ), None
         if self.name == "int4":
             lo = _f16(jnp.min(m, axis=1, keepdims=True))  # (G, 1, C)
             s = _f16((jnp.max(m, axis=1, keepdims=True) - lo) / 15)
             q = jnp.round((m - lo) / _safe(s)).clip(0, 15).astype(jnp.uint8)
-            return _join([pack(q, 4), _f16_bytes(lo), _f16_bytes(s)]), None
+            return jnp.concatenate([pack(q, 4), _f16_bytes(lo), _f16_bytes(s)]), None
         u, v = jax.vmap(_rank1)(jnp.abs(m))  # (G, N), (G, C)
         u, v = _f16(u), _f16(v)
         scale = u[:, :, None] * v[:, None, :]
@@ -131,7 +133,7 @@ class Codec:
                 - jnp.where(r < -_INT2_CUT, 1, 0)
             )
             q = q.astype(jnp.uint8)
-        return _join([pack(q, self.bits), _f16_bytes(u), _f16_bytes(v)]), None
+        return jnp.concatenate([pack(q, self.bits), _f16_bytes(u), _f16_bytes(v)]), None
 
     def decode(self, payload: jax.Array, shape: tuple[int, ...], dtype, lead: int) -> jax.Array:
         """A flat uint8 payload -> the activation of `shape` and `dtype` it stands for."""
@@ -210,10 +212,6 @@ def _f16_bytes(x: jax.Array) -> jax.Array:
 def _safe(s: jax.Array) -> jax.Array:
     """A divisor: 1 where the scale is 0 (every code is then 0, and so is its value)."""
     return jnp.where(s == 0, 1.0, s)
-
-
-def _join(parts: list[jax.Array]) -> jax.Array:
-    return jnp.concatenate(parts)
 
 
 def _split(payload: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:

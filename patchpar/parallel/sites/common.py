@@ -127,7 +127,7 @@ class PatchSite(Site):
     def send(self, mod, sends: dict[str, jax.Array]) -> None:
         """A stale site's exchange for step t+1: with `packed`, left in the `send` collection
         for the engine; otherwise exchanged here and its new stale buffers written."""
-        wire = self.link.encode(mod, self.kind, sends, self.n) if self.link else sends
+        wire = self.link.encode(mod, self.kind, sends) if self.link else sends
         if self.packed:
             mod.variable(SEND, self.kind, lambda: wire)
             return
@@ -142,12 +142,12 @@ class PatchSite(Site):
         if self.link is None or self.warmup:
             got = exchange(self.kind, [sends], self.n, self.local)[0]
             if self.link is not None:
-                self.link.start(mod, self.kind, sends, got, self.n)
+                self.link.start(mod, self.kind, sends, got)
             return got
-        wire = self.link.encode(mod, self.kind, sends, self.n)
+        wire = self.link.encode(mod, self.kind, sends)
         got = exchange(self.kind, [wire], self.n, self.local)[0]
         held = self.link.held(mod, self.kind, sends)
-        est, new = self.link.update(self.kind, wire, got, held, self.n)
+        est, new = self.link.update(self.kind, wire, got, held)
         for name, value in new.items():
             mod.put_variable(STALE, name, value)
         return est
@@ -157,7 +157,7 @@ class PatchSite(Site):
         variables before; `sent`: its own wire payloads)."""
         if self.link is None:
             return self.receive(got)
-        est, new = self.link.update(self.kind, sent, got, held, self.n)
+        est, new = self.link.update(self.kind, sent, got, held)
         return {**self.receive(est), **new}
 
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int) -> int:

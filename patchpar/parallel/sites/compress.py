@@ -80,7 +80,7 @@ class Link:
 
     # ---------------------------------------------------------------- warm-up: exact
 
-    def start(self, mod, kind: str, sends: dict, got: dict, n: int) -> None:
+    def start(self, mod, kind: str, sends: dict, got: dict) -> None:
         """After an exact exchange (warm-up): bases = the exact payloads, sent and received."""
         for c, x in sends.items():
             self.codec.check(x.shape, self.lead, f"the {kind} site")
@@ -96,7 +96,7 @@ class Link:
 
     # ---------------------------------------------------------------- steady: compressed
 
-    def encode(self, mod, kind: str, sends: dict, n: int) -> dict:
+    def encode(self, mod, kind: str, sends: dict) -> dict:
         """{collective: activation} -> {collective: what goes on the wire} (uint8 payloads;
         the activations themselves for codec `none`). Updates lowrank's and `plain`'s sender
         state."""
@@ -131,9 +131,7 @@ class Link:
                     out[name] = mod.get_variable("stale", name)
         return out
 
-    def update(
-        self, kind: str, sent_wire: dict, got: dict, held: dict, n: int
-    ) -> tuple[dict, dict]:
+    def update(self, kind: str, sent_wire: dict, got: dict, held: dict) -> tuple[dict, dict]:
         """After the exchange: (the estimate of each received payload, {variable: new value}).
         `sent_wire`: this device's own wire payloads; `got`: what it received; `held`: its
         link variables before the update."""

@@ -88,14 +88,14 @@ class KV(PatchSite):
             return k, v, None
         kv = jnp.stack([k, v])  # (2, B, L, D): one payload for both
         if self.warmup or self.mode == "all":
-            got = self.exchange_now(mod, self._others(kv)) if self.mode == "all" else None
-            if got is None:  # warm-up of a stale mode: exact, and the first buffers written
-                got = exchange(self.kind, [self._others(kv)], self.n, self.local)[0]
+            sends = self._others(kv)
+            if self.mode == "band":  # its link starts from the bands, cut below
+                got = exchange(self.kind, [sends], self.n, self.local)[0]
+            else:  # exact in warm-up (a link's bases start there), compressed after with one
+                got = self.exchange_now(mod, sends)
             full = self._full(kv, got)  # (2, B, n*L, D)
             if self.mode == "stale":
                 mod.variable(STALE, "kv", lambda: self.receive(got)["kv"])
-                if self.link is not None:
-                    self.link.start(mod, self.kind, self._others(kv), got, self.n)
             elif self.mode == "band":
                 above, below = self._bands_from_full(full, kv.shape[2], row)
                 mod.variable(STALE, "kv_above", lambda: above)
@@ -183,7 +183,7 @@ class KV(PatchSite):
             "down": self._band_sends(patch(idx - 1, idx > 0), band, row)["down"],
             "up": self._band_sends(patch(idx + 1, idx < n - 1), band, row)["up"],
         }
-        self.link.start(mod, self.kind, self._band_sends(kv, band, row), got, n)
+        self.link.start(mod, self.kind, self._band_sends(kv, band, row), got)
 
     def receive(self, got):
         if self.mode == "stale":
