@@ -134,6 +134,40 @@ def link_states(devices: int, name: str) -> dict:
     return out
 
 
+def vae_outputs(devices: int) -> dict:
+    """The tiny preset's VAE over `devices` devices: rows decode, rows encode, tiled decode
+    (`vae_inputs` gives the inputs), each gathered whole on every process."""
+    import numpy as np
+
+    from patchpar.parallel.mesh import to_local
+    from patchpar.parallel.vae import VAEPlan, decode, encode
+
+    vae, params, z, images = vae_inputs()
+    mean, logvar = encode(vae, params, images, VAEPlan("rows", devices))
+    out = {
+        "rows": decode(vae, params, z, VAEPlan("rows", devices)),
+        "tiles": decode(vae, params, z, VAEPlan("tiles", devices, tile=64)),
+        "mean": mean,
+        "logvar": logvar,
+    }
+    return {k: np.asarray(to_local(v)) for k, v in out.items()}
+
+
+def vae_inputs():
+    """(vae, params, latent (2, 16, 8, 4), images (2, 64, 64, 3)) of the tiny preset's VAE."""
+    import jax
+    import jax.numpy as jnp
+
+    from patchpar.models.api import VAEFn
+    from patchpar.models.presets import PRESETS
+    from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+    vae = VAEFn(AutoencoderKL(VAEConfig.from_diffusers(PRESETS["tiny"]["vae"]), jnp.float32))
+    z = jax.random.normal(jax.random.key(0), (2, 16, 8, 4))
+    images = jax.random.uniform(jax.random.key(1), (2, 64, 64, 3), minval=-1, maxval=1)
+    return vae, vae.init(1), z, images
+
+
 def main() -> None:
     from patchpar.lab import launch
 
@@ -156,6 +190,12 @@ def main() -> None:
             import numpy as np
 
             np.savez(args[1], **states)
+    elif what == "vae":
+        outs = vae_outputs(jax.device_count())
+        if jax.process_index() == 0:
+            import numpy as np
+
+            np.savez(args[1], **outs)
     elif what == "die":
         if jax.process_index() == int(args[1]):
             os._exit(7)

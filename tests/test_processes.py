@@ -77,6 +77,28 @@ def test_two_processes_equal_one_device(tmp_path):
     assert _rel(got["distrifusion"], got["sync_patch"]) > 1e-5
 
 
+def test_vae_rows_and_tiles_over_two_processes_equal_one_device(tmp_path):
+    """The VAE's row patches over 2 gloo processes (halo permutes, GroupNorm all-reduces, ring
+    hops) decode and encode as one device does; the tiles spread over them decode as on one."""
+    from mp_worker import vae_inputs
+
+    from patchpar.parallel.vae import VAEPlan, decode, encode
+
+    out = tmp_path / "vae.npz"
+    launch.launch(["vae", str(out)], 2, timeout_s=300, log=quiet, program=WORKER_PROGRAM)
+    got = dict(np.load(out))
+    vae, params, z, images = vae_inputs()
+    mean, logvar = encode(vae, params, images, VAEPlan())
+    want = {
+        "rows": decode(vae, params, z, VAEPlan()),
+        "tiles": decode(vae, params, z, VAEPlan("tiles", 1, tile=64)),
+        "mean": mean,
+        "logvar": logvar,
+    }
+    for k, v in want.items():
+        assert _rel(got[k], np.asarray(v)) <= 1e-4, k
+
+
 @pytest.mark.slow
 def test_two_processes_stale_strategies_and_four_processes_with_cfg_split(tmp_path):
     _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data"], tmp_path / "exact")

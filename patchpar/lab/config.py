@@ -41,6 +41,18 @@ def build_plan(
     return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp)
 
 
+def build_vae_plan(mode: str, devices: int, data: int, tile: int):
+    """The VAE's placement: `mode` (off, rows, tiles) on the run's devices, images over
+    `data` (patchpar.parallel.vae.VAEPlan)."""
+    from patchpar.parallel.vae import MODES, VAEPlan
+
+    if mode not in MODES:
+        raise ValueError(f"vae_parallel={mode!r}; known: {list(MODES)}")
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
+        raise ValueError(f"vae_tile={tile!r}: must be 0 (the VAE's sample size) or pixels > 0")
+    return VAEPlan(mode, devices, data, tile)
+
+
 def _strategy_options() -> dict[str, tuple[Any, str]]:
     """Every strategy option, from the strategy dataclasses themselves (`patchpar/parallel/
     strategies/`, each option declared with its help by `base.option`): name -> (type, help
@@ -108,12 +120,22 @@ class PlanFlags(StrategyOptions):
     """Devices that split the images of a batch (data parallel; the Flax SD pipeline's pmap)."""
     fsdp: bool = False
     """Shard the weights over the devices that share them, gathered per layer (ZeRO-3)."""
+    vae_parallel: str = "off"
+    """The VAE decode: off (one device, the whole image), rows (row patches over the devices,
+    exact halos, GroupNorm and Ring attention: equals off) or tiles (diffusers' enable_tiling
+    tiles spread over the devices and blended: not exact)."""
+    vae_tile: int = 0
+    """vae_parallel=tiles: a tile's side in pixels (0: the VAE's sample_size, diffusers')."""
 
     def plan(self):
         """The strategy with the options given, placed on the devices."""
         return build_plan(
             self.strategy, self.options(), self.devices, self.cfg, data=self.data, fsdp=self.fsdp
         )
+
+    def vae_plan(self):
+        """How the VAE decodes (patchpar.parallel.vae), on the same devices."""
+        return build_vae_plan(self.vae_parallel, self.devices, self.data, self.vae_tile)
 
 
 # ---------------------------------------------------------------------------- RunConfig parts
@@ -153,6 +175,14 @@ class MeshConfig:
     cfg x patch; MaxDiffusion's fsdp rule, ZeRO-3) and all-gather each layer's just before it
     runs: weight memory per device / that degree, for one all-gather of the weights per UNet
     call (site fsdp). Exact: the images are those without it."""
+    vae_parallel: str = "off"
+    """The VAE decode (patchpar/parallel/vae.py): off (one device, the whole image; the
+    papers' runs), rows (the decoder on row patches over the same devices, images over data:
+    exact halos after every upsampling, exact GroupNorm, Ring attention in the mid block;
+    equals off) or tiles (diffusers' enable_tiling rule, tiles spread over the devices and
+    blended: not exact)."""
+    vae_tile: int = 0
+    """vae_parallel=tiles: a tile's side in pixels (0: the VAE's sample_size, as diffusers)."""
     processes: int = 0
     """0: run in this process on the devices it sees (on CPU, fake devices sharing the cores:
     no speedup). N >= 1: launch N processes here (`--processes N`), one CPU device, one core
@@ -271,6 +301,11 @@ class RunConfig:
             fsdp=self.mesh.fsdp,
         )
 
+    def vae_plan(self):
+        """How the VAE decodes, on the run's devices (patchpar.parallel.vae.VAEPlan)."""
+        m = self.mesh
+        return build_vae_plan(m.vae_parallel, m.devices, m.data, m.vae_tile)
+
     def validate(self) -> RunConfig:
         """Everything checkable without a model; ValueError naming the field and what fits."""
         from patchpar.measure.quality import FID_MIN_SAMPLES, FID_RELIABLE_SAMPLES
@@ -374,6 +409,10 @@ class RunConfig:
             plan.strategy.validate(s.steps, plan.patch, plan.cfg)
         except ValueError as e:
             raise ValueError(f"strategy: {e}") from None
+        try:
+            self.vae_plan()
+        except ValueError as e:
+            raise ValueError(f"mesh.{e}") from None
         return self
 
 

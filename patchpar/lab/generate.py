@@ -80,6 +80,7 @@ def generate(config: GenerateConfig) -> dict:
     sampler = default_sampler(config.model) if config.sampler is None else config.sampler
     check_writable(config.out, "out")  # before any work, not after generating
     plan = config.plan()  # unknown strategy or option: error before loading anything
+    vae_plan = config.vae_plan()
     t0 = time.perf_counter()
     pipe = load_pipeline(
         config.model,
@@ -100,6 +101,7 @@ def generate(config: GenerateConfig) -> dict:
         negative_prompts=negative,
         plan=plan,
         check_memory=True,  # compiled first: a program that cannot fit is refused up front
+        vae_plan=vae_plan,
     )
     t_gen = time.perf_counter() - t0
     record = {
@@ -112,6 +114,7 @@ def generate(config: GenerateConfig) -> dict:
         "attention": pipe.unet.module.attn.impl,
         "strategy": plan.strategy.describe(),
         "devices": plan.devices,
+        "vae_parallel": vae_plan.mode,
         "processes": config.processes,
         "stale_bytes_per_device": out.stale_bytes_per_device,
         "load_s": round(t_load, 3),

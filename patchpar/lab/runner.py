@@ -164,6 +164,47 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     return final, out, counted
 
 
+def timed_encode(pipe, config: RunConfig, batch, hw) -> dict:
+    """Text encoding of the timed call's prompts (the CFG pair included): compiled by a first
+    call, then `measure.repeats` timed calls; seconds."""
+    from patchpar.measure.timing import timed
+
+    s = config.sampler
+    prompts = [p for p, _ in batch]
+    neg = [config.prompts.negative_prompt] * len(batch) if config.prompts.negative_prompt else None
+    call = lambda: pipe.encode_prompt(prompts, neg, s.guidance_scale, *hw)  # noqa: E731
+    _, first = timed(call)
+    times = [timed(call)[1] for _ in range(config.measure.repeats)]
+    return {"encode_s_first": first, **_spread("encode_s", times)}
+
+
+def timed_decode(pipe, final, vae_plan, m) -> tuple[np.ndarray, dict]:
+    """The VAE decode of the timed call's latent as `vae_plan` places it, to uint8 images on
+    the host (rows gathered once): compiled by a first call, then `m.repeats` timed calls;
+    (images, seconds)."""
+    t0 = time.perf_counter()
+    images = pipe.decode(final, vae_plan)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(m.repeats):
+        t0 = time.perf_counter()
+        images = pipe.decode(final, vae_plan)  # numpy out: waited for
+        times.append(time.perf_counter() - t0)
+    out = {"decode_s_first": first, **_spread("decode_s", times)}
+    out["vae_parallel"] = vae_plan.mode if pipe.vae is not None else "none (pixel space)"
+    return images, out
+
+
+def _spread(name: str, times: list[float]) -> dict:
+    import statistics
+
+    return {
+        f"{name}_median": statistics.median(times),
+        f"{name}_min": min(times),
+        f"{name}_max": max(times),
+    }
+
+
 def _outputs_abstract(compiled):
     """A compiled program's outputs as shapes, dtypes and shardings (the next phase's inputs)."""
     import jax
@@ -187,6 +228,7 @@ def checked_plan(config: RunConfig, pipe, devices_present: bool = True):
     plan.validate(
         pipe.unet, (hw[0] // f, hw[1] // f), s.steps, s.guidance_scale, build_mesh=devices_present
     )
+    config.vae_plan().validate(pipe.vae, (hw[0] // f, hw[1] // f), len(batches(config)[0]))
     return plan, hw
 
 
@@ -231,17 +273,29 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     if writer and m.quality:
         check_quality_inputs(config)  # before generating, not after
 
+    vae_plan = config.vae_plan()
+    decodes = writer or vae_plan.parallel  # a parallel decode needs every process
     images, latents = [], []
     for i, batch in enumerate(batches(config)):
         cond, x0 = inputs(pipe, config, batch, hw)
-        if i == 0:  # the timed call
+        if i == 0:  # the timed call: text encoding, denoising and decode timed apart
+            metrics.update(timed_encode(pipe, config, batch, hw))
             final, timing, counted = timed_denoise(pipe, config, plan, cond, x0, log)
             final = to_local(final)
             metrics.update(timing)
+            if decodes:
+                img, decode_timing = timed_decode(pipe, final, vae_plan, m)
+                metrics.update(decode_timing)
+                metrics["end_to_end_s_median"] = sum(
+                    metrics[k] for k in ("encode_s_median", "denoise_s_median", "decode_s_median")
+                )
+        elif decodes:
+            final = pipe.denoise(cond, x0, s.name, s.steps, s.guidance_scale, plan)
+            img = pipe.decode(final, vae_plan)
         else:
             final = pipe.denoise(cond, x0, s.name, s.steps, s.guidance_scale, plan)
         if writer:
-            images.append(pipe.decode(final))
+            images.append(img)
         latents.append(np.asarray(final, np.float32))
     if not writer:
         return metrics, []

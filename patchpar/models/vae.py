@@ -39,6 +39,7 @@ class VAEConfig:
     layers_per_block: int = 2
     norm_num_groups: int = 32
     scaling_factor: float = 0.18215
+    sample_size: int = 32  # pixels; diffusers' tiled decode uses it as the tile side
 
     @property
     def downsample_factor(self) -> int:
@@ -67,7 +68,13 @@ class VAEConfig:
             layers_per_block=cfg.get("layers_per_block", 2),
             norm_num_groups=cfg.get("norm_num_groups", 32),
             scaling_factor=cfg.get("scaling_factor", 0.18215),
+            sample_size=_side(cfg.get("sample_size", 32)),
         )
+
+
+def _side(size) -> int:
+    """A config's sample_size: an int, or [h, w] (square tiles: the larger)."""
+    return int(max(size)) if isinstance(size, list | tuple) else int(size)
 
 
 class SpatialSelfAttention(nn.Module):

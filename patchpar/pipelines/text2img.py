@@ -31,6 +31,8 @@ from patchpar.parallel.engine import (
 )
 from patchpar.parallel.engine import denoise as denoise_parallel
 from patchpar.parallel.mesh import to_local
+from patchpar.parallel.vae import VAEPlan
+from patchpar.parallel.vae import decode as vae_decode
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
@@ -260,13 +262,16 @@ class Pipeline:
             out, state = fn(*args)
         return to_local(out), state  # every process gets the whole latent across processes
 
-    def decode(self, latents: jax.Array) -> np.ndarray:
-        """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process."""
+    def decode(self, latents: jax.Array, vae_plan: VAEPlan | None = None) -> np.ndarray:
+        """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process. `vae_plan`:
+        the decoder on one device (None, `off`), on row patches (`rows`, exact) or as
+        distributed tiles (`tiles`); with a parallel plan every process must call this."""
         if self.vae is None:  # pixel space; grey images become RGB
             img = latents.astype(jnp.float32)
             img = jnp.repeat(img, 3, axis=-1) if img.shape[-1] == 1 else img
         else:
-            img = _decode(self.vae, self.vae_params, latents / self.vae.config.scaling_factor)
+            z = latents / self.vae.config.scaling_factor
+            img = to_local(vae_decode(self.vae, self.vae_params, z, vae_plan or VAEPlan()))
         return np.asarray(jnp.round(jnp.clip(img / 2 + 0.5, 0, 1) * 255)).astype(np.uint8)
 
     def __call__(
@@ -282,6 +287,7 @@ class Pipeline:
         latents: jax.Array | None = None,
         plan: Plan | None = None,
         check_memory: bool = False,
+        vae_plan: VAEPlan | None = None,
     ) -> Output:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
@@ -296,6 +302,8 @@ class Pipeline:
         if plan is not None:  # every check before any work
             n = len(prompts) if latents is None else latents.shape[0]
             plan.validate(self.unet, hw, steps, guidance_scale, n)
+        if vae_plan is not None:
+            vae_plan.validate(self.vae, hw, len(prompts) if latents is None else latents.shape[0])
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
@@ -304,7 +312,7 @@ class Pipeline:
         )
         # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
         return Output(
-            self.decode(final),
+            self.decode(final, vae_plan),
             np.asarray(final.astype(jnp.float32)),
             stale_bytes_per_device(state),
         )
@@ -347,11 +355,6 @@ def check_guidance(guidance_scale, negative_prompts: list[str] | None = None) ->
 @partial(jax.jit, static_argnums=(0,))
 def _encode_text(fn: TextEncoderFn | T5EncoderFn, params, ids, *mask):
     return fn(params, ids, *mask)
-
-
-@partial(jax.jit, static_argnums=(0,))
-def _decode(vae: VAEFn, params, z):
-    return vae(params, z)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 7))

@@ -1,0 +1,324 @@
+"""The VAE on several devices (docs/design.md §2c): patch-parallel rows (exact) or distributed
+tiles (diffusers' tiling rule, not exact).
+
+- `rows`: the decoder (or encoder) runs under `shard_map` with the latent (image) split into
+  row patches over `devices / data` devices and the images over `data`. It is built of the
+  three sites the denoiser uses, all exact here: every 3x3 convolution takes its halo from the
+  neighbours (after each nearest upsampling too, so the rows it reads are the neighbour's
+  upsampled ones), GroupNorm all-reduces its statistics, and the mid-block self-attention is
+  Ring attention over the patches (a device holds one block of K/V at a time, 1/n of a
+  gather's). Decoded rows leave the program sharded; `to_local` gathers them once.
+- `tiles`: diffusers' `enable_tiling` rule: latent tiles of `tile / f` rows and columns at a
+  stride of 3/4 of that, each decoded alone (its own GroupNorm statistics and attention: not
+  exact), spread over every device (one tile at a time per device), then blended over a quarter
+  tile with linear weights, each tile cropped to 3/4 tile, in diffusers' order (a blended tile
+  is what the next one blends with).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from patchpar.parallel.mesh import DATA, PATCH, divisors, make_mesh, mesh_shape
+from patchpar.parallel.sites import patch_ops
+
+MODES = ("off", "rows", "tiles")
+TILE_OVERLAP = 0.25  # diffusers' tile_overlap_factor
+
+
+@dataclass(frozen=True)
+class VAEPlan:
+    """How the VAE runs: `off` (one device, the whole image), `rows` (row patches, exact) or
+    `tiles` (distributed tiles, blended); on `devices` = data x patch, images split over
+    `data`. `tile`: a tile's side in pixels (0: the VAE's sample size, diffusers' default)."""
+
+    mode: str = "off"
+    devices: int = 1
+    data: int = 1
+    tile: int = 0
+
+    @property
+    def patch(self) -> int:
+        return self.devices // self.data
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the VAE runs over several devices (every process must then take part)."""
+        return self.mode != "off" and self.devices > 1
+
+    def tile_size(self, vae) -> int:
+        return self.tile or vae.config.sample_size
+
+    def validate(self, vae, latent_hw: tuple[int, int], batch: int | None = None) -> None:
+        """ValueError naming the numbers and what would fit."""
+        if self.mode not in MODES:
+            raise ValueError(f"vae_parallel={self.mode!r}; known: {list(MODES)}")
+        mesh_shape(self.devices, 1, self.data)
+        if self.mode == "off":
+            return
+        if vae is None:
+            raise ValueError(
+                f"vae_parallel={self.mode!r}: this model has no VAE (it samples in pixel "
+                "space); use vae_parallel=off"
+            )
+        f = vae.config.downsample_factor
+        h, w = latent_hw
+        if self.mode == "rows":
+            if self.devices > 1 and self.patch == 1:
+                raise ValueError(
+                    f"vae_parallel=rows splits each image's rows over the devices of its data "
+                    f"slice (devices / data), but devices={self.devices} / data={self.data} "
+                    f"leaves 1: every data slice already decodes its own images whole; use "
+                    f"data < devices (e.g. data=1: rows over all {self.devices} devices) or "
+                    f"vae_parallel=off"
+                )
+            if h % self.patch:
+                raise ValueError(
+                    f"vae_parallel=rows: the latent's {h} rows do not split into {self.patch} "
+                    f"row patches: the decoder's upsampling chain (x{f}) keeps each patch's "
+                    f"rows, so latent rows must be a multiple of {self.patch} (image height a "
+                    f"multiple of {self.patch * f}); nearest heights that fit: "
+                    f"{_nearest(h * f, self.patch * f)}"
+                )
+            if batch is not None and batch % self.data:
+                raise ValueError(
+                    f"vae_parallel=rows: {batch} image(s) do not split over data={self.data}; "
+                    f"use a multiple of {self.data} images or data in {divisors(batch)}"
+                )
+        else:
+            t = self.tile_size(vae)
+            if not isinstance(t, int) or t <= 0 or t % f or t // f < 2:
+                raise ValueError(
+                    f"vae_tile={t!r}: a tile's side must be a positive multiple of the VAE "
+                    f"factor {f}, at least {2 * f} pixels"
+                )
+            if h * f <= t and w * f <= t:
+                raise ValueError(
+                    f"vae_tile={t} is not smaller than the {h * f}x{w * f} image: tiled decode "
+                    f"would be one tile (the plain decode); use vae_tile < {max(h, w) * f} "
+                    f"(a multiple of {f}) or vae_parallel=rows for an exact split"
+                )
+
+
+def _nearest(v: int, mult: int) -> list[int]:
+    return sorted({max(mult, v // mult * mult), (v // mult + 1) * mult})
+
+
+def decode(vae, params, z: jax.Array, plan: VAEPlan) -> jax.Array:
+    """Latent (B, h, w, C), already divided by the scaling factor, -> images (B, H, W, 3) in
+    [-1, 1], as `plan` says. Validates first."""
+    plan.validate(vae, z.shape[1:3], z.shape[0])
+    if plan.mode == "off" or plan.devices == 1 and plan.mode == "rows":
+        return _whole_decode(vae, params, z)
+    if plan.mode == "rows":
+        mesh = make_mesh(plan.devices, 1, plan.data)
+        return _rows(vae, params, _global(z, mesh, P(DATA, PATCH)), mesh, "decode")
+    return tiled_decode(vae, params, z, plan.tile_size(vae), plan.devices)
+
+
+def encode(vae, params, images: jax.Array, plan: VAEPlan) -> tuple[jax.Array, jax.Array]:
+    """Images (B, H, W, 3) in [-1, 1] -> the latent distribution's (mean, logvar), each
+    (B, H/f, W/f, C): rows only (image rows a multiple of patch x f)."""
+    f = vae.config.downsample_factor
+    if plan.mode not in ("off", "rows"):
+        raise ValueError(f"encode: vae_parallel={plan.mode!r}; the encoder runs off or rows")
+    if images.shape[1] % f:
+        raise ValueError(f"encode: image height {images.shape[1]} is not a multiple of {f}")
+    plan.validate(vae, (images.shape[1] // f, images.shape[2] // f), images.shape[0])
+    if plan.mode == "off" or plan.devices == 1:
+        return _whole_encode(vae, params, images)
+    mesh = make_mesh(plan.devices, 1, plan.data)
+    return _rows(vae, params, _global(images, mesh, P(DATA, PATCH)), mesh, "encode")
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _whole_decode(vae, params, z):
+    return vae(params, z)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _whole_encode(vae, params, images):
+    return vae.encode(params, images)
+
+
+def _global(x, mesh, spec) -> jax.Array:
+    """`x` (the same whole value on every process) as a global array laid out by `spec`."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x  # already global (a sharded result of the denoising program)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def _rows(vae, params, x, mesh, method: str):
+    """The decoder or encoder on row patches: x (B, H, W, C) sharded (data, patch) -> its
+    output, sharded alike."""
+    n = mesh.shape[PATCH]
+    local = vae.with_ops(patch_ops(n, "warmup", ulysses=1))  # exact: fresh, sync, ring
+    call = local if method == "decode" else local.encode
+    spec = P(DATA, PATCH)
+    out_specs = spec if method == "decode" else (spec, spec)
+    fn = jax.shard_map(
+        lambda p, xs: call(p, xs),  # (b, H/n, W, C) per device
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), params), spec),
+        out_specs=out_specs,
+        check_vma=False,
+    )
+    return fn(params, x)
+
+
+# ------------------------------------------------------------------------------ tiles
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """diffusers' tiling of a (h, w) latent: tiles of `t` latent rows and columns starting every
+    `stride`, blended over `blend` pixels, each cropped to `keep` pixels."""
+
+    h: int
+    w: int
+    t: int  # tile side, latent
+    f: int  # VAE factor
+
+    @property
+    def stride(self) -> int:
+        return int(self.t * (1 - TILE_OVERLAP))
+
+    @property
+    def blend(self) -> int:
+        return int(self.t * self.f * TILE_OVERLAP)
+
+    @property
+    def keep(self) -> int:
+        return self.t * self.f - self.blend
+
+    def starts(self, size: int) -> list[int]:
+        return list(range(0, size, self.stride))
+
+    def grid(self) -> list[list[tuple[int, int, int, int]]]:
+        """(row, col, rows, cols) of every latent tile, by tile row (edge tiles are smaller)."""
+        return [
+            [(i, j, min(self.t, self.h - i), min(self.t, self.w - j)) for j in self.starts(self.w)]
+            for i in self.starts(self.h)
+        ]
+
+
+def tiled_decode(vae, params, z: jax.Array, tile: int, devices: int = 1) -> jax.Array:
+    """diffusers' `AutoencoderKL.tiled_decode` rule (tiles of `tile` pixels, a quarter
+    overlapping, linear blends), the tiles decoded over `devices` devices, one at a time per
+    device: (B, h, w, C) -> (B, H, W, 3). One program: the tiles, their decode and the blend."""
+    f = vae.config.downsample_factor
+    tiling = Tiling(z.shape[1], z.shape[2], tile // f, f)
+    if devices == 1:
+        return _tiled(vae, params, z, tiling, None)
+    mesh = make_mesh(devices)  # every device on `patch`
+    return _tiled(vae, params, _global(z, mesh, P()), tiling, mesh)
+
+
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def _tiled(vae, params, z, tiling: Tiling, mesh):
+    """Tiles of one shape are decoded together (up to four shapes: edge tiles are smaller),
+    spread over the mesh's devices (the count padded to a multiple by repeating the last)."""
+    grid = tiling.grid()
+    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for a, row in enumerate(grid):
+        for b, (_, _, r, c) in enumerate(row):
+            by_shape.setdefault((r, c), []).append((a, b))
+    decoded, out = {}, None
+    for (r, c), where in by_shape.items():
+        if out is not None:  # one shape after another
+            out, z = lax.optimization_barrier((out, z))
+        corners = [grid[a][b][:2] for a, b in where]
+        tiles = jnp.stack([z[:, i : i + r, j : j + c] for i, j in corners])  # (T, B, r, c, C)
+        out = _decode_tiles(vae, params, tiles, mesh)  # (T, B, r*f, c*f, 3)
+        for k, ab in enumerate(where):
+            decoded[ab] = out[k]
+    return _blend(tiling, grid, decoded)
+
+
+def _decode_tiles(vae, params, tiles: jax.Array, mesh) -> jax.Array:
+    """(T, B, r, c, C) tiles -> decoded, one after another on each device."""
+    if mesh is None:
+        return lax.map(lambda t: vae(params, t), tiles)
+    n, count = mesh.devices.size, tiles.shape[0]
+    if pad := -count % n:
+        tiles = jnp.concatenate([tiles, jnp.repeat(tiles[-1:], pad, axis=0)])
+    fn = jax.shard_map(
+        lambda p, ts: lax.map(lambda t: vae(p, t), ts),
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), params), P(PATCH)),
+        out_specs=P(PATCH),
+        check_vma=False,
+    )
+    return fn(params, tiles)[:count]
+
+
+def _blend(tiling: Tiling, grid, decoded: dict) -> jax.Array:
+    """Blend each tile with the one above and the one to its left (both already blended, as
+    diffusers' in-place order leaves them), crop to `keep`, and join."""
+    e = tiling.blend
+    done: dict[tuple[int, int], jax.Array] = {}
+    rows = []
+    for a, row in enumerate(grid):
+        parts = []
+        for b in range(len(row)):
+            tile = decoded[(a, b)]  # (B, r*f, c*f, 3)
+            if a > 0:
+                tile = _ramp(done[(a - 1, b)], tile, e, axis=1)
+            if b > 0:
+                tile = _ramp(done[(a, b - 1)], tile, e, axis=2)
+            done[(a, b)] = tile
+            parts.append(tile[:, : tiling.keep, : tiling.keep])
+        rows.append(jnp.concatenate(parts, axis=2))
+    return jnp.concatenate(rows, axis=1)
+
+
+def _ramp(prev: jax.Array, tile: jax.Array, extent: int, axis: int) -> jax.Array:
+    """tile's first `extent` lines along `axis` = prev's last ones x (1 - y/e) + its own x y/e."""
+    e = min(prev.shape[axis], tile.shape[axis], extent)
+    if e == 0:
+        return tile
+    wgt = (np.arange(e) / e).astype(np.float32)
+    shape = [1] * tile.ndim
+    shape[axis] = e
+    wgt = jnp.asarray(wgt.reshape(shape), tile.dtype)
+    head = lax.slice_in_dim(prev, prev.shape[axis] - e, prev.shape[axis], axis=axis)
+    mixed = head * (1 - wgt) + lax.slice_in_dim(tile, 0, e, axis=axis) * wgt
+    return jnp.concatenate([mixed, lax.slice_in_dim(tile, e, tile.shape[axis], axis=axis)], axis)
+
+
+def lowered_decode(vae, params, z_shape: tuple[int, ...], plan: VAEPlan, dtype=None):
+    """The decode program `plan` runs for a (B, h, w, C) latent, lowered (parameters may be
+    abstract): memory and collectives are read from it (patchpar.measure)."""
+    plan.validate(vae, z_shape[1:3], z_shape[0])
+    dtype = dtype or vae.module.dtype
+    if plan.mode == "off" or plan.devices == 1 and plan.mode == "rows":
+        return _whole_decode.lower(vae, params, jax.ShapeDtypeStruct(z_shape, dtype))
+    if plan.mode == "rows":
+        mesh = make_mesh(plan.devices, 1, plan.data)
+        z = jax.ShapeDtypeStruct(z_shape, dtype, sharding=NamedSharding(mesh, P(DATA, PATCH)))
+        return _rows.lower(vae, params, z, mesh, "decode")
+    f = vae.config.downsample_factor
+    tiling = Tiling(z_shape[1], z_shape[2], plan.tile_size(vae) // f, f)
+    mesh = make_mesh(plan.devices) if plan.devices > 1 else None
+    sharding = None if mesh is None else NamedSharding(mesh, P())
+    z = jax.ShapeDtypeStruct(z_shape, dtype, sharding=sharding)
+    return _tiled.lower(vae, params, z, tiling, mesh)
+
+
+def tile_count(latent_hw: tuple[int, int], tile: int, f: int) -> int:
+    """How many tiles diffusers' rule decodes for a (h, w) latent."""
+    t = Tiling(*latent_hw, tile // f, f)
+    return len(t.starts(t.h)) * len(t.starts(t.w))
+
+
+__all__ = ["MODES", "VAEPlan", "decode", "encode", "lowered_decode", "tile_count", "tiled_decode"]
