@@ -257,6 +257,27 @@ def test_launch_cost_and_stale_traffic_are_charged():
     assert timed.single_latency_s == pytest.approx(40.0)
 
 
+def test_the_decode_on_one_device_on_row_patches_or_left_out():
+    """vae=off adds the whole decode; rows its FLOPs over the devices plus its collectives,
+    all exposed; none leaves it out (the papers' latencies). The one-device run decodes on one
+    device, or leaves it out with none."""
+    w = dataclasses.replace(_workload([]), decode_flops=4e12, encode_flops=1e12, devices=4)
+    single = dataclasses.replace(_workload([], warmup_steps=None), decode_flops=4e12,
+                                 encode_flops=1e12)  # fmt: skip
+    halo = [{"op": "collective-permute", "group": 2, "site": "halo", "count": 3,
+             "received_bytes": 0.3e9}]  # fmt: skip
+    hw = _hw(collective_latency_s={"all-gather": 0.0, "collective-permute": 0.0})
+    off, rows, none = (project(w, single, hw, 10, vae=v, decode_collectives=halo)
+                       for v in ("off", "rows", "none"))  # fmt: skip
+    assert (off.encode_s, off.decode_s) == pytest.approx((1.0, 4.0))
+    assert rows.decode_s == pytest.approx(4.0 / 4 + 0.3)
+    assert none.decode_s == 0 and none.other_s == pytest.approx(1.0)
+    assert off.latency_s - rows.latency_s == pytest.approx(4.0 - 1.3)
+    assert off.single_latency_s == rows.single_latency_s == none.single_latency_s + 4.0
+    with pytest.raises(ValueError, match="vae='tiles'; known"):
+        project(w, single, hw, 10, vae="tiles")
+
+
 def test_fit_compute_recovers_its_constants():
     peak, eff, call = 312e12, 0.42, 0.017
     pts = [
@@ -317,6 +338,9 @@ def test_project_cli_every_profile_and_bad_input(micro_folder, tmp_path, capsys)
     for r in rows:
         assert r["warmup_phase_steps"] == 5 and r["steady_steps"] == 5
         assert math.isclose(r["speedup"], r["single_latency_s"] / r["latency_s"])
+        # end to end with the decode on one device (the default) and without it
+        assert r["vae"] == "off" and r["latency_s"] == r["latency_decode_one_device_s"]
+        assert r["latency_no_decode_s"] <= r["latency_s"]
     assert main([*args, "--hardware", "h100-sxm"]) == 0
     out = capsys.readouterr().out
     assert "| h100-sxm |" in out and "borrowed from a100-sxm" in out
@@ -404,7 +428,7 @@ def test_paper_check_rederived_from_its_records(monkeypatch):
             w = paper.no_comm(wl[("distrifusion", r["resolution"], r["gpus"])])
         else:
             w = wl[(r["method"], r["resolution"], r["gpus"])]
-        p = project(w, single, hw, paper.STEPS)
+        p = project(w, single, hw, paper.STEPS, vae=paper.VAE)
         assert p.latency_s == pytest.approx(r["projected_s"], rel=1e-3), r
         assert r["error"] == pytest.approx(r["projected_s"] / r["published_s"] - 1)
 

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ProjectConfig(PlanFlags):
     """Projected latency of one generation and speedup over one device, split into compute,
-    exposed communication and other (text encoding, VAE decode), per hardware profile."""
+    exposed communication, text encoding and VAE decode, per hardware profile; end to end with
+    the decode on one device and on row patches (vae_parallel), and without it (the papers'
+    protocol)."""
 
     model: str = "sdxl"
     """A preset (sd15, sd21, sdxl, tiny, tiny-xl) or a local diffusers folder."""
@@ -50,7 +52,7 @@ def run_project(config: ProjectConfig) -> list[dict]:
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import read_records
-    from patchpar.measure.projection import OVERLAPS, WorkloadCache, project
+    from patchpar.measure.projection import OVERLAPS, WorkloadCache, decode_collectives, project
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
@@ -68,15 +70,30 @@ def run_project(config: ProjectConfig) -> list[dict]:
         timings = read_records(Path(config.timings), skip_bad=True)
     plan = config.plan()
     plan.strategy.validate(config.steps, plan.patch, plan.cfg)
+    if config.vae_parallel not in ("off", "rows"):
+        raise ValueError(
+            f"vae_parallel={config.vae_parallel!r}: the projection prices the decode on one "
+            "device (off) or on row patches (rows); tiles are measured, not projected "
+            "(experiments/vae_decode.py)"
+        )
+    config.vae_plan()  # the data split: rows need devices / data > 1
     cache = WorkloadCache(config.cache)
     w = cache.get(config.model, config.resolution, plan, config.batch, config.dtype)
     single = cache.get(
         config.model, config.resolution, build_plan("single", {}, 1, 1), config.batch, config.dtype
     )
+    n = plan.devices // plan.data
+    dcoll = decode_collectives(
+        config.model, config.resolution, n, config.batch // plan.data, config.dtype
+    )
     rows = []
     for hw in profiles:
         measured = timed_compute(timings, hw.name, w) if timings else None
-        p = project(w, single, hw, config.steps, overlap=config.overlap, measured=measured)
+        by_vae = {
+            vae: project(w, single, hw, config.steps, config.overlap, measured, vae, dcoll)
+            for vae in ("off", "rows", "none")
+        }
+        p = by_vae[config.vae_parallel]
         rows.append(
             {
                 "model": config.model,
@@ -88,6 +105,11 @@ def run_project(config: ProjectConfig) -> list[dict]:
                 "steps": config.steps,
                 "dtype": config.dtype,
                 **p.to_json(),
+                "latency_decode_one_device_s": by_vae["off"].latency_s,
+                "latency_decode_rows_s": by_vae["rows"].latency_s,
+                "latency_no_decode_s": by_vae["none"].latency_s,
+                "decode_one_device_s": by_vae["off"].decode_s,
+                "decode_rows_s": by_vae["rows"].decode_s,
             }
         )
     return rows
@@ -101,21 +123,28 @@ def format_project(rows: list[dict]) -> str:
         f"(cfg={r0['cfg']})"
     )
     lines = [
-        head,
+        head + f" | VAE decode: {'row patches' if r0['vae'] == 'rows' else 'one device'}",
         "",
-        "| hardware | latency s | 1 device s | speedup | compute s | exposed comm s | other s | overlap | compute constants |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| hardware | latency s | 1 device s | speedup | compute s | exposed comm s | encode s "
+        "| decode s: 1 device / rows | latency s: decode on rows / no decode | overlap | "
+        "compute constants |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['hardware']} | {r['latency_s']:.3f} | {r['single_latency_s']:.3f} | "
             f"{r['speedup']:.2f}x | {r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} | "
-            f"{r['other_s']:.3f} | {r['overlap']} | {r['compute_source']} |"
+            f"{r['encode_s']:.3f} | {r['decode_one_device_s']:.3f} / {r['decode_rows_s']:.3f} | "
+            f"{r['latency_decode_rows_s']:.3f} / {r['latency_no_decode_s']:.3f} | "
+            f"{r['overlap']} | {r['compute_source']} |"
         )
     lines += [
         "",
         "compute: FLOPs per device priced by the profile (plus stale-buffer traffic); exposed "
-        "comm: collectives the step waits for; other: text encoding and VAE decode on one device.",
+        "comm: collectives the step waits for; encode: text encoding on one device; decode: the "
+        "VAE on one device, or on row patches over the devices (its halos, GroupNorm and ring "
+        "hops exposed). 1 device s decodes on one device. No decode: DistriFusion's and xDiT's "
+        "published latencies leave it out (their benchmarks ask for latents).",
     ]
     return "\n".join(lines)
 

@@ -10,6 +10,12 @@ one-device text encoding and VAE decode. `project` turns it into seconds on a `P
     communication = sum over collectives of latency(op, n) + received bytes / collective rate
     latency = sync steps x warm-up step + steady steps x steady step + encode + decode
 
+The decode (`vae`): `off`, the VAE decoder on one device (FLOPs / (peak x e) + c); `rows`, on
+row patches over the plan's devices / data (the FLOPs split evenly, plus the rows program's
+halo, GroupNorm and ring-hop collectives, all exposed: `decode_collectives`); `none`, left out,
+as DistriFusion's and xDiT's published latencies (their benchmarks run the pipeline with
+`output_type="latent"`).
+
 Synchronous collectives (every warm-up one, every one of `sync_patch`, the CFG output gather,
 GroupNorm with `gn=sync`) are exposed in full. A stale collective's result is needed only at
 step t+1, so it can overlap compute; how much is the `overlap` window:
@@ -41,6 +47,7 @@ import numpy as np
 from patchpar.hardware import Profile
 
 OVERLAPS = ("auto", "none", "step", "next-step")
+VAE_MODES = ("off", "rows", "none")  # one device, row patches, left out
 PHASES = ("warmup", "steady")
 
 
@@ -226,6 +233,34 @@ def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tupl
     return encode, decode
 
 
+@functools.lru_cache(maxsize=32)
+def decode_collectives(model: str, resolution: int, devices: int, batch: int, dtype: str):
+    """The collectives of the VAE decoder on `devices` row patches (halos, GroupNorm, ring
+    hops), grouped as a workload's (`collective_groups`), from the lowered program (abstract
+    weights); [] on one device or for a model without a VAE."""
+    import jax
+    import jax.numpy as jnp
+
+    from patchpar.measure.comm import collective_groups, hlo_text_with_metadata, parse_collectives
+    from patchpar.models.api import VAEFn
+    from patchpar.models.attention import XLA
+    from patchpar.models.presets import PRESETS
+    from patchpar.models.vae import AutoencoderKL, VAEConfig
+    from patchpar.parallel.vae import VAEPlan, lowered_decode
+
+    preset = PRESETS.get(str(model), {})
+    if devices == 1 or "vae" not in preset:
+        return []
+    cfg = VAEConfig.from_diffusers(preset["vae"], "vae")
+    vae = VAEFn(AutoencoderKL(cfg, getattr(jnp, dtype), attn=XLA))
+    side = resolution // cfg.downsample_factor
+    params = jax.eval_shape(lambda: vae.init(0))
+    low = lowered_decode(vae, params, (batch, side, side, cfg.latent_channels),
+                         VAEPlan("rows", devices))  # fmt: skip
+    text = hlo_text_with_metadata(low)
+    return collective_groups(parse_collectives(text, devices), devices)
+
+
 # Bump when a change to the sites or the engine changes what a lowered program holds (its
 # collectives, bytes or FLOPs): cached workloads of other versions are lowered again.
 WORKLOAD_VERSION = 1
@@ -323,12 +358,15 @@ class Projection:
     speedup: float
     compute_s: float  # all steps, compute and stale-buffer traffic
     exposed_comm_s: float  # all steps
-    other_s: float  # text encoding and VAE decode (one device)
+    other_s: float  # text encoding and VAE decode (encode_s + decode_s)
     warmup_phase_steps: int
     steady_steps: int
     overlap: str
     compute_source: str
     phases: dict = field(default_factory=dict)  # phase -> PhaseTime as a dict
+    encode_s: float = 0.0  # text encoding (one device)
+    decode_s: float = 0.0  # VAE decode as `vae` places it
+    vae: str = "off"  # off (one device), rows (row patches), none (left out)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -393,12 +431,19 @@ def project(
     steps: int = 50,
     overlap: str = "auto",
     measured: dict | None = None,
+    vae: str = "off",
+    decode_collectives: list | None = None,
 ) -> Projection:
     """Latency of one generation under `w` on `hw`, and of the one-device run `single`.
     `measured` (optional) gives timed per-device compute in seconds per UNet call:
-    {"warmup": s, "steady": s, "single": s}, used instead of the fitted curve."""
+    {"warmup": s, "steady": s, "single": s}, used instead of the fitted curve. `vae`: the
+    decode on one device (`off`), on row patches over w's devices / data (`rows`, whose
+    collectives `decode_collectives` gives) or left out (`none`); `single` decodes on one
+    device (or leaves it out with `none`)."""
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap={overlap!r}; known: {list(OVERLAPS)}")
+    if vae not in VAE_MODES:
+        raise ValueError(f"vae={vae!r}; known: {list(VAE_MODES)}")
     if steps < 1:
         raise ValueError(f"steps={steps}: must be >= 1")
     if overlap == "auto":
@@ -406,12 +451,20 @@ def project(
     m = measured or {}
     n_warm = warmup_phase_steps(w, steps)
     times = {ph: phase_time(w, ph, hw, overlap, m.get(ph)) for ph in PHASES}
-    other = hw.compute_s(w.encode_flops) + hw.compute_s(w.decode_flops)
+    encode = hw.compute_s(w.encode_flops)
+    one_device = 0.0 if vae == "none" else hw.compute_s(w.decode_flops)
+    decode = one_device
+    if vae == "rows":  # images over data, each image's rows over the rest: FLOPs / devices
+        decode = hw.compute_s(w.decode_flops / w.devices) + sum(
+            hw.collective_s(g["op"], g["group"], g["count"], g["received_bytes"])
+            for g in decode_collectives or []
+        )
+    other = encode + decode
     steady = steps - n_warm
     runs = steady + (w.drain_steps if steady else 0)  # steady loop iterations
     latency = n_warm * times["warmup"].step_s + runs * times["steady"].step_s + other
     single_step = m.get("single", hw.compute_s(single.phases["warmup"]["flops_per_device"]))
-    single_latency = steps * single_step + other
+    single_latency = steps * single_step + encode + one_device
     compute = sum(
         k * (times[ph].compute_s + times[ph].stale_traffic_s)
         for k, ph in ((n_warm, "warmup"), (runs, "steady"))
@@ -430,6 +483,9 @@ def project(
         overlap=overlap,
         compute_source="measured" if measured else hw.compute_note,
         phases={ph: {**asdict(t), "step_s": t.step_s} for ph, t in times.items()},
+        encode_s=encode,
+        decode_s=decode,
+        vae=vae,
     )
 
 

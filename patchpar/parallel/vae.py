@@ -226,40 +226,57 @@ def tiled_decode(vae, params, z: jax.Array, tile: int, devices: int = 1) -> jax.
 
 @partial(jax.jit, static_argnums=(0, 3, 4))
 def _tiled(vae, params, z, tiling: Tiling, mesh):
-    """Tiles of one shape are decoded together (up to four shapes: edge tiles are smaller),
-    spread over the mesh's devices (the count padded to a multiple by repeating the last)."""
+    """Every tile in one loop per device, one tile at a time: tiles are laid out at the full
+    tile size and each iteration decodes its tile's own rows and columns (edge tiles are
+    smaller: up to four shapes, one branch each), padded back to the full size; then the tiles
+    are cropped to their shapes and blended."""
     grid = tiling.grid()
-    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    cells = [cell for row in grid for cell in row]
+    shapes = sorted({(r, c) for _, _, r, c in cells})
+    t = tiling.t
+    tiles = jnp.stack(  # (T, B, t, t, C), edge tiles zero-padded (the padding is never read)
+        [jnp.pad(z[:, i : i + r, j : j + c], ((0, 0), (0, t - r), (0, t - c), (0, 0)))
+         for i, j, r, c in cells]
+    )  # fmt: skip
+    kind = jnp.asarray([shapes.index((r, c)) for _, _, r, c in cells], jnp.int32)
+    n = 1 if mesh is None else mesh.devices.size
+    if pad := -len(cells) % n:  # every device the same number of tiles
+        tiles = jnp.concatenate([tiles, jnp.repeat(tiles[-1:], pad, axis=0)])
+        kind = jnp.concatenate([kind, jnp.repeat(kind[-1:], pad)])
+    body = partial(_decode_each, vae, tuple(shapes), tiling.f)
+    if mesh is None:
+        out = body(params, tiles, kind)
+    else:
+        out = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(jax.tree.map(lambda _: P(), params), P(PATCH), P(PATCH)),
+            out_specs=P(PATCH),
+            check_vma=False,
+        )(params, tiles, kind)
+    f = tiling.f
+    decoded, k = {}, 0
     for a, row in enumerate(grid):
         for b, (_, _, r, c) in enumerate(row):
-            by_shape.setdefault((r, c), []).append((a, b))
-    decoded, out = {}, None
-    for (r, c), where in by_shape.items():
-        if out is not None:  # one shape after another
-            out, z = lax.optimization_barrier((out, z))
-        corners = [grid[a][b][:2] for a, b in where]
-        tiles = jnp.stack([z[:, i : i + r, j : j + c] for i, j in corners])  # (T, B, r, c, C)
-        out = _decode_tiles(vae, params, tiles, mesh)  # (T, B, r*f, c*f, 3)
-        for k, ab in enumerate(where):
-            decoded[ab] = out[k]
+            decoded[(a, b)] = out[k, :, : r * f, : c * f]  # (B, r*f, c*f, 3)
+            k += 1
     return _blend(tiling, grid, decoded)
 
 
-def _decode_tiles(vae, params, tiles: jax.Array, mesh) -> jax.Array:
-    """(T, B, r, c, C) tiles -> decoded, one after another on each device."""
-    if mesh is None:
-        return lax.map(lambda t: vae(params, t), tiles)
-    n, count = mesh.devices.size, tiles.shape[0]
-    if pad := -count % n:
-        tiles = jnp.concatenate([tiles, jnp.repeat(tiles[-1:], pad, axis=0)])
-    fn = jax.shard_map(
-        lambda p, ts: lax.map(lambda t: vae(p, t), ts),
-        mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(), params), P(PATCH)),
-        out_specs=P(PATCH),
-        check_vma=False,
-    )
-    return fn(params, tiles)[:count]
+def _decode_each(vae, shapes, f, params, tiles, kind):
+    """(T, B, t, t, C) tiles and their shape index (T,) -> (T, B, t*f, t*f, 3), one tile per
+    iteration: branch k decodes the first shapes[k] rows and columns of its tile."""
+    t = tiles.shape[2]
+
+    def branch(r, c):
+        def run(x):
+            y = vae(params, x[:, :r, :c])  # (B, r*f, c*f, 3)
+            return jnp.pad(y, ((0, 0), (0, (t - r) * f), (0, (t - c) * f), (0, 0)))
+
+        return run
+
+    branches = [branch(r, c) for r, c in shapes]
+    return lax.map(lambda xk: lax.switch(xk[1], branches, xk[0]), (tiles, kind))
 
 
 def _blend(tiling: Tiling, grid, decoded: dict) -> jax.Array:
