@@ -189,6 +189,7 @@ SWEEP_GRID = [
     {"strategy": [{"name": "single"}], "mesh.devices": [1]},
     {
         "mesh.devices": [2],
+        "mesh.vae_parallel": ["rows"],  # the decode on row patches too (exact)
         "strategy": [
             {"name": "pcpp", "portion": 0.3, "warmup_steps": 1},
             {"name": "pcpp", "portion": 1.0, "warmup_steps": 1},
@@ -276,6 +277,15 @@ def test_record_schema(swept):
         (2 * m["warmup_bytes_per_device"] + m["steady_bytes_per_device"]) / 3
     )
     assert by["pcpp warmup_steps=1 portion=1.0"]["strategy"]["send"] == "full"  # default filled in
+    # text encoding, denoising and decode timed apart, the decode as the point placed it
+    for r in by.values():
+        t = r["metrics"]
+        for k in ("encode_s", "decode_s"):
+            assert 0 < t[f"{k}_min"] <= t[f"{k}_median"] <= t[f"{k}_max"], k
+        assert t["end_to_end_s_median"] == pytest.approx(
+            t["encode_s_median"] + t["denoise_s_median"] + t["decode_s_median"]
+        )
+    assert m["vae_parallel"] == "rows" and by["single"]["metrics"]["vae_parallel"] == "off"
     # the phases timed apart: 2 warm-up steps, 1 stale step, adding up to the whole
     assert (m["warmup_phase_steps"], m["steady_steps"]) == (2, 1)
     assert m["denoise_s_median"] == pytest.approx(
