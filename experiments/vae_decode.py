@@ -130,7 +130,7 @@ def memory_table(records: list[dict]) -> str:
         lines.append(
             f"| {r['size']} | {mode} | {r['devices']} | {m['total'] / GIB:.2f} | {share:.3f} | "
             f"{m['temporaries'] / GIB:.2f} | {r['received_bytes_per_device'] / 2**20:.1f} | "
-            f"{r['git_commit'][:7]}{'-dirty' if r['git_dirty'] else ''} |"
+            f"{_commit(r)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -226,10 +226,13 @@ def time_table(records: list[dict]) -> str:
         mode = r["mode"] if r["mode"] != "tiles" else f"tiles {r['tile']} px"
         lines.append(
             f"| {r['size']} | {mode} | {r['processes']} | {r['decode_s_median']:.2f} | "
-            f"{sp:.2f}x | {q} | {r['decode_s_first']:.1f} | "
-            f"{r['git_commit'][:7]}{'-dirty' if r['git_dirty'] else ''} |"
+            f"{sp:.2f}x | {q} | {r['decode_s_first']:.1f} | {_commit(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _commit(r: dict) -> str:
+    return f"{r['git_commit'][:7]}{'-dirty' if r['git_dirty'] else ''}"
 
 
 def main(argv=None) -> int:

@@ -121,6 +121,8 @@ def test_bad_override_names_the_key(overrides, message):
         ({"mesh.devices": 2}, "strategy 'single' runs on 1 device"),
         ({"measure.quality": ["clip_score"]}, "model 'tiny' has no default CLIP"),
         ({"measure.quality": ["fid"], "prompts.seeds": [0]}, "at least 2 images in all"),
+        ({"mesh.vae_parallel": "ring"}, "mesh.vae_parallel='ring'; known: .'off', 'rows'"),
+        ({"mesh.vae_tile": -8}, "vae_tile=-8: must be 0"),
     ],
 )
 def test_bad_value_is_an_error_naming_it(overrides, message):
@@ -154,6 +156,13 @@ def test_quality_inputs_are_checked_before_generating(tmp_path, monkeypatch):
     )
     with pytest.raises(Exception, match="open_clip"):  # a folder without a CLIP in it
         check_quality_inputs(gone)
+
+
+def test_a_bare_yaml_off_is_named_as_a_boolean(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("mesh: {vae_parallel: off}\n")
+    assert main(["run", str(path)]) == 2
+    assert "mesh.vae_parallel=False: expected str (in YAML a bare off" in capsys.readouterr().err
 
 
 def test_cli_overrides_apply_on_top_of_the_yaml(tmp_path, capsys):

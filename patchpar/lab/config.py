@@ -501,7 +501,10 @@ def _coerce(tp, v, key: str):
     if tp in (int, float, str, bool) and (
         not isinstance(v, tp) or (tp is not bool and isinstance(v, bool))
     ):
-        raise ValueError(f"{key}={v!r}: expected {tp.__name__}")
+        hint = ""
+        if tp is str and isinstance(v, bool):  # YAML 1.1 reads a bare off/on/yes/no as a bool
+            hint = " (in YAML a bare off, on, yes or no is a boolean: quote it, e.g. 'off')"
+        raise ValueError(f"{key}={v!r}: expected {tp.__name__}{hint}")
     return v
 
 

@@ -153,6 +153,8 @@ def _global(x, mesh, spec) -> jax.Array:
     """`x` (the same whole value on every process) as a global array laid out by `spec`."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return x  # already global (a sharded result of the denoising program)
+    if jax.process_count() == 1:
+        return jax.device_put(x, NamedSharding(mesh, spec))
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 
