@@ -70,13 +70,12 @@ def run_project(config: ProjectConfig) -> list[dict]:
         timings = read_records(Path(config.timings), skip_bad=True)
     plan = config.plan()
     plan.strategy.validate(config.steps, plan.patch, plan.cfg)
-    if config.vae_parallel not in ("off", "rows"):
+    config.vae_plan()  # a known mode and tile
+    if config.vae_parallel == "tiles":
         raise ValueError(
-            f"vae_parallel={config.vae_parallel!r}: the projection prices the decode on one "
-            "device (off) or on row patches (rows); tiles are measured, not projected "
-            "(experiments/vae_decode.py)"
+            "vae_parallel='tiles': the projection prices the decode on one device (off) or on "
+            "row patches (rows); tiles are measured, not projected (experiments/vae_decode.py)"
         )
-    config.vae_plan()  # the data split: rows need devices / data > 1
     cache = WorkloadCache(config.cache)
     w = cache.get(config.model, config.resolution, plan, config.batch, config.dtype)
     single = cache.get(

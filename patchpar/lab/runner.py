@@ -165,44 +165,23 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
 
 
 def timed_encode(pipe, config: RunConfig, batch, hw) -> dict:
-    """Text encoding of the timed call's prompts (the CFG pair included): compiled by a first
-    call, then `measure.repeats` timed calls; seconds."""
-    from patchpar.measure.timing import timed
+    """Text encoding of the timed call's prompts (the CFG pair included), seconds
+    (`measure.timing.time_calls`)."""
+    from patchpar.measure.timing import time_calls
 
     s = config.sampler
     prompts = [p for p, _ in batch]
     neg = [config.prompts.negative_prompt] * len(batch) if config.prompts.negative_prompt else None
     call = lambda: pipe.encode_prompt(prompts, neg, s.guidance_scale, *hw)  # noqa: E731
-    _, first = timed(call)
-    times = [timed(call)[1] for _ in range(config.measure.repeats)]
-    return {"encode_s_first": first, **_spread("encode_s", times)}
+    return time_calls("encode_s", call, config.measure.repeats)[1]
 
 
-def timed_decode(pipe, final, vae_plan, m) -> tuple[np.ndarray, dict]:
+def timed_decode(pipe, final, vae_plan, repeats: int) -> tuple[np.ndarray, dict]:
     """The VAE decode of the timed call's latent as `vae_plan` places it, to uint8 images on
-    the host (rows gathered once): compiled by a first call, then `m.repeats` timed calls;
-    (images, seconds)."""
-    t0 = time.perf_counter()
-    images = pipe.decode(final, vae_plan)
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(m.repeats):
-        t0 = time.perf_counter()
-        images = pipe.decode(final, vae_plan)  # numpy out: waited for
-        times.append(time.perf_counter() - t0)
-    out = {"decode_s_first": first, **_spread("decode_s", times)}
-    out["vae_parallel"] = vae_plan.mode if pipe.vae is not None else "none (pixel space)"
-    return images, out
+    the host (rows gathered once): (images, seconds as `measure.timing.time_calls`)."""
+    from patchpar.measure.timing import time_calls
 
-
-def _spread(name: str, times: list[float]) -> dict:
-    import statistics
-
-    return {
-        f"{name}_median": statistics.median(times),
-        f"{name}_min": min(times),
-        f"{name}_max": max(times),
-    }
+    return time_calls("decode_s", lambda: pipe.decode(final, vae_plan), repeats)
 
 
 def _outputs_abstract(compiled):
@@ -284,16 +263,18 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
             final = to_local(final)
             metrics.update(timing)
             if decodes:
-                img, decode_timing = timed_decode(pipe, final, vae_plan, m)
+                img, decode_timing = timed_decode(pipe, final, vae_plan, m.repeats)
                 metrics.update(decode_timing)
+                metrics["vae_parallel"] = (
+                    vae_plan.mode if pipe.vae is not None else "none (pixel space)"
+                )
                 metrics["end_to_end_s_median"] = sum(
                     metrics[k] for k in ("encode_s_median", "denoise_s_median", "decode_s_median")
                 )
-        elif decodes:
-            final = pipe.denoise(cond, x0, s.name, s.steps, s.guidance_scale, plan)
-            img = pipe.decode(final, vae_plan)
         else:
             final = pipe.denoise(cond, x0, s.name, s.steps, s.guidance_scale, plan)
+            if decodes:
+                img = pipe.decode(final, vae_plan)
         if writer:
             images.append(img)
         latents.append(np.asarray(final, np.float32))

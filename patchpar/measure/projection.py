@@ -194,11 +194,10 @@ def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tupl
     preset's configs; 0 where the preset has none."""
     import jax
 
-    from patchpar.models.attention import XLA
     from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
     from patchpar.models.presets import MAX_TEXT_TOKENS, PRESETS
     from patchpar.models.t5 import T5Config, T5EncoderModel
-    from patchpar.models.vae import AutoencoderKL, VAEConfig
+    from patchpar.parallel.vae import VAEPlan, lowered_decode
 
     preset = PRESETS.get(str(model), {})
     sds = jax.ShapeDtypeStruct
@@ -217,20 +216,26 @@ def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tupl
         lowered = jax.jit(lambda p, i, m=module: m.apply({"params": p}, i)).lower(params, ids)
         encode += float(lowered.cost_analysis()["flops"])
     decode = 0.0
-    if "vae" in preset:
-        cfg = VAEConfig.from_diffusers(preset["vae"], "vae")
-        vae = AutoencoderKL(cfg, dtype, attn=XLA)
-        side = resolution // cfg.downsample_factor
-        z = sds((batch, side, side, cfg.latent_channels), dtype)
-        small = sds((1, 1, 1, cfg.latent_channels), dtype)
-        params = jax.eval_shape(
-            lambda x: vae.init(jax.random.key(0), x, method=AutoencoderKL.decode)["params"], small
-        )
-        lowered = jax.jit(
-            lambda p, x: vae.apply({"params": p}, x, method=AutoencoderKL.decode)
-        ).lower(params, z)
-        decode = float(lowered.cost_analysis()["flops"])
+    if (vae := _preset_vae(model, dtype)) is not None:
+        side = resolution // vae.config.downsample_factor
+        z = (batch, side, side, vae.config.latent_channels)
+        low = lowered_decode(vae, jax.eval_shape(lambda: vae.init(0)), z, VAEPlan())
+        decode = float(low.cost_analysis()["flops"])
     return encode, decode
+
+
+def _preset_vae(model: str, dtype):
+    """A preset's VAE (abstract use only; the `xla` attention kernel, whose FLOPs XLA counts
+    whole), or None: a folder or a pixel-space preset."""
+    from patchpar.models.api import VAEFn
+    from patchpar.models.attention import XLA
+    from patchpar.models.presets import PRESETS
+    from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+    preset = PRESETS.get(str(model), {})
+    if "vae" not in preset:
+        return None
+    return VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"], "vae"), dtype, attn=XLA))
 
 
 @functools.lru_cache(maxsize=32)
@@ -242,22 +247,15 @@ def decode_collectives(model: str, resolution: int, devices: int, batch: int, dt
     import jax.numpy as jnp
 
     from patchpar.measure.comm import collective_groups, hlo_text_with_metadata, parse_collectives
-    from patchpar.models.api import VAEFn
-    from patchpar.models.attention import XLA
-    from patchpar.models.presets import PRESETS
-    from patchpar.models.vae import AutoencoderKL, VAEConfig
     from patchpar.parallel.vae import VAEPlan, lowered_decode
 
-    preset = PRESETS.get(str(model), {})
-    if devices == 1 or "vae" not in preset:
+    vae = _preset_vae(model, getattr(jnp, dtype))
+    if devices == 1 or vae is None:
         return []
-    cfg = VAEConfig.from_diffusers(preset["vae"], "vae")
-    vae = VAEFn(AutoencoderKL(cfg, getattr(jnp, dtype), attn=XLA))
-    side = resolution // cfg.downsample_factor
+    side = resolution // vae.config.downsample_factor
+    z = (batch, side, side, vae.config.latent_channels)
     params = jax.eval_shape(lambda: vae.init(0))
-    low = lowered_decode(vae, params, (batch, side, side, cfg.latent_channels),
-                         VAEPlan("rows", devices))  # fmt: skip
-    text = hlo_text_with_metadata(low)
+    text = hlo_text_with_metadata(lowered_decode(vae, params, z, VAEPlan("rows", devices)))
     return collective_groups(parse_collectives(text, devices), devices)
 
 

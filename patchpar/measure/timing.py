@@ -17,6 +17,22 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
+def time_calls(name: str, fn: Callable[[], object], repeats: int) -> tuple[object, dict]:
+    """A first call (compilation included) timed apart, then `repeats` timed calls: (the last
+    result, {name_first, name_median, name_min, name_max} in seconds)."""
+    out, first = timed(fn)
+    times = []
+    for _ in range(repeats):
+        out, dt = timed(fn)
+        times.append(dt)
+    return out, {
+        f"{name}_first": first,
+        f"{name}_median": statistics.median(times),
+        f"{name}_min": min(times),
+        f"{name}_max": max(times),
+    }
+
+
 def time_phases(
     phases: list[tuple[str, Callable]], args: tuple, warmup: int, repeats: int
 ) -> tuple[object, dict]:

@@ -50,6 +50,11 @@ class VAEPlan:
         return self.devices // self.data
 
     @property
+    def whole(self) -> bool:
+        """The plain one-device decode (off, or rows on one device)."""
+        return self.mode == "off" or (self.mode == "rows" and self.devices == 1)
+
+    @property
     def parallel(self) -> bool:
         """Whether the VAE runs over several devices (every process must then take part)."""
         return self.mode != "off" and self.devices > 1
@@ -116,7 +121,7 @@ def decode(vae, params, z: jax.Array, plan: VAEPlan) -> jax.Array:
     """Latent (B, h, w, C), already divided by the scaling factor, -> images (B, H, W, 3) in
     [-1, 1], as `plan` says. Validates first."""
     plan.validate(vae, z.shape[1:3], z.shape[0])
-    if plan.mode == "off" or plan.devices == 1 and plan.mode == "rows":
+    if plan.whole:
         return _whole_decode(vae, params, z)
     if plan.mode == "rows":
         mesh = make_mesh(plan.devices, 1, plan.data)
@@ -320,7 +325,7 @@ def lowered_decode(vae, params, z_shape: tuple[int, ...], plan: VAEPlan, dtype=N
     abstract): memory and collectives are read from it (patchpar.measure)."""
     plan.validate(vae, z_shape[1:3], z_shape[0])
     dtype = dtype or vae.module.dtype
-    if plan.mode == "off" or plan.devices == 1 and plan.mode == "rows":
+    if plan.whole:
         return _whole_decode.lower(vae, params, jax.ShapeDtypeStruct(z_shape, dtype))
     if plan.mode == "rows":
         mesh = make_mesh(plan.devices, 1, plan.data)
