@@ -60,7 +60,7 @@ def test_labels_name_the_fields_that_tell_points_apart():
     fsdp = run_record(run_id="c", mesh__fsdp=True)
     labels = point_labels([plain, data, fsdp])
     assert labels == ["sync_patch", "sync_patch mesh.data=2", "sync_patch mesh.fsdp=true"]
-    # a sampler's steps that come with its name are not repeated
+    # every field that differs is named, a sampler's steps beside its name too
     ddim = [run_record(f"distrifusion w={w}", run_id=f"d{w}") for w in (0, 1)]
     dpm = [
         run_record(f"distrifusion w={w}", run_id=f"p{w}", sampler__name="dpmpp_2m",
@@ -69,10 +69,41 @@ def test_labels_name_the_fields_that_tell_points_apart():
     ]  # fmt: skip
     for r in ddim:
         r["config"]["sampler"]["steps"] = 20
-    assert varying_keys(ddim + dpm) == ["sampler.name"]
+    assert varying_keys(ddim + dpm) == ["sampler.name", "sampler.steps"]
+    assert point_labels(ddim + dpm)[2] == "distrifusion w=0 sampler.name=dpmpp_2m sampler.steps=25"
     assert len(set(point_labels(ddim + dpm))) == 4
     # a field shown as a column of its own is left out of the label
     assert point_labels([plain, data], shown=("mesh.data",)) == ["sync_patch", "sync_patch"]
+
+
+def test_labels_never_hide_a_difference_behind_a_column(tmp_path):
+    """Two folders whose points differ in their steps and in a column (devices): the label
+    still names the steps, in the table and in the plots' series, which are labelled over
+    every record given before a figure picks the ones it draws."""
+    from patchpar.lab.plots import _named, plot_bytes_vs_devices, style
+
+    a = write(tmp_path / "a", [run_record("distrifusion", run_id="a", mesh__devices=2,
+                                          sampler__steps=10)])  # fmt: skip
+    b = write(tmp_path / "b", [run_record("distrifusion", run_id="b", mesh__devices=4,
+                                          sampler__steps=20)])  # fmt: skip
+    records = read_runs([a, b])
+    text = markdown(records, ("label", "mesh.devices"))
+    assert "| distrifusion sampler.steps=20 | " in text and "| distrifusion | " in text
+    names = [r["_name"] for r in _named(records, ("mesh.devices",))]
+    assert len(set(names)) == 2  # two series, not one line through both points
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    for r in records:
+        r["metrics"]["bytes_per_device_per_step"] = 1.0
+    assert plot_bytes_vs_devices(records, ax) and len(ax.get_lines()) == 2
+    plt.close(fig)
+    # many series: a colour and marker pair of their own each
+    pairs = {tuple(style(i).values()) for i in range(40)}
+    assert len(pairs) == 40
 
 
 def test_table_tells_points_and_folders_apart(tmp_path):
@@ -133,6 +164,10 @@ def test_load_records_reads_every_shape_into_one_frame(tmp_path):
     # the newest record of each point, and ok rows only
     assert list(load_records(runs, latest=True)["run_id"]) == ["c"]
     assert list(load_records(runs, ok_only=True)["run_id"]) == ["a", "c"]
+    # point_label: the label `patchpar table` prints, over the run records of every file
+    other = write(tmp_path / "other", [run_record(run_id="d", sampler__steps=50)])
+    labels = load_records(runs, other, latest=True)["point_label"].tolist()
+    assert labels == ["sync_patch", "sync_patch sampler.steps=50"]
     with pytest.raises(ValueError, match="no records at"):
         load_records(tmp_path / "nothing")
     (tmp_path / "notes.md").write_text("# not records\n")

@@ -318,7 +318,7 @@ def test_workload_matches_the_hlo_count(micro_folder, tmp_path):
         # collective is one device: the groups add up to a device's total
         assert got == want
     assert w.warmup_steps is None and w.stale_bytes_per_device == 0
-    assert w.encode_flops == 0 and w.decode_flops == 0  # a folder: no preset configs
+    assert w.encode_flops > 0 and w.decode_flops > 0  # a folder's own encoder and VAE
     # cached: a second lookup lowers nothing and survives a reload
     cache = WorkloadCache(tmp_path / "w.jsonl")
     a = cache.get(str(micro_folder), 64, plan, 1, "float32")
@@ -508,14 +508,14 @@ def test_workload_cache_lives_under_patchpar_home_and_skips_what_does_not_read(
     """A truncated line (a killed writer before the cache was written atomically) no longer
     breaks every `patchpar project`: it is skipped with a warning naming the file and line; a
     line lowered by another WORKLOAD_VERSION is not served; no temp file is left."""
-    from patchpar.measure.projection import Workload, default_cache_path
+    from patchpar.measure.projection import WORKLOAD_VERSION, Workload, default_cache_path
 
     monkeypatch.setenv("PATCHPAR_HOME", str(tmp_path))
     assert default_cache_path() == tmp_path / "workloads.jsonl"
     w = Workload(model="m", resolution=8, strategy="s", devices=2, cfg=1, batch=1,
                  dtype="bfloat16", unet_batch=2, phases={}, synchronous_sites={},
                  stale_bytes_per_device=0, warmup_steps=None, encode_flops=0.0,
-                 decode_flops=0.0)  # fmt: skip
+                 decode_flops=0.0, version=WORKLOAD_VERSION)  # fmt: skip
     WorkloadCache()._write(w)
     path = default_cache_path()
     older = dataclasses.replace(w, resolution=16, version=0)

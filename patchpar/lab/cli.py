@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import sys
 from collections.abc import Sequence
 
@@ -104,14 +105,17 @@ def dispatch(config, args: list[str] | None = None) -> None:
         for name, where in run_plot(config).items():
             print(f"{name}: {where}")
     elif isinstance(config, GenerateConfig):
-        from patchpar.lab.generate import generate, launched_generate
+        from patchpar.lab.generate import check, generate, launched_generate
 
+        if not launch.launched_worker():  # the launcher has said it
+            for msg in check(config):  # bad flags: errors before any work or launch
+                _stderr(f"patchpar: warning: {msg}")
         if config.processes and not launch.in_worker():
             record = launched_generate(config, args or [])
         else:
             if not config.processes:
                 launch.request_cpu_devices(config.devices, _stderr)
-            record = generate(config)
+            record = generate(config, log=_stderr)
         if not launch.is_writer() or launch.launched_worker():
             return
         for path in record["images"]:
@@ -127,7 +131,7 @@ def dispatch(config, args: list[str] | None = None) -> None:
         from patchpar.lab.costs import format_comm, run_comm
 
         launch.request_cpu_devices(config.devices, _stderr)
-        rec = run_comm(config)
+        rec = run_comm(config, log=_stderr)
         print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
     elif isinstance(config, ProjectConfig):
         import json
@@ -135,7 +139,7 @@ def dispatch(config, args: list[str] | None = None) -> None:
         from patchpar.lab.project import format_project, run_project
 
         launch.request_cpu_devices(config.devices, _stderr)
-        rows = run_project(config)
+        rows = run_project(config, log=_stderr)
         if config.json:
             for row in rows:
                 print(json.dumps(row, sort_keys=True))
@@ -219,11 +223,53 @@ def _one_line_usage_errors():
     sys.stderr.write(buffer.getvalue())
 
 
+# what a value of each tyro metavar is, in words: (one, several)
+_METAVARS = {
+    "INT": ("an integer", "integers"),
+    "FLOAT": ("a number", "numbers"),
+    "STR": ("a string", "strings"),
+    "PATH": ("a path", "paths"),
+}
+
+
+def _expected(metavar: str) -> str:
+    """A tyro metavar (`INT`, `{None}|FLOAT`, `[INT [INT ...]]`, `{a,b}`) in words."""
+    metavar = metavar.replace("{None}|", "")
+    if metavar.startswith("["):  # a list: its values one after another, space-separated
+        inner = metavar.strip("[]. ").split()[0]
+        several = _METAVARS.get(inner, (inner, inner + " values"))[1]
+        return f"{several} separated by spaces (e.g. `0 1 2`), not a bracketed list"
+    if metavar.startswith("{"):
+        return "one of " + ", ".join(metavar.strip("{}").split(","))
+    return _METAVARS.get(metavar, (metavar,))[0]
+
+
+def _typed_error(lines: list[str]) -> str | None:
+    """`--steps='2.5': expected an integer` from a box whose message is `Error parsing --steps:
+    ...` and whose helptext names the flag's metavar; None for any other box."""
+    rows = [ln.strip("│|╭╰─ ").strip() for ln in lines]
+    head = next((r for r in rows if r.startswith("Error parsing --")), None)
+    if head is None or "Argument helptext:" not in rows:
+        return None
+    flag = head.removeprefix("Error parsing ").split(":")[0]
+    usage = rows[rows.index("Argument helptext:") + 1]
+    if not usage.startswith(flag + " "):
+        return None
+    message = " ".join(rows[rows.index(head) : rows.index("Argument helptext:")]).strip("─ ")
+    values = re.findall(r"'([^']*)'", message)
+    got = f"={values[-1]!r}" if values else ""
+    return f"{flag}{got}: expected {_expected(usage.removeprefix(flag).strip())}"
+
+
 def usage_error_line(box: str) -> str:
-    """One line from tyro's error box: its message (up to the first rule, without tyro's list
-    of per-type errors) and the options listed under "Perhaps you meant"."""
+    """One line from tyro's error box: a value of the wrong type as `--flag='value': expected
+    <what>`, else its message (up to the first rule, without tyro's list of per-type errors)
+    and the options listed under "Perhaps you meant"."""
     message, suggested, part = [], [], 0
     lines = [ln.strip() for ln in box.splitlines() if ln.strip()]
+    typed = _typed_error(lines)
+    if typed is not None:
+        return typed + " (--help lists every option)"
     for line in lines[1:]:  # after the title (a box's top edge, or a line of its own)
         if line[0] in "╭╰":  # a box's bottom edge
             continue

@@ -50,6 +50,11 @@ def build_vae_plan(mode: str, devices: int, data: int, tile: int):
         raise ValueError(f"vae_parallel={mode!r}; known: {list(MODES)}")
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
         raise ValueError(f"vae_tile={tile!r}: must be 0 (the VAE's sample size) or pixels > 0")
+    if tile and mode != "tiles":
+        raise ValueError(
+            f"vae_tile={tile}: a tile size is for vae_parallel=tiles, and vae_parallel={mode!r} "
+            f"decodes without tiles; set vae_parallel=tiles, or leave vae_tile at 0"
+        )
     return VAEPlan(mode, devices, data, tile)
 
 
@@ -86,12 +91,41 @@ def _options(self) -> dict:
     return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
 
 
+def _bare_flag(name: str):
+    """A boolean strategy option on the command line: `--no-sync` alone is True, `--no-sync
+    False` also reads; unset stays None (the strategy's default)."""
+    from tyro.constructors import PrimitiveConstructorSpec
+
+    flag = "--" + name.replace("_", "-")
+
+    def parse(args: list[str]) -> bool:
+        if not args:
+            return True
+        if len(args) == 1 and args[0].lower() in ("true", "false"):
+            return args[0].lower() == "true"
+        raise ValueError(f"{flag} {' '.join(args)!r}: a bare flag ({flag}), or {flag} True/False")
+
+    return PrimitiveConstructorSpec(
+        nargs="*",
+        metavar="[True|False]",
+        instance_from_str=parse,
+        is_instance=lambda v: v is None or isinstance(v, bool),
+        str_from_instance=lambda v: [str(v)],
+    )
+
+
+def _option_type(name: str, t):
+    if t is bool or t == bool | None:
+        return Annotated[bool | None, _bare_flag(name)]
+    return _optional(t)
+
+
 StrategyOptions = make_dataclass(
     "StrategyOptions",
     [
         (
             name,
-            Annotated[_optional(t), tyro.conf.arg(help=text)],
+            Annotated[_option_type(name, t), tyro.conf.arg(help=text)],
             field(default=None),
         )
         for name, (t, text) in _OPTIONS.items()
@@ -106,8 +140,8 @@ StrategyOptions.__doc__ = """The strategies' options (declared in each strategy'
 
 @dataclass(frozen=True)
 class PlanFlags(StrategyOptions):
-    """Which strategy, on how many devices, with which options (flat flags for `generate` and
-    `comm`)."""
+    """Which strategy, on how many devices, with which options (flat flags for `generate`,
+    `comm` and `project`)."""
 
     strategy: str = "single"
     """single, naive_patch, sync_patch, distrifusion, pcpp, compact, ring, ulysses, tensor or
@@ -120,18 +154,25 @@ class PlanFlags(StrategyOptions):
     """Devices that split the images of a batch (data parallel; the Flax SD pipeline's pmap)."""
     fsdp: bool = False
     """Shard the weights over the devices that share them, gathered per layer (ZeRO-3)."""
-    vae_parallel: str = "off"
-    """The VAE decode: off (one device, the whole image), rows (row patches over the devices,
-    exact halos, GroupNorm and Ring attention: equals off) or tiles (diffusers' enable_tiling
-    tiles spread over the devices and blended: not exact)."""
-    vae_tile: int = 0
-    """vae_parallel=tiles: a tile's side in pixels (0: the VAE's sample_size, diffusers')."""
 
     def plan(self):
         """The strategy with the options given, placed on the devices."""
         return build_plan(
             self.strategy, self.options(), self.devices, self.cfg, data=self.data, fsdp=self.fsdp
         )
+
+
+@dataclass(frozen=True)
+class DecodeFlags(PlanFlags):
+    """PlanFlags and where the VAE decodes (`generate`, `project`; `comm` counts one denoiser
+    call and has no decode)."""
+
+    vae_parallel: str = "off"
+    """The VAE decode: off (one device, the whole image), rows (row patches over the devices,
+    exact halos, GroupNorm and Ring attention: equals off) or tiles (diffusers' enable_tiling
+    tiles spread over the devices and blended: not exact)."""
+    vae_tile: int = 0
+    """vae_parallel=tiles: a tile's side in pixels (0: the VAE's sample_size, diffusers')."""
 
     def vae_plan(self):
         """How the VAE decodes (patchpar.parallel.vae), on the same devices."""
@@ -388,6 +429,10 @@ class RunConfig:
         for ok, key, value, fits in checks:
             if not ok:
                 raise ValueError(f"{key}={value!r}: must be {fits}")
+        if "fid_gt" in m.quality:  # the reference must be there before anything is generated
+            from patchpar.lab.datasets import check_ground_truth
+
+            check_ground_truth(m.ground_truth)
         from patchpar.parallel.mesh import mesh_shape
 
         try:
@@ -416,6 +461,48 @@ class RunConfig:
         return self
 
 
+def unused_options(config: RunConfig) -> list[str]:
+    """Options a run is given that have no effect in its context, one line each (printed as
+    warnings, kept in the record): the run goes on, but the user meant something else. Only
+    values away from their defaults are named (a default has no effect to miss)."""
+    m, model, dm = config.measure, config.model, MeasureConfig()
+    out = []
+    if model.attention in ("xla", "cudnn"):
+        for key in ("block_q", "block_kv"):
+            if getattr(model, key) != getattr(ModelConfig(), key):
+                out.append(
+                    f"model.{key}={getattr(model, key)} has no effect with model.attention="
+                    f"{model.attention!r} (block sizes are the chunked and splash kernels')"
+                )
+    needs = {  # measure fields -> the metric that reads them
+        "ground_truth": "fid_gt", "ground_truth_samples": "fid_gt", "clip_model": "clip_score",
+        "clip_checkpoint": "clip_score", "clip_config": "clip_score", "lpips_net": "lpips",
+    }  # fmt: skip
+    for key, metric in needs.items():
+        if getattr(m, key) != getattr(dm, key) and metric not in m.quality:
+            out.append(
+                f"measure.{key}={getattr(m, key)!r} has no effect: measure.quality "
+                f"{list(m.quality)} does not include {metric}"
+            )
+    if m.compute_only and m.quality:
+        out.append(
+            f"measure.quality {list(m.quality)} is not measured with measure.compute_only (the "
+            f"collectives are stand-ins, so the images are wrong); set measure.quality []"
+        )
+    if config.timeout_s != RunConfig.timeout_s and not config.mesh.processes:
+        out.append(
+            f"timeout_s={config.timeout_s} has no effect without mesh.processes (it ends "
+            f"launched workers that hang)"
+        )
+    n_images = len(config.prompts.prompts) * len(config.prompts.seeds)
+    if config.prompts.batch_size > n_images:
+        out.append(
+            f"prompts.batch_size={config.prompts.batch_size} is more than the {n_images} "
+            f"image(s) of the prompt set: one call takes them all"
+        )
+    return out
+
+
 def clip_ok(model: str, m: MeasureConfig) -> bool:
     """clip_score has a CLIP to use: the model's default, a shipped name, a local-dir folder,
     or a named open_clip model with its checkpoint (whether the files load is checked before
@@ -439,6 +526,22 @@ def with_defaults(section: type, given: dict) -> dict:
     """A config section as a record holds it, with the defaults of the fields the record
     predates (`with_defaults(MeshConfig, record["config"]["mesh"])`)."""
     return {**to_dict(section()), **given}
+
+
+def point_config(config: RunConfig | dict) -> dict:
+    """A run's config as a point (plain data): without where records go (`results`) or how
+    long a worker may take (`timeout_s`), and with the fields older records lack filled in as
+    those runs ran (the mesh and strategy defaults of today; attention `xla`, float32 from
+    before kernels and dtypes existed)."""
+    d = to_dict(config) if isinstance(config, RunConfig) else dict(config)
+    d.pop("results", None)
+    d.pop("timeout_s", None)
+    d["mesh"] = with_defaults(MeshConfig, d.get("mesh", {}))
+    d["strategy"] = with_defaults(StrategyConfig, d.get("strategy", {}))
+    d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}
+    d["sampler"] = {**d.get("sampler", {})}
+    d["sampler"].setdefault("dtype", "float32")
+    return d
 
 
 def to_dict(cfg) -> dict:

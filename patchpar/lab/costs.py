@@ -35,7 +35,9 @@ class CommConfig(PlanFlags):
     """Print one JSON record instead of the table."""
 
 
-def run_comm(config: CommConfig) -> dict:
+def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
+    """What one denoiser call costs under the config's plan (see CommConfig); `log` hears the
+    progress of lowering and compiling."""
     import jax.numpy as jnp
 
     from patchpar.measure.cost import measure
@@ -51,6 +53,14 @@ def run_comm(config: CommConfig) -> dict:
             f"resolution={config.resolution}: must be a positive multiple of {f} (the VAE factor)"
         )
     plan = config.plan()
+    if not config.memory:
+        given = [f"{k}={getattr(config, k)!r}" for k in ("attention", "block_q", "block_kv")
+                 if getattr(config, k) != getattr(CommConfig, k)]  # fmt: skip
+        if given:
+            log(
+                f"patchpar: warning: {', '.join(given)} has no effect with --no-memory: the "
+                f"kernel changes only the memory (bytes and FLOPs are the same for every kernel)"
+            )
     from patchpar.models.attention import AttentionSpec, resolve
 
     dtype = getattr(jnp, config.dtype)
@@ -58,7 +68,7 @@ def run_comm(config: CommConfig) -> dict:
     unet = abstract_denoiser(config.model, dtype, spec)
     latent = config.resolution // f
     batch = config.batch or plan.data
-    r = measure(unet, plan, (latent, latent), batch=batch, memory=config.memory)
+    r = measure(unet, plan, (latent, latent), batch=batch, memory=config.memory, log=log)
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
     memory = {}
     if config.memory:

@@ -85,6 +85,37 @@ def pad32(images: np.ndarray) -> np.ndarray:
     return np.pad(images, ((0, 0), (2, 2), (2, 2)))
 
 
+def check_ground_truth(spec: str) -> None:
+    """ValueError, before any image is generated, when `spec` names no readable reference:
+    an unknown Fashion-MNIST split, its files absent, or a folder without images."""
+    if spec.startswith("fashion-mnist"):
+        split = spec.split(":", 1)[1] if ":" in spec else "test"
+        if split not in _FILES:
+            raise ValueError(
+                f"measure.ground_truth={spec!r}: unknown split {split!r}; use "
+                f"fashion-mnist, fashion-mnist:test, fashion-mnist:train or a folder of images"
+            )
+        for kind in ("images-idx3", "labels-idx1"):
+            path = fashion_mnist_dir() / f"{_FILES[split]}-{kind}-ubyte.gz"
+            if not path.is_file():
+                raise ValueError(
+                    f"measure.ground_truth={spec!r}: {path} not found; install Debian's "
+                    f"dataset-fashion-mnist (make setup does) or point PATCHPAR_FASHION_MNIST "
+                    f"at a folder with the four *-ubyte.gz files"
+                )
+        return
+    folder = Path(spec)
+    if not folder.is_dir():
+        raise ValueError(
+            f"measure.ground_truth={spec!r}: no such folder; give a folder of images "
+            f"({', '.join(IMAGE_SUFFIXES)}) or fashion-mnist[:test|:train]"
+        )
+    if not any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.iterdir()):
+        raise ValueError(
+            f"measure.ground_truth={spec!r}: the folder holds no images ({', '.join(IMAGE_SUFFIXES)})"
+        )
+
+
 def ground_truth(spec: str, limit: int | None = None) -> np.ndarray:
     """Reference images for FID: `fashion-mnist` / `fashion-mnist:train` (padded to 32x32 as
     the fmnist model's images) or a folder path."""

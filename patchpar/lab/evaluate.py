@@ -80,8 +80,12 @@ def prompts_of(config: RunConfig) -> list[str]:
 def check_quality_inputs(config: RunConfig) -> None:
     """What the quality metrics need, checked before anything is generated: prompt_accuracy
     needs the model's classifier and a class named in every prompt; clip_score a CLIP that
-    loads (its checkpoint matching its config)."""
+    loads (its checkpoint matching its config); fid_gt a readable ground truth."""
     m = config.measure
+    if "fid_gt" in m.quality:
+        from patchpar.lab.datasets import check_ground_truth
+
+        check_ground_truth(m.ground_truth)
     if "prompt_accuracy" in m.quality:
         from patchpar.measure.classifier import prompt_class
 

@@ -92,24 +92,34 @@ def envelope(record: dict, path: Path) -> dict:
     return out
 
 
-def load_records(*paths, latest: bool = False, ok_only: bool = False):
+def load_records(*paths, latest: bool = False, ok_only: bool = False, shown=()):
     """A DataFrame of every record in `paths` (folders of *.jsonl files, or files), one row per
     record in file order, dotted columns. `latest`: only the newest record of each runner point
-    (same config, same file). `ok_only`: only rows whose status is `ok` or unset."""
+    (same config, same file). `ok_only`: only rows whose status is `ok` or unset. Run records
+    get `point_label`: the strategy and every config field that differs among the run records
+    returned, across files, but the `shown` ones (a plot's axis, a column of its own: e.g.
+    `("mesh.devices",)`), as `patchpar table` and `plot` label them
+    (`patchpar.lab.tables.point_labels`)."""
     import pandas as pd
+
+    from patchpar.lab.tables import point_labels
 
     if not paths:
         raise ValueError("load_records: name at least one folder or *.jsonl file of records")
     rows = []
     for f in record_files(paths):
         rows += [envelope(r, f) for r in read_records(f, skip_bad=True)]
+    if latest:
+        last = {r["_point"]: i for i, r in enumerate(rows) if "_point" in r}
+        rows = [r for i, r in enumerate(rows) if "_point" not in r or last[r["_point"]] == i]
+    if ok_only:
+        rows = [r for r in rows if r.get("status") in (None, "ok")]
+    runs = [r for r in rows if "_point" in r]
+    for r, label in zip(runs, point_labels(runs, shown), strict=True):
+        r["point_label"] = label
+    for r in rows:
+        r.pop("_point", None)
+    first = [*FIRST[:3], "point_label", *FIRST[3:]]
     frame = pd.json_normalize(rows, sep=".") if rows else pd.DataFrame(columns=list(FIRST))
-    if "_point" in frame:
-        if latest:
-            point = frame["_point"]
-            frame = frame[point.isna() | ~point.duplicated(keep="last")]
-        frame = frame.drop(columns="_point")
-    if ok_only and "status" in frame:
-        frame = frame[frame["status"].isna() | (frame["status"] == "ok")]
-    first = [c for c in FIRST if c in frame.columns]
+    first = [c for c in first if c in frame.columns]
     return frame[first + [c for c in frame.columns if c not in first]].reset_index(drop=True)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-from patchpar.lab.config import DTYPES, PlanFlags
+from patchpar.lab.config import DTYPES, DecodeFlags
 from patchpar.lab.launch import is_writer, launch
 
 
 @dataclass(frozen=True)
-class GenerateConfig(PlanFlags):
+class GenerateConfig(DecodeFlags):
     """Generate images from prompts and save them as PNG, with the final latent as latent.npy."""
 
     model: str = "fmnist"
@@ -48,15 +48,10 @@ class GenerateConfig(PlanFlags):
     """processes >= 1: end every worker after this many seconds."""
 
 
-def generate(config: GenerateConfig) -> dict:
-    """Run the pipeline; write image_<i>.png, latent.npy and generate.json into config.out."""
-    import jax.numpy as jnp
-    from PIL import Image
-
-    from patchpar.lab.results import check_writable
-    from patchpar.models.attention import AttentionSpec, resolve
-    from patchpar.models.presets import default_guidance, default_sampler, resolve_dtype
-    from patchpar.pipelines import load_pipeline
+def check(config: GenerateConfig) -> list[str]:
+    """Every check of the flags that needs no model, before any work or launch (ValueError
+    naming the value and what fits); returns the options given that have no effect here."""
+    from patchpar.models.presets import default_guidance
     from patchpar.pipelines.text2img import check_guidance, check_seed
 
     if config.dtype not in DTYPES:
@@ -73,15 +68,47 @@ def generate(config: GenerateConfig) -> dict:
             f"processes={config.processes}: must be 0 or devices={config.devices} (devices "
             f"must equal processes x local devices, and a launched process has one CPU device)"
         )
+    if not config.timeout_s > 0:
+        raise ValueError(
+            f"timeout_s={config.timeout_s}: must be a positive number of seconds (how long "
+            f"launched workers may run)"
+        )
     guidance = (
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
     check_guidance(guidance, [config.negative_prompt])
+    config.plan()  # unknown strategy or option: error before loading anything
+    config.vae_plan()
+    unused = []
+    if config.timeout_s != GenerateConfig.timeout_s and not config.processes:
+        unused.append(
+            f"timeout_s={config.timeout_s} has no effect without processes (it ends launched "
+            f"workers that hang)"
+        )
+    return unused
+
+
+def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
+    """Run the pipeline; write image_<i>.png, latent.npy and generate.json into config.out.
+    `log` hears the progress (loading, encoding, compiling, each phase, decoding)."""
+    import jax.numpy as jnp
+    from PIL import Image
+
+    from patchpar.lab.results import check_writable
+    from patchpar.models.attention import AttentionSpec, resolve
+    from patchpar.models.presets import default_guidance, default_sampler, resolve_dtype
+    from patchpar.pipelines import load_pipeline
+
+    check(config)
+    guidance = (
+        default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
+    )
     sampler = default_sampler(config.model) if config.sampler is None else config.sampler
     check_writable(config.out, "out")  # before any work, not after generating
-    plan = config.plan()  # unknown strategy or option: error before loading anything
+    plan = config.plan()
     vae_plan = config.vae_plan()
     t0 = time.perf_counter()
+    log(f"loading {config.model}")
     pipe = load_pipeline(
         config.model,
         getattr(jnp, resolve_dtype(config.dtype, config.model)),
@@ -102,6 +129,7 @@ def generate(config: GenerateConfig) -> dict:
         plan=plan,
         check_memory=True,  # compiled first: a program that cannot fit is refused up front
         vae_plan=vae_plan,
+        log=log,
     )
     t_gen = time.perf_counter() - t0
     record = {
@@ -142,11 +170,7 @@ def launched_generate(config: GenerateConfig, args: list[str]) -> dict:
     returns the generate.json that process 0 wrote."""
     import sys
 
-    if config.processes != config.devices:
-        raise ValueError(
-            f"processes={config.processes}: must be 0 or devices={config.devices} (a launched "
-            f"process has one CPU device)"
-        )
+    check(config)
     from patchpar.lab.results import check_writable
 
     done = check_writable(config.out, "out") / "generate.json"

@@ -227,6 +227,8 @@ def launch(
     plan = layout(processes)
     warn_oversubscribed(processes, log)
     port = free_port()
+    log(f"launching {processes} worker(s) on core(s) {plan['cores']}, one thread each"
+        + (f", joined over gloo at 127.0.0.1:{port}" if processes > 1 else ""))  # fmt: skip
     procs, readers, tails = [], [], []
     for rank in range(processes):
         cmd = [sys.executable, *program, *args]

@@ -2,8 +2,10 @@
 
 Each `plot_*` takes run records (`patchpar.lab.tables.read_runs`) and an Axes, so a notebook draws
 the same figures; each returns False, drawing nothing, when the records lack its data. Series,
-bars and image columns are named by `point_labels`: the strategy and every config field that
-varies among the records drawn (other than the axes), so that no two points share a name.
+bars and image columns are named by `point_labels` over all the records given (not only those a
+figure draws): the strategy and every config field that differs among them (other than the
+figure's axes), so that no two points share a name. Series are told apart by a colour and
+marker pair of their own (`style`), however many there are.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from patchpar.lab.tables import get, point_labels, read_runs
+from patchpar.lab.tables import get, point_extras, point_labels, read_runs
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,16 @@ class PlotConfig:
     """Folder for the PNGs (default: <first results folder>/plots)."""
     prompt_grid: bool = False
     """Also one PNG per run: a row per prompt, a column per seed (the first 10)."""
+
+
+COLOURS = tuple(f"C{i}" for i in range(10))  # matplotlib's default cycle
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def style(i: int) -> dict:
+    """Colour and marker of series i: the pair differs for every i below 40 (lcm(10, 8)), where
+    colours alone repeat after 10."""
+    return {"color": COLOURS[i % len(COLOURS)], "marker": MARKERS[i % len(MARKERS)]}
 
 
 def _ok(records, *keys):
@@ -49,18 +61,17 @@ def _named(records, shown) -> list[dict]:
 
 
 def _lines(ax, records, x_key, y_key, scale=1.0, group="_name"):
-    if group == "_name":
-        records = _named(records, (x_key,))
-    for name, rs in sorted(_by(records, group).items(), key=lambda kv: str(kv[0])):
+    """One line per value of `group` (records named by `_named` already, for `_name`)."""
+    for i, (name, rs) in enumerate(sorted(_by(records, group).items(), key=lambda kv: str(kv[0]))):
         pts = sorted((get(r, x_key), get(r, y_key) * scale) for r in rs)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=str(name), **style(i))
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
 
 
 def plot_bytes_vs_devices(records, ax) -> bool:
     """Bytes received per device per denoising step (mean over the run's steps) vs devices."""
-    rs = _ok(records, "bytes_per_device_per_step", "mesh.devices")
+    rs = _ok(_named(records, ("mesh.devices",)), "bytes_per_device_per_step", "mesh.devices")
     if not rs:
         return False
     _lines(ax, rs, "mesh.devices", "bytes_per_device_per_step", 1 / 2**20)
@@ -70,7 +81,8 @@ def plot_bytes_vs_devices(records, ax) -> bool:
 
 def plot_psnr_vs_devices(records, ax) -> bool:
     """PSNR against the single-device output vs devices, per strategy (identical runs left out)."""
-    rs = [r for r in _ok(records, "psnr", "mesh.devices") if r.get("label") != "single"]
+    named = _named(records, ("mesh.devices",))
+    rs = [r for r in _ok(named, "psnr", "mesh.devices") if r.get("label") != "single"]
     if not rs:
         return False
     _lines(ax, rs, "mesh.devices", "psnr")
@@ -80,7 +92,7 @@ def plot_psnr_vs_devices(records, ax) -> bool:
 
 def plot_step_time(records, ax) -> bool:
     """Median time per denoising step, per strategy, one bar per device count."""
-    rs = _named(_ok(records, "step_s_median", "mesh.devices"), ("mesh.devices",))
+    rs = _ok(_named(records, ("mesh.devices",)), "step_s_median", "mesh.devices")
     if not rs:
         return False
     labels = sorted({r["_name"] for r in rs})
@@ -89,7 +101,8 @@ def plot_step_time(records, ax) -> bool:
     for i, d in enumerate(devices):
         by = {r["_name"]: get(r, "step_s_median") * 1e3 for r in rs if get(r, "mesh.devices") == d}
         xs = [j + i * width for j, lab in enumerate(labels) if lab in by]
-        ax.bar(xs, [by[lab] for lab in labels if lab in by], width, label=f"{d} device(s)")
+        ax.bar(xs, [by[lab] for lab in labels if lab in by], width, label=f"{d} device(s)",
+               color=COLOURS[i % len(COLOURS)])  # fmt: skip
     ax.set_xticks(
         np.arange(len(labels)) + 0.4 - width / 2, labels, rotation=30, ha="right", fontsize=7
     )
@@ -108,11 +121,15 @@ def plot_step_time(records, ax) -> bool:
 
 def plot_psnr_vs_portion(records, ax) -> bool:
     """PCPP: PSNR against single vs the attended portion of each neighbour patch."""
-    rs = [r for r in _ok(records, "psnr", "strategy.portion") if get(r, "strategy.name") == "pcpp"]
+    extras = point_extras(records, ("strategy.portion", "mesh.devices"))
+    series = [
+        {**r, "_series": " ".join([f"send={get(r, 'strategy.send')}, {get(r, 'mesh.devices')} "
+                                   "devices", *extra])}
+        for r, extra in zip(records, extras, strict=True)
+    ]  # fmt: skip
+    rs = [r for r in _ok(series, "psnr", "strategy.portion") if get(r, "strategy.name") == "pcpp"]
     if len({get(r, "strategy.portion") for r in rs}) < 2:
         return False
-    for r in rs:
-        r["_series"] = f"send={get(r, 'strategy.send')}, {get(r, 'mesh.devices')} devices"
     _lines(ax, rs, "strategy.portion", "psnr", group="_series")
     ax.set(xlabel="PCPP portion", ylabel="PSNR vs single (dB)", title="PCPP portion")
     return True
@@ -121,12 +138,10 @@ def plot_psnr_vs_portion(records, ax) -> bool:
 def plot_speedup(records, ax) -> bool:
     """Measured speedup against `single` (whole run, and the steady phase alone), per strategy
     and model, with the ideal (N devices) as a line; runs in launched processes only."""
-    rs = [
-        r for r in _ok(records, "speedup_vs_single", "mesh.devices") if get(r, "mesh.devices") > 1
-    ]
+    named = _named(records, ("model.name", "mesh.devices", "mesh.processes"))
+    rs = [r for r in _ok(named, "speedup_vs_single", "mesh.devices") if get(r, "mesh.devices") > 1]
     if not rs:
         return False
-    rs = _named(rs, ("model.name", "mesh.devices", "mesh.processes"))
     keys = sorted({(get(r, "model.name"), get(r, "mesh.devices"), r["_name"]) for r in rs})
     latest = {(get(r, "model.name"), get(r, "mesh.devices"), r["_name"]): r for r in rs}
     xs = np.arange(len(keys))
@@ -158,12 +173,11 @@ def image_grid(records, path: Path, max_images: int = 4) -> bool:
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    rs = [r for r in records if r.get("status") == "ok" and r.get("images")]
+    named = _named(records, ("mesh.devices",))
+    rs = [r for r in named if r.get("status") == "ok" and r.get("images")]
     if not rs:
         return False
-    rs = sorted(
-        _named(rs, ("mesh.devices",)), key=lambda r: (get(r, "mesh.devices") or 0, r["_name"])
-    )
+    rs = sorted(rs, key=lambda r: (get(r, "mesh.devices") or 0, r["_name"]))
     rows = min(max_images, max(len(r["images"]) for r in rs))
     fig, axes = plt.subplots(
         rows, len(rs), figsize=(2.2 * len(rs), 2.2 * rows + 0.4), squeeze=False

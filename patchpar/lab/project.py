@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from patchpar.lab.config import LOWERED_DTYPES as DTYPES
-from patchpar.lab.config import PlanFlags
+from patchpar.lab.config import DecodeFlags
 
 if TYPE_CHECKING:
     from patchpar.measure.projection import Workload
 
 
 @dataclass(frozen=True)
-class ProjectConfig(PlanFlags):
+class ProjectConfig(DecodeFlags):
     """Projected latency of one generation and speedup over one device, split into compute,
     exposed communication, text encoding and VAE decode, per hardware profile; end to end with
     the decode on one device and on row patches (vae_parallel), and without it (the papers'
@@ -48,11 +48,14 @@ class ProjectConfig(PlanFlags):
     """Print one JSON object per profile instead of the table."""
 
 
-def run_project(config: ProjectConfig) -> list[dict]:
+def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
+    """The projection of the config's point on each profile (see ProjectConfig); `log` hears
+    the progress of lowering what the workload cache lacks."""
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import read_records
     from patchpar.measure.projection import OVERLAPS, WorkloadCache, decode_collectives, project
+    from patchpar.models.presets import latent_factor
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
@@ -71,23 +74,42 @@ def run_project(config: ProjectConfig) -> list[dict]:
     plan = config.plan()
     plan.strategy.validate(config.steps, plan.patch, plan.cfg)
     config.vae_plan()  # a known mode and tile
+    pixel_space = latent_factor(config.model) == 1
+    if pixel_space and config.vae_parallel != "off":
+        raise ValueError(
+            f"vae_parallel={config.vae_parallel!r}: model {config.model!r} works in pixel space "
+            f"(no VAE), so there is no decode to place; leave vae_parallel at off"
+        )
     if config.vae_parallel == "tiles":
         raise ValueError(
             "vae_parallel='tiles': the projection prices the decode on one device (off) or on "
             "row patches (rows); tiles are measured, not projected (experiments/vae_decode.py)"
         )
-    cache = WorkloadCache(config.cache)
+    if config.overlap != ProjectConfig.overlap and not stale_kinds(plan):
+        log(
+            f"patchpar: warning: overlap={config.overlap!r} has no effect: {plan.strategy.name} "
+            f"sends nothing for a later step, so every collective is waited for"
+        )
+    cache = WorkloadCache(config.cache, log)
     w = cache.get(config.model, config.resolution, plan, config.batch, config.dtype)
     single = cache.get(
         config.model, config.resolution, build_plan("single", {}, 1, 1), config.batch, config.dtype
     )
     n = plan.devices // plan.data
+    if n > 1 and not pixel_space:
+        log(f"lowering the VAE decoder on {n} row patches (its collectives)")
     dcoll = decode_collectives(
         config.model, config.resolution, n, config.batch // plan.data, config.dtype
     )
     rows = []
     for hw in profiles:
         measured = timed_compute(timings, hw.name, w) if timings else None
+        if timings and measured is None:
+            log(
+                f"patchpar: warning: {config.timings} has no timing of this point on {hw.name} "
+                f"(model, resolution, dtype, batch, strategy on {w.devices} patches, and a "
+                f"one-patch run); its compute is the profile's fitted curve"
+            )
         by_vae = {
             vae: project(w, single, hw, config.steps, config.overlap, measured, vae, dcoll)
             for vae in ("off", "rows", "none")
@@ -109,9 +131,20 @@ def run_project(config: ProjectConfig) -> list[dict]:
                 "latency_no_decode_s": by_vae["none"].latency_s,
                 "decode_one_device_s": by_vae["off"].decode_s,
                 "decode_rows_s": by_vae["rows"].decode_s,
+                "pixel_space": pixel_space,
             }
         )
     return rows
+
+
+def stale_kinds(plan) -> set[str]:
+    """The site kinds whose steady-phase collectives send for a later step (what `overlap`
+    prices); empty for a strategy whose every collective is waited for."""
+    from patchpar.parallel.strategies.base import StaleStrategy
+
+    if not isinstance(plan.strategy, StaleStrategy):
+        return set()
+    return {op.kind for op in plan.strategy.ops("steady", plan.patch).sites() if op.sends_stale()}
 
 
 def format_project(rows: list[dict]) -> str:
@@ -121,8 +154,9 @@ def format_project(rows: list[dict]) -> str:
         f"{r0['steps']} steps ({r0['warmup_phase_steps']} synchronous) | {r0['devices']} devices "
         f"(cfg={r0['cfg']})"
     )
+    where = "row patches" if r0["vae"] == "rows" else "one device"
     lines = [
-        head + f" | VAE decode: {'row patches' if r0['vae'] == 'rows' else 'one device'}",
+        head + f" | VAE decode: {'none (pixel space)' if r0.get('pixel_space') else where}",
         "",
         "| hardware | latency s | 1 device s | speedup | compute s | exposed comm s | encode s "
         "| decode s: 1 device / rows | latency s: decode on rows / no decode | overlap | "

@@ -115,12 +115,18 @@ def upgraded(record: dict) -> dict:
 
 
 def check_writable(folder: Path, what: str) -> Path:
-    """Make `folder` (and its parents) and check that a file can be written there, before any
-    work; ValueError naming the folder and the reason otherwise."""
+    """Check, before any work, that files can be written in `folder` (or, where it does not
+    exist yet, that it can be made: its nearest existing parent takes a file), without making
+    anything: a run that then fails its checks leaves no empty folder behind. ValueError
+    naming the folder and the reason otherwise."""
     folder = Path(folder)
+    probe_in = folder
+    while not probe_in.exists() and probe_in != probe_in.parent:
+        probe_in = probe_in.parent
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".patchpar-write-check-")
+        if not probe_in.is_dir():
+            raise NotADirectoryError(20, f"{str(probe_in)!r} is a file, not a folder")
+        fd, probe = tempfile.mkstemp(dir=probe_in, prefix=".patchpar-write-check-")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -29,14 +30,7 @@ from patchpar.lab.baselines import (
     load_or_make_baseline,
     weights_sha256,
 )
-from patchpar.lab.config import (
-    MeshConfig,
-    RunConfig,
-    StrategyConfig,
-    dump_config,
-    to_dict,
-    with_defaults,
-)
+from patchpar.lab.config import RunConfig, dump_config, point_config, to_dict, unused_options
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
 from patchpar.lab.launch import WorkerFailed, in_worker, launch
@@ -61,18 +55,9 @@ def runs_path(config: RunConfig) -> Path:
 
 
 def point_key(config: RunConfig | dict) -> str:
-    """What makes two runs the same point: the whole config except where records are written."""
-    d = to_dict(config) if isinstance(config, RunConfig) else dict(config)
-    d.pop("results", None)
-    d.pop("timeout_s", None)
-    # records from before processes, the data axis, FSDP and context parallelism existed
-    d["mesh"] = with_defaults(MeshConfig, d.get("mesh", {}))
-    d["strategy"] = with_defaults(StrategyConfig, d.get("strategy", {}))
-    # records from before attention kernels existed ran the whole-logits (xla) kernel in float32
-    d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}
-    d["sampler"] = {**d.get("sampler", {})}
-    d["sampler"].setdefault("dtype", "float32")
-    return json.dumps(d, sort_keys=True)
+    """What makes two runs the same point: the whole config except where records are written
+    (`config.point_config`, older records' missing fields filled in as they ran)."""
+    return json.dumps(point_config(config), sort_keys=True)
 
 
 def comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
@@ -158,7 +143,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         local_out = guided_slab(plan, x0.shape)  # one device's share of the guided output
         itemsize = jax.numpy.dtype(pipe.unet.module.dtype).itemsize
         counted = {
-            phase: count_lowered(low, calls, plan, local_out, itemsize)
+            phase: count_lowered(low, calls, plan, local_out, itemsize, phase_loop=True)
             for phase, (low, calls) in lowered.items()
         }
     return final, out, counted
@@ -261,6 +246,8 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
             metrics.update(timed_encode(pipe, config, batch, hw))
             final, timing, counted = timed_denoise(pipe, config, plan, cond, x0, log)
             final = to_local(final)
+            # NaN or Inf: an error naming the step where it first appeared, never a result
+            pipe.check_finite_latent(final, cond, x0, s.name, s.steps, s.guidance_scale, plan)
             metrics.update(timing)
             if decodes:
                 img, decode_timing = timed_decode(pipe, final, vae_plan, m.repeats)
@@ -293,6 +280,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
         metrics.update(quality_metrics(config, images, ref, log))
         base_lat = np.load(baseline_folder(config) / "latents.npy")
         metrics["latent_max_abs_diff"] = float(np.abs(latents - base_lat).max())
+        check_finite_metrics(metrics)
 
     paths = []
     if m.save_images:
@@ -306,6 +294,21 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
             Image.fromarray(img).save(path)
             paths.append(str(path.relative_to(run_dir.parent.parent)))
     return metrics, paths
+
+
+def check_finite_metrics(metrics: dict) -> None:
+    """A metric that came out NaN or Inf is an error naming it, never a recorded value."""
+    bad = [
+        k for k, v in metrics.items()
+        if isinstance(v, float) and not math.isfinite(v)
+    ]  # fmt: skip
+    if bad:
+        from patchpar.pipelines.text2img import NonFiniteError
+
+        raise NonFiniteError(
+            f"metric(s) {', '.join(f'{k}={metrics[k]}' for k in bad)} came out non-finite; the "
+            f"images were finite, so the metric's inputs (reference set, features) are at fault"
+        )
 
 
 def process_layout(config: RunConfig) -> dict:
@@ -336,10 +339,18 @@ def _status(err: BaseException) -> str:
 RUN_ID_ENV = "PATCHPAR_RUN_ID"  # the launcher's run id, kept by the worker that writes the record
 
 
-def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> dict:
+def run(
+    config: RunConfig,
+    log: Log = _stderr,
+    raise_errors: bool = False,
+    warn: bool = True,
+    tag: str = "",
+) -> dict:
     """Run one experiment point and append its record (also when it fails); returns the record.
     With `raise_errors` (the CLI) a config that does not validate raises ValueError before
-    anything is written; without (a sweep) it becomes a record with status `error`.
+    anything is written; without (a sweep) it becomes a record with status `error`. Options
+    that have no effect are warned of (`warn`; a sweep says each once) and recorded; `tag`
+    starts the run's first line of progress (a sweep's `[3/12] `).
     With `mesh.processes` >= 1 the point runs in that many launched processes
     (patchpar.lab.launch); process 0 writes the record."""
     import jax
@@ -355,6 +366,10 @@ def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> di
         invalid = e
     run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]
     out = runs_path(config)
+    unused = unused_options(config) if invalid is None else []
+    if warn and not in_worker():  # a launched worker's launcher has said it already
+        for msg in unused:
+            log(f"patchpar: warning: {msg}")
     if invalid is None:
         strategy = config.plan().strategy
         # the strategy with every option, defaults included (the config holds only those set)
@@ -369,14 +384,17 @@ def run(config: RunConfig, log: Log = _stderr, raise_errors: bool = False) -> di
         "config": to_dict(config),
         "baseline": baseline_key(config) if config.measure.quality else None,
         "provenance": {**provenance(), "weights_sha256": weights_sha256(config)},
+        "warnings": unused,  # options given that had no effect (config.unused_options)
     }
     if invalid is not None:
         record.update(status="error", error=f"invalid config: {invalid}", metrics={}, images=[])
         return append_record(out, record)
     if config.mesh.processes >= 1 and not in_worker():
+        log(f"{tag}run {run_id}: {config.strategy.label()} in {config.mesh.processes} launched "
+            f"process(es)")  # fmt: skip
         return _launched(config, record, log, raise_errors)
     writer = jax.process_index() == 0  # with several processes, process 0 alone writes
-    log(f"run {run_id}: {config.strategy.label()} on {config.mesh.devices} device(s)")
+    log(f"{tag}run {run_id}: {config.strategy.label()} on {config.mesh.devices} device(s)")
     try:
         metrics, images = _execute(config, out.parent / "images" / run_id, log, writer)
         if writer:

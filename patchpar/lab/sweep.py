@@ -27,6 +27,7 @@ the sweep file's name unless the file names one, never the base config's.
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -144,15 +145,27 @@ def run_sweep(config: SweepConfig) -> list[dict]:
         print(
             f"{skipped} of {len(points)} points already recorded in {runs_path(points[0])}; skipped"
         )
+    for msg in dict.fromkeys(m for cfg in todo for m in _unused(cfg)):  # each once
+        print(f"patchpar: warning: {msg}", file=sys.stderr, flush=True)
     bar = tqdm(todo, desc="sweep", unit="point")
-    for cfg in bar:
+    for i, cfg in enumerate(bar, 1):
         bar.set_postfix_str(f"{cfg.strategy.label()} on {cfg.mesh.devices}")
-        rec = run(cfg, log=tqdm.write)
+        rec = run(cfg, log=tqdm.write, warn=False, tag=f"[{i}/{len(todo)}] ")
         if rec["status"] != "ok":
             tqdm.write(f"  point failed ({rec['status']}): {rec['error']}")
     done = index()
     keys = [(runs_path(cfg), point_key(cfg)) for cfg in points]
     return [done[k] for k in keys if k in done]
+
+
+def _unused(cfg: RunConfig) -> list[str]:
+    from patchpar.lab.config import unused_options
+
+    try:
+        cfg.validate()
+    except ValueError:  # recorded as an invalid point, with its reason
+        return []
+    return unused_options(cfg)
 
 
 def dry_run(points: list[RunConfig], todo: list[RunConfig]) -> str:

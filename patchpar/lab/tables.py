@@ -5,10 +5,10 @@ looked up as given, then under `config.`, then under `metrics.` (`mesh.devices`,
 A key that no record has is an error naming the nearest keys the records do have.
 
 Points are told apart: the strategy column names, after the strategy's label, every config
-field that varies among the records shown and is not a column of its own (`sync_patch
-mesh.data=2`, `distrifusion sampler.name=dpmpp_2m`); records from several folders get a
-`records` column naming the folder (`patchpar table runs/X results/X`: a re-run beside the
-published records).
+field that differs among all the records shown, across folders, and is not a column of its own
+(`sync_patch mesh.data=2`, `distrifusion sampler.name=dpmpp_2m sampler.steps=25`); records
+from several folders get a `records` column naming the folder (`patchpar table runs/X
+results/X`: a re-run beside the published records).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-# the order in which config fields are tried for telling points apart (then alphabetical)
+# the order in which config fields are named in a label (then alphabetical)
 KEY_ORDER = ("model.", "mesh.", "sampler.", "prompts.", "measure.")
 
 
@@ -125,33 +125,29 @@ def _key_rank(key: str) -> tuple:
     return (rank, key)
 
 
+def _point(record: dict) -> dict:
+    """A record's config as a point, flat (fields older records lack filled in as they ran)."""
+    from patchpar.lab.config import point_config
+
+    return _flat(point_config(record.get("config") or {}))
+
+
 def varying_keys(records: list[dict], shown=()) -> list[str]:
-    """The config keys (dotted, without `config.`) that tell the records' points apart: tried
-    in KEY_ORDER, a key is kept where it splits records that the strategy label and the keys
-    kept before it do not (a sampler's steps that come with its name, or a model's image size,
-    are not repeated). The strategy's own fields (its label names them), where records go, and
-    the keys `shown` (columns or axes of their own) are never kept."""
+    """The config keys (dotted, without `config.`) whose value differs among the records, in
+    KEY_ORDER: every one, so that no difference between two points shown is hidden. The
+    strategy's own fields (its label names them), where records go, and the keys `shown`
+    (columns or axes of their own) are left out."""
     shown = {k.removeprefix("config.") for k in shown}
-    flat = [_flat(r.get("config") or {}) for r in records]
+    flat = [_point(r) for r in records]
     keys = sorted(set().union(*flat) if flat else (), key=_key_rank)
-    groups = [
-        json.dumps([r.get("label"), {k: v for k, v in f.items() if k.startswith("strategy.")}],
-                   sort_keys=True)
-        for r, f in zip(records, flat, strict=True)
-    ]  # fmt: skip
-    kept = []
-    for k in keys:
-        if k.startswith("strategy.") or k.split(".")[0] in NOT_A_POINT:
-            continue
-        values = [json.dumps(f.get(k), sort_keys=True) for f in flat]
-        if k not in shown:
-            seen: dict = {}
-            if any(seen.setdefault(g, v) != v for g, v in zip(groups, values, strict=True)):
-                kept.append(k)
-        # a shown key splits the groups too (its column tells those points apart)
-        if k in shown or k in kept:
-            groups = [g + "|" + v for g, v in zip(groups, values, strict=True)]
-    return kept
+    return [
+        k
+        for k in keys
+        if not k.startswith("strategy.")
+        and k.split(".")[0] not in NOT_A_POINT
+        and k not in shown
+        and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1
+    ]
 
 
 def _short(v) -> str:
@@ -160,19 +156,28 @@ def _short(v) -> str:
 
 
 def point_labels(records: list[dict], shown=()) -> list[str]:
-    """Each record's strategy label followed by the config fields that tell it apart from the
-    others (`varying_keys`), each where its value is not the most common one among the records
-    (e.g. `sync_patch mesh.fsdp=true` beside a plain `sync_patch`): two different points never
-    get the same label."""
+    """Each record's strategy label followed by the config fields that differ among all the
+    records given (`point_extras`): two records whose points differ in anything but the
+    `shown` keys never get the same label. Label the records of a figure or table all
+    together, before choosing which to draw."""
+    return [
+        " ".join([str(r.get("label") or get(r, "strategy.name") or "?"), *extra])
+        for r, extra in zip(records, point_extras(records, shown), strict=True)
+    ]
+
+
+def point_extras(records: list[dict], shown=()) -> list[list[str]]:
+    """Per record, `key=value` for each config field that differs among the records
+    (`varying_keys`) where its value is not the most common one (e.g. `mesh.fsdp=true` beside
+    records without FSDP)."""
     keys = varying_keys(records, shown)
-    values = {k: [json.dumps(get(r, "config." + k), sort_keys=True) for r in records] for k in keys}
+    flat = [_point(r) for r in records]
+    values = {k: [json.dumps(f.get(k), sort_keys=True) for f in flat] for k in keys}
     common = {k: max(vs, key=vs.count) for k, vs in values.items()}  # first of the most common
-    out = []
-    for i, r in enumerate(records):
-        label = str(r.get("label") or get(r, "strategy.name") or "?")
-        extra = [f"{k}={_short(get(r, 'config.' + k))}" for k in keys if values[k][i] != common[k]]
-        out.append(" ".join([label, *extra]))
-    return out
+    return [
+        [f"{k}={_short(flat[i].get(k))}" for k in keys if values[k][i] != common[k]]
+        for i in range(len(records))
+    ]
 
 
 def known_keys(records: list[dict]) -> set[str]:
@@ -196,7 +201,15 @@ def check_keys(records: list[dict], keys, what: str) -> None:
         if key in have or any(k.startswith(key + ".") for k in have):
             continue
         near = difflib.get_close_matches(key, sorted(have), n=4, cutoff=0.5)
-        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        if near:
+            hint = f"; did you mean {', '.join(near)}?"
+        else:  # nothing like it: what keys look like, from the records themselves
+            varying = varying_keys(records) or ["mesh.devices", "sampler.steps"]
+            metrics = [k for k in FORMATS if k in have and "." not in k][:6]
+            hint = (
+                f"; keys are dotted paths such as label, {', '.join([*varying[:4], *metrics])} "
+                f"(short keys look under config. and metrics.)"
+            )
         raise ValueError(f"{what} {key!r}: no record has this key{hint}")
 
 

@@ -18,6 +18,7 @@ from patchpar.measure.comm import (
     hlo_text_with_metadata,
     parse_collectives,
 )
+from patchpar.measure.flops import program_flops
 from patchpar.models import UNetFn
 from patchpar.parallel.engine import (
     Plan,
@@ -84,15 +85,20 @@ def measure(
     guidance_scale: float = 5.0,
     flops: bool = True,
     memory: bool = False,
+    log=None,
 ) -> dict:
     """One UNet call per phase under `plan`: HLO-counted and analytic bytes per device, FLOPs per
-    device (pre-optimisation HLO cost analysis), stale-buffer bytes per device, and with
-    `memory` the compiled steady-phase program's memory per device (compiles it; the
-    warm-up program is the same one without stale buffers coming in)."""
+    device (pre-optimisation HLO cost analysis, loops counted in full), stale-buffer bytes per
+    device, and with `memory` the compiled steady-phase program's memory per device (compiles
+    it; the warm-up program is the same one without stale buffers coming in). `log` hears a
+    line as each program is lowered and compiled (a full-size model takes tens of seconds)."""
+    log = log or (lambda msg: None)
     plan.validate(unet, latent_hw, 1_000_000, guidance_scale, batch)
     params = unet.abstract_params() if params is None else params
     if plan.strategy.owns_program:
-        return _measure_phases(unet, plan, latent_hw, batch, params, guidance_scale, flops, memory)
+        return _measure_phases(
+            unet, plan, latent_hw, batch, params, guidance_scale, flops, memory, log
+        )
     mesh = plan.mesh()
     x, t, cond = abstract_inputs(unet, latent_hw, batch)
     axis = plan.strategy.patch_axis(0)
@@ -114,7 +120,8 @@ def measure(
     }
     for phase in PHASES:
         t0 = time.perf_counter()
-        with record_sites() as log:
+        log(f"lowering the {phase.replace('warmup', 'warm-up')} phase's model call")
+        with record_sites() as sites:
             # the stale buffers are donated: inside the denoising loop they are a loop carry,
             # updated in place, so their new values alias the old ones as they do there
             donate = (4,) if memory and phase == "steady" and jax.tree.leaves(state) else ()
@@ -122,9 +129,10 @@ def measure(
             lowered = jax.jit(step, donate_argnums=donate).lower(
                 params, x, t, cond, state if phase == "steady" else None
             )
-        entry = count_lowered(lowered, log, plan, local_out, out_shape.dtype.itemsize, flops)
+        entry = count_lowered(lowered, sites, plan, local_out, out_shape.dtype.itemsize, flops)
         entry["lower_s"] = round(time.perf_counter() - t0, 2)
         if memory and phase == "steady":  # the steady program holds the stale buffers in and out
+            log("compiling the steady phase's model call (memory per device)")
             t0 = time.perf_counter()
             entry["memory"] = memory_per_device(lowered.compile())
             entry["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -132,7 +140,9 @@ def measure(
     return record
 
 
-def _measure_phases(unet, plan, latent_hw, batch, params, guidance_scale, flops, memory) -> dict:
+def _measure_phases(
+    unet, plan, latent_hw, batch, params, guidance_scale, flops, memory, log
+) -> dict:
     """`measure` for a strategy that owns its program (PipeFusion): each phase's compiled loop
     on a two-step schedule, one step per phase (the loop body is one step, counted once)."""
     from dataclasses import replace
@@ -152,13 +162,17 @@ def _measure_phases(unet, plan, latent_hw, batch, params, guidance_scale, flops,
     loop, params = None, placed_params(plan, unet, params)
     for phase in phase_steps(plan, 2):
         t0 = time.perf_counter()
-        with record_sites() as log:
+        log(f"lowering the {phase.replace('warmup', 'warm-up')} phase's program")
+        with record_sites() as sites:
             lowered = denoise_phase.lower(
                 unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale
             )
-        entry = count_lowered(lowered, log, plan, local_out, x.dtype.itemsize, flops)
+        entry = count_lowered(
+            lowered, sites, plan, local_out, x.dtype.itemsize, flops, phase_loop=True
+        )
         entry["lower_s"] = round(time.perf_counter() - t0, 2)
         if memory and phase == "steady":
+            log("compiling the steady phase's program (memory per device)")
             t0 = time.perf_counter()
             entry["memory"] = memory_per_device(lowered.compile())
             entry["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -168,15 +182,25 @@ def _measure_phases(unet, plan, latent_hw, batch, params, guidance_scale, flops,
     return record
 
 
-def count_lowered(lowered, log, plan: Plan, local_out, out_itemsize: int, flops: bool = True):
-    """What a lowered program of one model step (or a phase's loop, whose body is one step:
-    its collectives and FLOPs appear once in the program) costs each device: bytes received
+def count_lowered(
+    lowered,
+    log,
+    plan: Plan,
+    local_out,
+    out_itemsize: int,
+    flops: bool = True,
+    phase_loop: bool = False,
+):
+    """What a lowered program of one model step (or, `phase_loop`, a phase's loop, whose body
+    is one step: its collectives appear once in the program) costs each device: bytes received
     by site from the pre-optimisation HLO (`hlo`), the same from the site calls recorded while
     tracing it (`analytic`, and `analytic_matches_hlo`), the released code's pattern
-    (`released`), the collectives grouped (op, group size, bytes) and `flops_per_device`.
-    `local_out`: one device's slab of the guided output (for the CFG gather and the released
-    code's output gather)."""
-    collectives = parse_collectives(hlo_text_with_metadata(lowered), plan.devices)
+    (`released`), the collectives grouped (op, group size, bytes) and `flops_per_device` of one
+    step, every inner loop (a blockwise attention kernel's) counted as often as it runs
+    (`measure.flops`; XLA's own count takes a loop's body once). `local_out`: one device's slab
+    of the guided output (for the CFG gather and the released code's output gather)."""
+    text = hlo_text_with_metadata(lowered)
+    collectives = parse_collectives(text, plan.devices)
     hlo = count_collectives(collectives, plan.devices)
     model = analytic_count(plan, log, local_out, out_itemsize)
     entry = {
@@ -187,8 +211,7 @@ def count_lowered(lowered, log, plan: Plan, local_out, out_itemsize: int, flops:
         "released": released_count(plan, log, local_out, out_itemsize).summary(),
     }
     if flops:
-        cost = lowered.cost_analysis()
-        entry["flops_per_device"] = float((cost or {}).get("flops", float("nan")))
+        entry["flops_per_device"] = program_flops(lowered, outer_once=phase_loop, text=text)
     return entry
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from patchpar.hardware import Profile
+from patchpar.measure.flops import program_flops
 
 OVERLAPS = ("auto", "none", "step", "next-step")
 VAE_MODES = ("off", "rows", "none")  # one device, row patches, left out
@@ -133,11 +134,14 @@ def synchronous_sites(plan, phase: str) -> list[str]:
     return [s for s in every if s not in stale and s != "pipe"]
 
 
-def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16"):
+def compute_workload(
+    model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16", log=None
+):
     """Lower one denoiser call per phase with abstract parameters (no weights) and read its FLOPs
     and collectives, plus the text encoders' and the VAE decoder's FLOPs. The attention kernel
-    is `xla` here: XLA's cost analysis counts a loop body once, so the chunked kernel's FLOPs
-    would be under-counted (the bytes are the same for every kernel). Validates like `run`."""
+    is `xla` here, the reference, whose program is the quickest to lower (the FLOPs are counted
+    with loops unrolled, `measure.flops`, and the bytes are the same for every kernel).
+    Validates like `run`."""
     import jax.numpy as jnp
 
     from patchpar.measure.cost import measure
@@ -154,7 +158,7 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
     jdtype = getattr(jnp, dtype)
     unet = abstract_denoiser(model, jdtype, XLA)
     latent = resolution // f
-    r = measure(unet, plan, (latent, latent), batch=batch, flops=True, memory=False)
+    r = measure(unet, plan, (latent, latent), batch=batch, flops=True, memory=False, log=log)
     phases = {
         name: {
             "flops_per_device": r["phases"][name]["flops_per_device"],
@@ -162,6 +166,8 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
         }
         for name in PHASES
     }
+    if log is not None:
+        log("lowering the text encoders and the VAE decoder (their FLOPs)")
     encode, decode = _encode_decode_flops(model, resolution, batch, jdtype)
     return Workload(
         model=str(model),
@@ -190,52 +196,52 @@ def compute_workload(model: str, resolution: int, plan, batch: int = 1, dtype: s
 @functools.lru_cache(maxsize=32)
 def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tuple[float, float]:
     """FLOPs of the text encoders (2 x batch prompts of 77 CLIP tokens, or of T5's 120 / 300
-    for PixArt-α / Σ) and of the VAE decoder on the batch, from the lowered programs of a
-    preset's configs; 0 where the preset has none."""
+    for PixArt-α / Σ) and of the VAE decoder on the batch, from the lowered programs of the
+    components' configs (a preset's, or a folder's); 0 for a model without a VAE."""
     import jax
 
     from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
-    from patchpar.models.presets import MAX_TEXT_TOKENS, PRESETS
+    from patchpar.models.presets import MAX_TEXT_TOKENS, component_config
     from patchpar.models.t5 import T5Config, T5EncoderModel
     from patchpar.parallel.vae import VAEPlan, lowered_decode
 
-    preset = PRESETS.get(str(model), {})
     sds = jax.ShapeDtypeStruct
+    pipeline = component_config(model, "pipeline") or {}
     encode = 0.0
     for name in ("text_encoder", "text_encoder_2"):
-        if name in preset and preset[name].get("model_type") == "t5":
-            module = T5EncoderModel(T5Config.from_transformers(preset[name], name), dtype)
-            tokens = MAX_TEXT_TOKENS.get(preset.get("pipeline", {}).get("_class_name"), 120)
-            ids = sds((2 * batch, tokens), np.int32)
-        elif name in preset:
-            module = CLIPTextModel(CLIPTextConfig.from_transformers(preset[name], name), dtype)
-            ids = sds((2 * batch, 77), np.int32)
-        else:
+        cfg = component_config(model, name)
+        if cfg is None:
             continue
+        if cfg.get("model_type") == "t5":
+            module = T5EncoderModel(T5Config.from_transformers(cfg, name), dtype)
+            ids = sds((2 * batch, MAX_TEXT_TOKENS.get(pipeline.get("_class_name"), 120)), np.int32)
+        else:
+            module = CLIPTextModel(CLIPTextConfig.from_transformers(cfg, name), dtype)
+            ids = sds((2 * batch, 77), np.int32)
         params = jax.eval_shape(lambda i, m=module: m.init(jax.random.key(0), i)["params"], ids)
         lowered = jax.jit(lambda p, i, m=module: m.apply({"params": p}, i)).lower(params, ids)
-        encode += float(lowered.cost_analysis()["flops"])
+        encode += program_flops(lowered)
     decode = 0.0
     if (vae := _preset_vae(model, dtype)) is not None:
         side = resolution // vae.config.downsample_factor
         z = (batch, side, side, vae.config.latent_channels)
         low = lowered_decode(vae, jax.eval_shape(lambda: vae.init(0)), z, VAEPlan())
-        decode = float(low.cost_analysis()["flops"])
+        decode = program_flops(low)
     return encode, decode
 
 
 def _preset_vae(model: str, dtype):
-    """A preset's VAE (abstract use only; the `xla` attention kernel, whose FLOPs XLA counts
-    whole), or None: a folder or a pixel-space preset."""
+    """A preset's or folder's VAE (abstract use only; the `xla` attention kernel, the
+    reference), or None: a pixel-space model."""
     from patchpar.models.api import VAEFn
     from patchpar.models.attention import XLA
-    from patchpar.models.presets import PRESETS
+    from patchpar.models.presets import component_config
     from patchpar.models.vae import AutoencoderKL, VAEConfig
 
-    preset = PRESETS.get(str(model), {})
-    if "vae" not in preset:
+    cfg = component_config(model, "vae")
+    if cfg is None:
         return None
-    return VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"], "vae"), dtype, attn=XLA))
+    return VAEFn(AutoencoderKL(VAEConfig.from_diffusers(cfg, "vae"), dtype, attn=XLA))
 
 
 @functools.lru_cache(maxsize=32)
@@ -261,7 +267,15 @@ def decode_collectives(model: str, resolution: int, devices: int, batch: int, dt
 
 # Bump when a change to the sites or the engine changes what a lowered program holds (its
 # collectives, bytes or FLOPs): cached workloads of other versions are lowered again.
-WORKLOAD_VERSION = 1
+# Version 2: a diffusers folder's text encoders and VAE are counted (version 1 counted a
+# preset's only, so a preset's version-1 workload is still valid: `_valid`).
+WORKLOAD_VERSION = 2
+
+
+def _valid(w: Workload) -> bool:
+    from patchpar.models.presets import PRESETS
+
+    return w.version == WORKLOAD_VERSION or (w.version == 1 and w.model in PRESETS)
 
 
 def default_cache_path() -> Path:
@@ -277,8 +291,9 @@ class WorkloadCache:
     rewritten to a temp file and renamed over it: a killed process leaves it whole). A line
     that does not read is skipped with a warning naming the file and line."""
 
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, log=None):
         self.path = Path(path) if path is not None else default_cache_path()
+        self.log = log  # hears a line as a workload missing from the cache is lowered
         self._items: dict[tuple, Workload] = {}
         if self.path.is_file():
             for number, line in enumerate(self.path.read_text().splitlines(), 1):
@@ -293,7 +308,7 @@ class WorkloadCache:
                         stacklevel=2,
                     )
                     continue
-                if w.version == WORKLOAD_VERSION:
+                if _valid(w):
                     self._items[w.key()] = w
 
     def _write(self, w: Workload) -> None:
@@ -326,7 +341,12 @@ class WorkloadCache:
             plan.fsdp_degree > 1,
         )
         if key not in self._items:
-            w = compute_workload(model, resolution, plan, batch, dtype)
+            if self.log is not None:
+                self.log(
+                    f"{model} {resolution}px {plan.strategy.name} on {plan.devices} device(s): "
+                    f"not in the workload cache ({self.path}); lowering it with abstract weights"
+                )
+            w = compute_workload(model, resolution, plan, batch, dtype, self.log)
             self._write(w)
             self._items[key] = w
         return self._items[key]
@@ -450,9 +470,10 @@ def project(
     n_warm = warmup_phase_steps(w, steps)
     times = {ph: phase_time(w, ph, hw, overlap, m.get(ph)) for ph in PHASES}
     encode = hw.compute_s(w.encode_flops)
-    one_device = 0.0 if vae == "none" else hw.compute_s(w.decode_flops)
+    # no decode: left out, or a pixel-space model (no VAE: nothing to price, not even a call)
+    one_device = 0.0 if vae == "none" or not w.decode_flops else hw.compute_s(w.decode_flops)
     decode = one_device
-    if vae == "rows":  # images over data, each image's rows over the rest: FLOPs / devices
+    if vae == "rows" and w.decode_flops:  # images over data, each image's rows over the rest
         decode = hw.compute_s(w.decode_flops / w.devices) + sum(
             hw.collective_s(g["op"], g["group"], g["count"], g["received_bytes"])
             for g in decode_collectives or []

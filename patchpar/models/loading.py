@@ -94,6 +94,23 @@ def _to_torch(arr: np.ndarray, leaf: str) -> np.ndarray:
     return arr
 
 
+def check_finite_tensor(value: np.ndarray, key: str, where: str) -> None:
+    """CheckpointError naming a weight tensor that holds NaN or Inf: a model loaded from it
+    would only ever produce non-finite (black) images."""
+    if value.dtype.kind not in "fV":  # integer buffers; "V": bfloat16 (ml_dtypes)
+        return
+    v = value if value.dtype.kind == "f" else value.astype(np.float32)
+    bad = ~np.isfinite(v)
+    if not bad.any():
+        return
+    nan = int(np.isnan(v).sum())
+    raise CheckpointError(
+        f"{where}: weight {key!r} {tuple(value.shape)} holds {nan} NaN and "
+        f"{int(bad.sum()) - nan} Inf value(s) of {value.size}; the checkpoint "
+        f"is damaged (or was saved after a diverged step): replace it"
+    )
+
+
 def state_dict_to_params(
     state: dict[str, np.ndarray], abstract_params, where: str, dtype=None
 ) -> dict:
@@ -113,6 +130,7 @@ def state_dict_to_params(
                 unused.append(key)
             continue
         value = _to_flax(np.asarray(arr), path[-1])
+        check_finite_tensor(value, key, where)
         want = expected[path]
         if tuple(value.shape) != tuple(want.shape):
             raise CheckpointError(

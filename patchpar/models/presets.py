@@ -5,6 +5,7 @@ diffusers-format folder with deterministic random weights)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -375,6 +376,23 @@ def preset_names() -> list[str]:
     return sorted([*PRESETS, *SHIPPED])
 
 
+def check_model(model: str | Path) -> None:
+    """ValueError (a CheckpointError) when `model` is neither a preset nor a folder, naming
+    the presets and the nearest names."""
+    import difflib
+
+    from patchpar.models.loading import CheckpointError
+
+    name = str(model)
+    if name in PRESETS or name in SHIPPED or Path(name).is_dir():
+        return
+    near = difflib.get_close_matches(name, preset_names(), n=3, cutoff=0.6)
+    raise CheckpointError(
+        f"model {name!r} is neither a preset ({preset_names()}) nor an existing diffusers "
+        f"folder" + (f"; did you mean {', '.join(near)}?" if near else "")
+    )
+
+
 def get_preset(name: str) -> dict[str, dict]:
     try:
         return PRESETS[name]
@@ -393,6 +411,7 @@ def abstract_denoiser(model: str | Path, dtype=jnp.bfloat16, attention=None):
     from patchpar.models.unet import UNet2DConditionModel, UNetConfig
 
     name = str(model)
+    check_model(name)
     if name in SHIPPED:
         model = preset_folder(name)
     kind = family(model)
@@ -445,16 +464,27 @@ def resolve_dtype(dtype: str, model: str | Path) -> str:
 
 def latent_factor(model: str | Path) -> int:
     """Image pixels per latent pixel of a preset or diffusers folder (1: pixel space, no VAE)."""
-    from patchpar.models.loading import read_config
     from patchpar.models.vae import VAEConfig
 
-    name = str(model)
-    if name in PRESETS:
-        vae = PRESETS[name].get("vae")
-    else:
-        folder = preset_folder(name) if name in SHIPPED else Path(model)
-        vae = read_config(folder / "vae") if (folder / "vae").is_dir() else None
+    vae = component_config(model, "vae")
     return 1 if vae is None else VAEConfig.from_diffusers(vae).downsample_factor
+
+
+def component_config(model: str | Path, sub: str) -> dict | None:
+    """The config of component `sub` (`vae`, `text_encoder`, `text_encoder_2`, `unet`,
+    `transformer`; `pipeline`: model_index.json) of a preset or a diffusers folder; None where
+    it has none (a pixel-space model has no `vae`)."""
+    from patchpar.models.loading import read_config
+
+    name = str(model)
+    check_model(name)
+    if name in PRESETS:
+        return PRESETS[name].get(sub)
+    folder = preset_folder(name) if name in SHIPPED else Path(model)
+    if sub == "pipeline":
+        index = folder / "model_index.json"
+        return json.loads(index.read_text()) if index.is_file() else None
+    return read_config(folder / sub) if (folder / sub).is_dir() else None
 
 
 def home() -> Path:

@@ -406,23 +406,28 @@ def denoise(
     return x, loop[1]
 
 
-def _run_phase(unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale):
+def _run_phase(
+    unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale, watch=False
+):
+    """One phase: (x, loop) -> (x, loop); with `watch`, also the first step that left a NaN or
+    Inf in x (-1: none; -2: not known, a strategy that owns its program)."""
     if plan.strategy.owns_program:
         span = phase_steps(plan, schedule.timesteps.shape[0])[phase]
-        return pipeline.run_phase(
+        out = pipeline.run_phase(
             unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale
         )
+        return (*out, jnp.int32(-2)) if watch else out
     mesh = plan.mesh()
     if loop is None:  # the first phase starts the solver history and the stale buffers
         state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)
         loop = (sampler.init_carry(x), state)
     start, stop = phase_steps(plan, schedule.timesteps.shape[0])[phase]
     fn = _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh)
-    x, carry, state = run_steps(fn, sampler, schedule, x, *loop, start, stop)
-    return x, (carry, state)
+    x, carry, state, *first = run_steps(fn, sampler, schedule, x, *loop, start, stop, watch)
+    return (x, (carry, state), *first)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9))
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9), static_argnames=("guidance_scale", "watch"))
 def denoise_phase(
     unet: Denoiser,
     plan: Plan,
@@ -434,8 +439,12 @@ def denoise_phase(
     x,
     loop,
     guidance_scale: float,
+    watch: bool = False,
 ):
     """One phase of `denoise` as its own program, so that phases can be timed apart:
     (x, loop) -> (x after the phase, loop), where loop = (solver carry, stale state) and is
-    None before the first phase. Chaining the phases of `phase_steps` gives `denoise`."""
-    return _run_phase(unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale)
+    None before the first phase. Chaining the phases of `phase_steps` gives `denoise`.
+    `watch` (a diagnostic replay): also the first step that left a NaN or Inf in x."""
+    return _run_phase(
+        unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale, watch
+    )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,7 +22,13 @@ from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, loa
 from patchpar.models.api import Denoiser, T5EncoderFn, load_pixart, load_t5_encoder
 from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.loading import CheckpointError, read_config
-from patchpar.models.presets import MAX_TEXT_TOKENS, PRESETS, SHIPPED, preset_folder
+from patchpar.models.presets import (
+    MAX_TEXT_TOKENS,
+    PRESETS,
+    SHIPPED,
+    check_model,
+    preset_folder,
+)
 from patchpar.models.tokenizer import T5Tokenizer, Tokenizer, load_tokenizer
 from patchpar.parallel.engine import (
     Plan,
@@ -109,6 +117,13 @@ class Pipeline:
         height: int,
         width: int,
     ) -> Conditioning:
+        """The prompts' conditioning stacked over guidance (NonFiniteError if it holds NaN or
+        Inf: a text encoder that overflowed, or damaged inputs)."""
+        cond = self._encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
+        check_finite_conditioning(cond, self.unet.module.dtype)
+        return cond
+
+    def _encode_prompt(self, prompts, negative_prompts, guidance_scale, height, width):
         check_guidance(guidance_scale, negative_prompts)
         cfg = guidance_scale > 1.0
         negative = negative_prompts or [""] * len(prompts)
@@ -207,23 +222,60 @@ class Pipeline:
             cache[plan] = placed_params(plan, self.unet, self.unet_params)
         return cache[plan]
 
-    def denoise_phases(self, cond, latents, sampler, steps, guidance_scale, plan=None):
+    def denoise_phases(
+        self, cond, latents, sampler, steps, guidance_scale, plan=None, watch: bool = False
+    ):
         """The denoising split into its phases, each its own jitted program, for timing the
         phases apart: ([(phase, steps in it, fn)], args). Starting from `loop = None`,
         `x, loop = fn(*args, loop)` with `args = (params, cond, schedule, x)` for each phase in
         order, x carried from one to the next, gives `denoise`'s latent. One device: a single
-        phase `warmup` with every step."""
+        phase `warmup` with every step. `watch`: each fn also returns the first step that left
+        a NaN or Inf in x (-1: none; -2: not known)."""
         fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
         static, dynamic, gs = args[:3], args[3:7], args[7]
         if fn is _denoise_single:
             spans, phase_fn = {"warmup": (0, steps)}, _single_phase
         else:
             spans, phase_fn = phase_steps(plan, steps), denoise_phase
+        extra = {"watch": True} if watch else {}
         programs = [
-            (phase, stop - start, partial(phase_fn, *static, phase, guidance_scale=gs))
+            (phase, stop - start, partial(phase_fn, *static, phase, guidance_scale=gs, **extra))
             for phase, (start, stop) in spans.items()
         ]
         return programs, dynamic
+
+    def check_finite_latent(self, final, cond, latents, sampler, steps, guidance_scale, plan=None):
+        """NonFiniteError when the final latent `final` holds NaN or Inf, naming the step and
+        phase where it first did: the run is replayed phase by phase with the loop watched (a
+        diagnostic program, run only then). Every process of a launched run calls it (the
+        replay has collectives); they all see the same gathered latent."""
+        if np.isfinite(np.asarray(to_local(final), np.float32)).all():
+            return
+        programs, args = self.denoise_phases(
+            cond, latents, sampler, steps, guidance_scale, plan, watch=True
+        )
+        where, x, loop, done = "only in the timed run", args[3], None, 0
+        for phase, n, fn in programs:
+            x, loop, first = fn(*args[:3], x, loop)
+            first = int(first)
+            in_phase = f"{phase.replace('warmup', 'warm-up')} phase; " if len(programs) > 1 else ""
+            if first >= 0:
+                where = f"first after step {first + 1} of {steps} ({in_phase}"
+                break
+            if not np.isfinite(np.asarray(to_local(x), np.float32)).all():
+                where = f"first in steps {done + 1}-{done + n} of {steps} ({in_phase}"
+                break
+            done += n
+        else:
+            where += " ("
+        label = "single" if plan is None else plan.strategy.name
+        devices = 1 if plan is None else plan.devices
+        raise NonFiniteError(
+            f"NaN or Inf in the latent, {where}{label} on {devices} device(s), {sampler}, "
+            f"guidance {guidance_scale}, {jnp.dtype(self.unet.module.dtype).name}): no image of "
+            f"it is a result; an overflow in bfloat16 may fit in float32, else the weights, "
+            f"inputs or guidance are at fault"
+        )
 
     def denoise(
         self,
@@ -260,7 +312,9 @@ class Pipeline:
             out, state = compiled(*args[3:7])
         else:
             out, state = fn(*args)
-        return to_local(out), state  # every process gets the whole latent across processes
+        out = to_local(out)  # every process gets the whole latent across processes
+        self.check_finite_latent(out, cond, latents, sampler, steps, guidance_scale, plan)
+        return out, state
 
     def decode(self, latents: jax.Array, vae_plan: VAEPlan | None = None) -> np.ndarray:
         """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process. `vae_plan`:
@@ -272,7 +326,15 @@ class Pipeline:
         else:
             z = latents / self.vae.config.scaling_factor
             img = to_local(vae_decode(self.vae, self.vae_params, z, vae_plan or VAEPlan()))
-        return np.asarray(jnp.round(jnp.clip(img / 2 + 0.5, 0, 1) * 255)).astype(np.uint8)
+        img = np.asarray(img, np.float32)
+        if not np.isfinite(img).all():
+            where = "the latent" if self.vae is None else "the VAE decode"
+            raise NonFiniteError(
+                f"{where} gave NaN or Inf in {int((~np.isfinite(img)).sum())} of {img.size} "
+                f"pixel values ({jnp.dtype(self.unet.module.dtype).name}): no image of it is a "
+                f"result (uint8 would turn them black)"
+            )
+        return np.round(np.clip(img / 2 + 0.5, 0, 1) * 255).astype(np.uint8)
 
     def __call__(
         self,
@@ -288,7 +350,11 @@ class Pipeline:
         plan: Plan | None = None,
         check_memory: bool = False,
         vae_plan: VAEPlan | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> Output:
+        """Images for the prompts, on one device or under `plan`. `log` (optional) hears one
+        line per stage as it starts: encoding, compiling and running each phase, decoding (the
+        phases then run as their own programs, which chain to the same latent)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -304,18 +370,65 @@ class Pipeline:
             plan.validate(self.unet, hw, steps, guidance_scale, n)
         if vae_plan is not None:
             vae_plan.validate(self.vae, hw, len(prompts) if latents is None else latents.shape[0])
+        say = log or (lambda msg: None)
+        say(f"encoding {len(prompts)} prompt(s)")
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
-        final, state = self.denoise_with_state(
-            cond, latents, sampler, steps, guidance_scale, plan, check_memory
-        )
+        args = (cond, latents, sampler, steps, guidance_scale, plan, check_memory)
+        if log is None:
+            final, state = self.denoise_with_state(*args)
+        else:
+            final, state = self._denoise_logged(*args, log)
+        say("decoding" + (f" ({vae_plan.mode})" if vae_plan is not None and self.vae else ""))
         # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
         return Output(
             self.decode(final, vae_plan),
             np.asarray(final.astype(jnp.float32)),
             stale_bytes_per_device(state),
         )
+
+    def _denoise_logged(self, cond, latents, sampler, steps, guidance_scale, plan, check_memory,
+                        log):  # fmt: skip
+        """`denoise_with_state` phase by phase, each phase compiled just before it runs and
+        announced: what a long run shows while it works."""
+        programs, args = self.denoise_phases(cond, latents, sampler, steps, guidance_scale, plan)
+        x, loop, done = args[3], None, 0
+        for phase, n, fn in programs:
+            name = (
+                "denoising" if len(programs) == 1 else f"{phase.replace('warmup', 'warm-up')} phase"
+            )
+            span = f"steps {done + 1}-{done + n} of {steps}"
+            log(f"{name}: compiling ({span})")
+            t0 = time.perf_counter()
+            compiled = jax.jit(fn).lower(*args[:3], x, loop).compile()
+            if check_memory:
+                from patchpar.measure.cost import check_fits, memory_per_device
+
+                what = "the denoising program" if len(programs) == 1 else f"the {name}'s program"
+                check_fits(memory_per_device(compiled), what)
+            log(f"{name}: running {span} (compiled in {time.perf_counter() - t0:.1f} s)")
+            x, loop = compiled(*args[:3], x, loop)
+            done += n
+        final = to_local(x)
+        self.check_finite_latent(final, cond, latents, sampler, steps, guidance_scale, plan)
+        return final, loop[1]
+
+
+class NonFiniteError(FloatingPointError):
+    """NaN or Inf where a result should be (text embeddings, a latent, decoded pixels): the run
+    stops there, naming where they first appeared, and its record is an error."""
+
+
+def check_finite_conditioning(cond: Conditioning, dtype) -> None:
+    """NonFiniteError naming the text encoders' output that holds NaN or Inf."""
+    for name, a in [("text embeddings", cond.context), *cond.extras.items()]:
+        a = np.asarray(a)
+        if a.dtype.kind in "fV" and not np.isfinite(a.astype(np.float32)).all():
+            raise NonFiniteError(
+                f"the {name} of the prompts hold NaN or Inf (text encoding, "
+                f"{jnp.dtype(dtype).name}): no image of them is a result"
+            )
 
 
 SEED_RANGE = 2**32  # jax.random.key takes the seed modulo 2^32: a larger one repeats a smaller
@@ -369,11 +482,22 @@ def _denoise_single(unet, smp, _plan, params, cond, schedule, x, guidance_scale)
     return x, {}
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9))
-def _single_phase(unet, smp, _plan, _phase, params, cond, schedule, x, loop, guidance_scale):
-    """`_denoise_single` with the phase programs' signature: (x, loop) -> (x, loop)."""
-    x, state = _denoise_single(unet, smp, None, params, cond, schedule, x, guidance_scale)
-    return x, ((), state)
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9), static_argnames=("guidance_scale", "watch"))
+def _single_phase(
+    unet, smp, _plan, _phase, params, cond, schedule, x, loop, guidance_scale, watch=False
+):
+    """`_denoise_single` with the phase programs' signature: (x, loop) -> (x, loop); `watch`:
+    also the first step that left a NaN or Inf in x (-1: none)."""
+    if not watch:
+        x, state = _denoise_single(unet, smp, None, params, cond, schedule, x, guidance_scale)
+        return x, ((), state)
+
+    def model_fn(x_in, t, i, state):
+        return guided(unet_on_stack(unet, params, x_in, t, cond), guidance_scale), state
+
+    n = schedule.timesteps.shape[0]
+    x, _, _, first = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), (), 0, n, True)
+    return x, ((), {}), first
 
 
 def load_pipeline(
@@ -384,15 +508,8 @@ def load_pipeline(
     model. `attention` picks the attention kernel of the denoiser and the VAE (default `auto`:
     patchpar/models/attention.py)."""
     name = str(path_or_preset)
-    if name in PRESETS or name in SHIPPED:
-        folder = preset_folder(name)
-    else:
-        folder = Path(path_or_preset)
-        if not folder.is_dir():
-            raise CheckpointError(
-                f"{name!r} is neither a preset ({sorted([*PRESETS, *SHIPPED])}) nor an existing "
-                f"diffusers folder"
-            )
+    check_model(name)  # a preset or a folder, else the presets and the nearest names
+    folder = preset_folder(name) if name in PRESETS or name in SHIPPED else Path(name)
     index = _model_index(folder)
     if (folder / "transformer").is_dir():
         return _load_pixart_pipeline(folder, index, dtype, attention, name)

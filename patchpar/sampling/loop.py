@@ -27,17 +27,25 @@ def run_steps(
     model_state,
     start: int,
     stop: int,
+    watch: bool = False,
 ):
-    """Returns (x at step `stop`, solver_carry, model_state)."""
+    """Returns (x at step `stop`, solver_carry, model_state). With `watch` (a diagnostic run,
+    not a timed one: the check is a reduction over the whole latent, a collective when x is
+    sharded), also the first step whose x came out with a NaN or Inf (int32, -1: none)."""
 
     def body(i, loop):
-        x, carry, state = loop
+        x, carry, state = loop[:3]
         x_in = sampler.scale_input(schedule, i, x)
         out, state = model_fn(x_in, schedule.timesteps[i], i, state)
         x, carry = sampler.step(schedule, i, x, out, carry)
-        return x, carry, state
+        if not watch:
+            return x, carry, state
+        first = loop[3]
+        bad = jnp.logical_not(jnp.all(jnp.isfinite(x)))
+        return x, carry, state, jnp.where((first < 0) & bad, i, first)
 
-    return jax.lax.fori_loop(start, stop, body, (x, solver_carry, model_state))
+    init = (x, solver_carry, model_state) + ((jnp.int32(-1),) if watch else ())
+    return jax.lax.fori_loop(start, stop, body, init)
 
 
 def guided(unet_output: jax.Array, guidance_scale: float) -> jax.Array:

@@ -202,6 +202,11 @@ def site_codecs(spec: str) -> dict[str, Codec]:
                 f"codec {part.strip()!r}: unknown site kind {kind!r}; site kinds with codecs: "
                 f"{list(KINDS)}"
             )
+        if kind in out:
+            raise ValueError(
+                f"codec={spec!r} names site kind {kind!r} twice; give each of {list(KINDS)} "
+                f"at most once (e.g. kv=int2,halo=int8)"
+            )
         out[kind] = parse(name)
     return out
 

@@ -1,0 +1,60 @@
+"""FLOPs are the program's whatever the attention kernel: a loop's body counts as often as the
+loop runs (XLA's own cost analysis takes it once)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from patchpar.lab.config import build_plan
+from patchpar.measure.cost import measure
+from patchpar.measure.flops import program_flops
+from patchpar.models.attention import AttentionSpec
+from patchpar.models.presets import abstract_denoiser
+
+MATMUL = 2 * 64**3  # one (64, 64) @ (64, 64)
+
+
+def test_loops_count_as_often_as_they_run():
+    a = jnp.ones((64, 64))
+
+    def nested(a, b):
+        def inner(x, _):
+            return x @ b, None
+
+        return lax.fori_loop(0, 3, lambda i, x: lax.scan(inner, x, None, length=7)[0], a)
+
+    low = jax.jit(nested).lower(a, a)
+    assert low.cost_analysis()["flops"] == pytest.approx(MATMUL, rel=1e-3)  # XLA: once
+    assert program_flops(low) == pytest.approx(21 * MATMUL, rel=1e-3)
+    # a phase's loop over steps counts once (FLOPs per step), its inner loops in full
+    assert program_flops(low, outer_once=True) == pytest.approx(7 * MATMUL, rel=1e-3)
+
+    def late_start(a, b):  # fori_loop(5, 20): 15 trips
+        return lax.fori_loop(5, 20, lambda i, x: x @ b, a)
+
+    assert program_flops(jax.jit(late_start).lower(a, a)) == pytest.approx(15 * MATMUL, rel=1e-3)
+
+    def branches(a, b, p):  # a conditional counts its dearest branch, as XLA's analysis does
+        return lax.cond(p, lambda: a @ b, lambda: lax.fori_loop(0, 4, lambda i, x: x @ b, a))
+
+    low = jax.jit(branches).lower(a, a, True)
+    assert program_flops(low) == pytest.approx(4 * MATMUL, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "model, strategy, latent",
+    [("tiny", "sync_patch", 32), ("tiny-dit", "distrifusion", 32), ("tiny-dit", "pipefusion", 32)],
+)
+def test_chunked_attention_flops_equal_xla(model, strategy, latent):
+    """Blocks of 64 queries and keys: the chunked kernel loops 4 x 4 times at the tiny UNet's
+    first attention level (1024 tokens) and over the DiT's 256 tokens; pipefusion's phases are
+    loops over steps whose inner loops are the kernel's."""
+    flops = {}
+    for impl in ("xla", "chunked"):
+        unet = abstract_denoiser(model, jnp.float32, AttentionSpec(impl, 64, 64))
+        plan = build_plan(strategy, {}, 2, 1)
+        r = measure(unet, plan, (latent, latent), batch=1)
+        flops[impl] = [r["phases"][p]["flops_per_device"] for p in ("warmup", "steady")]
+    for x, c in zip(flops["xla"], flops["chunked"], strict=True):
+        assert c == pytest.approx(x, rel=0.01)
