@@ -103,6 +103,7 @@ def main(argv=None) -> int:
             "dtype": "bfloat16",
             "cfg": 1,
             "unet_batch": 2,
+            "attention": unet.module.attn.impl,  # FLOPs: its loops counted in full
             **status,
             "provenance": prov,
         }
