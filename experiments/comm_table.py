@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from patchpar.lab.results import append_record, provenance, read_records
 from patchpar.measure.cost import measure
+from patchpar.models.attention import AttentionSpec, resolve
 from patchpar.models.presets import abstract_denoiser, family
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
@@ -84,7 +85,8 @@ def main(argv=None) -> int:
         if key(point) in done:
             continue
         tqdm.write(f"{model} {res}px {n} devices {strategy.describe()}")
-        unet = unets.setdefault(model, abstract_denoiser(model, jnp.bfloat16))
+        spec = resolve(AttentionSpec(), jnp.bfloat16)  # auto: chunked on CPU
+        unet = unets.setdefault(model, abstract_denoiser(model, jnp.bfloat16, spec))
         t0 = time.perf_counter()
         try:
             r = measure(
