@@ -235,6 +235,8 @@ _METAVARS = {
 def _expected(metavar: str) -> str:
     """A tyro metavar (`INT`, `{None}|FLOAT`, `[INT [INT ...]]`, `{a,b}`) in words."""
     metavar = metavar.replace("{None}|", "")
+    if metavar == "[True|False]":  # a boolean strategy option (config._bare_flag)
+        return "no value (a bare flag) or True or False"
     if metavar.startswith("["):  # a list: its values one after another, space-separated
         inner = metavar.strip("[]. ").split()[0]
         several = _METAVARS.get(inner, (inner, inner + " values"))[1]
@@ -265,11 +267,12 @@ def usage_error_line(box: str) -> str:
     """One line from tyro's error box: a value of the wrong type as `--flag='value': expected
     <what>`, else its message (up to the first rule, without tyro's list of per-type errors)
     and the options listed under "Perhaps you meant"."""
-    message, suggested, part = [], [], 0
+    message, suggested, part = [], {}, 0
     lines = [ln.strip() for ln in box.splitlines() if ln.strip()]
     typed = _typed_error(lines)
     if typed is not None:
         return typed + " (--help lists every option)"
+    last = None
     for line in lines[1:]:  # after the title (a box's top edge, or a line of its own)
         if line[0] in "╭╰":  # a box's bottom edge
             continue
@@ -281,13 +284,25 @@ def usage_error_line(box: str) -> str:
         elif part == 0 and row:
             message.append(row)
         elif part == 1 and row.startswith("--"):
-            suggested.append(row.split()[0])
+            last = row.split()[0]
+            suggested.setdefault(last, [])
+        elif part == 1 and last and row.startswith("in patchpar ") and row.endswith("--help"):
+            # a suggestion that is another subcommand's option: say whose
+            suggested[last].append(row.removeprefix("in patchpar ").split()[0])
         elif row.startswith("Available subcommands"):
             message.append(f"({row})")
     text = " ".join(message)
+    # "--x (applied to patchpar comm)": said once, without tyro's note on ordering
+    where = sorted(set(re.findall(r" \(applied to (patchpar \w+)\)", text)))
+    text = re.sub(r" \(applied to patchpar \w+\)", "", text)
+    text = text.split(" Arguments are applied to")[0]
+    if where:
+        text += f" (not options of {', '.join(where)})"
     if suggested and "Perhaps you meant" in box:
         text = text.replace(" Perhaps you meant:", "")
-        text += f"; did you mean {', '.join(dict.fromkeys(suggested))}?"
+        named = [f"{flag} ({'patchpar ' + ', '.join(subs)})" if subs else flag
+                 for flag, subs in suggested.items()]  # fmt: skip
+        text += f"; did you mean {', '.join(named)}?"
     return text + " (--help lists every option)"
 
 

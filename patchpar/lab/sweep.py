@@ -106,6 +106,15 @@ def load_sweep(
                 configs.append(cfg)
             except ValueError as e:
                 raise ValueError(f"{path}: point {overrides}: {e}") from None
+    if processes is not None:  # every point must run in them: refused up front, not one by one
+        other = sorted({c.mesh.devices for c in configs} - {1, processes})
+        if other:
+            raise ValueError(
+                f"--processes {processes}: {path} has points on {other} device(s), and a "
+                f"launched process holds one device (a point on 1 device runs in 1 process, the "
+                f"others in {processes}); use --processes with a sweep whose points are on 1 or "
+                f"{processes} devices, or set mesh.processes in the sweep file per point"
+            )
     return configs
 
 
