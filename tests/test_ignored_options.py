@@ -128,6 +128,11 @@ def test_options_without_effect_are_warned_of_and_recorded(tmp_path, capsys):
     assert any("timeout_s=60.0 has no effect without mesh.processes" in u for u in unused)
     assert any("prompts.batch_size=4 is more than the 1 image(s)" in u for u in unused)
     assert unused_options(RunConfig()) == []  # defaults have nothing to miss
+    one = with_overrides(RunConfig(), {"mesh.fsdp": True})
+    assert unused_options(one) == [
+        "fsdp has no effect on 1 device(s) here: no two devices run the same weights (one "
+        "device, or tensor parallelism over all of them), so there is nothing to shard"
+    ]
     compute = with_overrides(RunConfig(), {"measure.compute_only": True})
     assert "is not measured with measure.compute_only" in unused_options(compute)[0]
     # printed once, kept in the record

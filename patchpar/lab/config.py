@@ -494,6 +494,8 @@ def unused_options(config: RunConfig) -> list[str]:
             f"timeout_s={config.timeout_s} has no effect without mesh.processes (it ends "
             f"launched workers that hang)"
         )
+    if config.mesh.fsdp and config.plan().fsdp_degree == 1:
+        out.append(fsdp_unused(config.mesh.devices))
     n_images = len(config.prompts.prompts) * len(config.prompts.seeds)
     if config.prompts.batch_size > n_images:
         out.append(
@@ -501,6 +503,13 @@ def unused_options(config: RunConfig) -> list[str]:
             f"image(s) of the prompt set: one call takes them all"
         )
     return out
+
+
+def fsdp_unused(devices: int) -> str:
+    return (
+        f"fsdp has no effect on {devices} device(s) here: no two devices run the same weights "
+        f"(one device, or tensor parallelism over all of them), so there is nothing to shard"
+    )
 
 
 def clip_ok(model: str, m: MeasureConfig) -> bool:

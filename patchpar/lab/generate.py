@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from patchpar.lab.config import DTYPES, DecodeFlags
+from patchpar.lab.config import DTYPES, DecodeFlags, fsdp_unused
 from patchpar.lab.launch import is_writer, launch
 
 
@@ -77,9 +77,9 @@ def check(config: GenerateConfig) -> list[str]:
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
     check_guidance(guidance, [config.negative_prompt])
-    config.plan()  # unknown strategy or option: error before loading anything
+    plan = config.plan()  # unknown strategy or option: error before loading anything
     config.vae_plan()
-    unused = []
+    unused = [fsdp_unused(config.devices)] if config.fsdp and plan.fsdp_degree == 1 else []
     if config.timeout_s != GenerateConfig.timeout_s and not config.processes:
         unused.append(
             f"timeout_s={config.timeout_s} has no effect without processes (it ends launched "
