@@ -41,6 +41,13 @@ def test_loops_count_as_often_as_they_run():
     low = jax.jit(branches).lower(a, a, True)
     assert program_flops(low) == pytest.approx(4 * MATMUL, rel=1e-3)
 
+    def unbounded(a, b, n):  # a loop whose bound is data: counted once, and said so
+        return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ b), (0, a))[1]
+
+    with pytest.warns(UserWarning, match="trip count is not a constant bound"):
+        got = program_flops(jax.jit(unbounded).lower(a, a, 5))
+    assert got == pytest.approx(MATMUL, rel=1e-3)
+
 
 @pytest.mark.parametrize(
     "model, strategy, latent",

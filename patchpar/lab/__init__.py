@@ -7,12 +7,12 @@ imports it.
 """
 
 
-def load_records(*paths, latest: bool = False, ok_only: bool = False):
-    """Records as a pandas DataFrame, one row per record, dotted columns
-    (`patchpar.lab.frames.load_records`)."""
+def load_records(*paths, latest: bool = False, ok_only: bool = False, shown=()):
+    """Records as a pandas DataFrame, one row per record, dotted columns, and `point_label`
+    for run records (`patchpar.lab.frames.load_records`)."""
     from patchpar.lab.frames import load_records as load
 
-    return load(*paths, latest=latest, ok_only=ok_only)
+    return load(*paths, latest=latest, ok_only=ok_only, shown=shown)
 
 
 __all__ = ["load_records"]

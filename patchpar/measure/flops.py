@@ -22,6 +22,7 @@ steps, and its FLOPs per step are one iteration's (its inner loops unrolled).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -220,8 +221,14 @@ class HloFlops:
             if instr.op == "while":
                 n = self.trip_count(comp, instr)
                 self.loops.append(n)
-                n = 1 if (outer or n is None) else n
                 body = attrs["body"]
+                if n is None and not outer and self.xla(body):
+                    warnings.warn(
+                        f"a while loop ({instr.name}) whose trip count is not a constant bound: "
+                        f"its body's FLOPs are counted once (a lower bound)",
+                        stacklevel=2,
+                    )
+                n = 1 if (outer or n is None) else n
                 inner = self._correction(body, False)
                 corr += (n - 1) * self.xla(body) + n * inner if n != 1 else inner
             elif instr.op == "conditional":
