@@ -64,6 +64,15 @@ def test_a_bad_timeout_is_refused_before_any_worker_starts(tmp_path, capsys):
     assert "launching" not in err and "[rank" not in err
 
 
+def test_a_link_to_nothing_is_no_place_to_write(tmp_path):
+    from patchpar.lab.results import check_writable
+
+    (tmp_path / "runs").symlink_to(tmp_path / "absent")
+    with pytest.raises(ValueError, match="runs' is a link to nothing"):
+        check_writable(tmp_path / "runs" / "x", "results")
+    assert check_writable(tmp_path / "new" / "x", "results") and not (tmp_path / "new").exists()
+
+
 def test_a_metrics_inputs_are_checked_before_anything_and_nothing_is_left(tmp_path, capsys):
     args = ["run", "--model.name", "fmnist", "--measure.quality", "fid_gt",
             "--measure.ground-truth", str(tmp_path / "missing"), "--prompts.seeds", "0", "1",
@@ -128,6 +137,9 @@ def test_options_without_effect_are_warned_of_and_recorded(tmp_path, capsys):
     assert any("timeout_s=60.0 has no effect without mesh.processes" in u for u in unused)
     assert any("prompts.batch_size=4 is more than the 1 image(s)" in u for u in unused)
     assert unused_options(RunConfig()) == []  # defaults have nothing to miss
+    # the shipped configs' spelling of the default reference is the default
+    same = with_overrides(RunConfig(), {"measure.ground_truth": "fashion-mnist:test"})
+    assert unused_options(same) == []
     one = with_overrides(RunConfig(), {"mesh.fsdp": True})
     assert unused_options(one) == [
         "fsdp has no effect on 1 device(s) here: no two devices run the same weights (one "

@@ -101,6 +101,15 @@ def test_labels_never_hide_a_difference_behind_a_column(tmp_path):
         r["metrics"]["bytes_per_device_per_step"] = 1.0
     assert plot_bytes_vs_devices(records, ax) and len(ax.get_lines()) == 2
     plt.close(fig)
+    # long values that share a head and a tail still get labels of their own
+    seeds = [run_record(run_id=f"s{n}", prompts__seeds=list(range(n))) for n in (10, 50, 90)]
+    seeds[2]["config"]["prompts"]["seeds"] = [*range(40), *range(100, 150)]  # same ends as 50's
+    seeds[2]["config"]["prompts"]["seeds"][-10:] = list(range(40, 50))
+    assert len(set(point_labels(seeds))) == 3
+    # a field older records lack is filled in as it ran, not named as a difference
+    old = run_record(run_id="o")
+    new = run_record(run_id="n", measure__compute_only=False)
+    assert point_labels([old, new]) == ["sync_patch", "sync_patch"]
     # many series: a colour and marker pair of their own each
     pairs = {tuple(style(i).values()) for i in range(40)}
     assert len(pairs) == 40

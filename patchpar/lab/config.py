@@ -478,8 +478,10 @@ def unused_options(config: RunConfig) -> list[str]:
         "ground_truth": "fid_gt", "ground_truth_samples": "fid_gt", "clip_model": "clip_score",
         "clip_checkpoint": "clip_score", "clip_config": "clip_score", "lpips_net": "lpips",
     }  # fmt: skip
+    same = {"fashion-mnist": "fashion-mnist:test"}  # one reference, two spellings
     for key, metric in needs.items():
-        if getattr(m, key) != getattr(dm, key) and metric not in m.quality:
+        given, default = getattr(m, key), getattr(dm, key)
+        if same.get(given, given) != same.get(default, default) and metric not in m.quality:
             out.append(
                 f"measure.{key}={getattr(m, key)!r} has no effect: measure.quality "
                 f"{list(m.quality)} does not include {metric}"
@@ -540,13 +542,15 @@ def with_defaults(section: type, given: dict) -> dict:
 def point_config(config: RunConfig | dict) -> dict:
     """A run's config as a point (plain data): without where records go (`results`) or how
     long a worker may take (`timeout_s`), and with the fields older records lack filled in as
-    those runs ran (the mesh and strategy defaults of today; attention `xla`, float32 from
-    before kernels and dtypes existed)."""
+    those runs ran (the mesh, strategy, measure and prompts defaults of today; attention `xla`,
+    float32 from before kernels and dtypes existed)."""
     d = to_dict(config) if isinstance(config, RunConfig) else dict(config)
     d.pop("results", None)
     d.pop("timeout_s", None)
     d["mesh"] = with_defaults(MeshConfig, d.get("mesh", {}))
     d["strategy"] = with_defaults(StrategyConfig, d.get("strategy", {}))
+    d["measure"] = with_defaults(MeasureConfig, d.get("measure", {}))
+    d["prompts"] = with_defaults(PromptsConfig, d.get("prompts", {}))
     d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}
     d["sampler"] = {**d.get("sampler", {})}
     d["sampler"].setdefault("dtype", "float32")

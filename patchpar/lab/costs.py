@@ -59,7 +59,9 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
         if given:
             log(
                 f"patchpar: warning: {', '.join(given)} has no effect with --no-memory: the "
-                f"kernel changes only the memory (bytes and FLOPs are the same for every kernel)"
+                f"kernel changes only the memory (bytes are the same for every kernel, and "
+                f"FLOPs for xla and chunked; cudnn and splash are custom calls, whose FLOPs XLA "
+                f"does not count)"
             )
     from patchpar.models.attention import AttentionSpec, resolve
 

@@ -43,12 +43,15 @@ def inputs(pipe, config: RunConfig, batch: list[tuple[str, int]], hw: tuple[int,
     """Conditioning and initial latents (image (p, s) starts from normal(key(s)))."""
     import jax.numpy as jnp
 
+    from patchpar.pipelines.text2img import check_finite_conditioning
+
     s = config.sampler
     prompts = [p for p, _ in batch]
     negative = (
         [config.prompts.negative_prompt] * len(batch) if config.prompts.negative_prompt else None
     )
     cond = pipe.encode_prompt(prompts, negative, s.guidance_scale, *hw)
+    check_finite_conditioning(cond, pipe.unet.module.dtype)  # once, before any timed call
     latents = jnp.concatenate([pipe.initial_latents(1, *hw, seed) for _, seed in batch])
     return cond, latents
 

@@ -10,6 +10,7 @@ marker pair of their own (`style`), however many there are.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -122,9 +123,16 @@ def plot_step_time(records, ax) -> bool:
 def plot_psnr_vs_portion(records, ax) -> bool:
     """PCPP: PSNR against single vs the attended portion of each neighbour patch."""
     extras = point_extras(records, ("strategy.portion", "mesh.devices"))
+    pcpp = [r for r in records if get(r, "strategy.name") == "pcpp"]
+    # the strategy's own options that differ among the PCPP records, but the x axis
+    options = sorted(
+        k for k in {k for r in pcpp for k in (r.get("strategy") or {})} - {"name", "portion"}
+        if len({json.dumps(get(r, f"strategy.{k}")) for r in pcpp}) > 1
+    )  # fmt: skip
     series = [
-        {**r, "_series": " ".join([f"send={get(r, 'strategy.send')}, {get(r, 'mesh.devices')} "
-                                   "devices", *extra])}
+        {**r, "_series": " ".join(
+            [f"{get(r, 'mesh.devices')} devices"]
+            + [f"{k}={get(r, f'strategy.{k}')}" for k in options] + extra)}
         for r, extra in zip(records, extras, strict=True)
     ]  # fmt: skip
     rs = [r for r in _ok(series, "psnr", "strategy.portion") if get(r, "strategy.name") == "pcpp"]

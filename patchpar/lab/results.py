@@ -121,9 +121,11 @@ def check_writable(folder: Path, what: str) -> Path:
     naming the folder and the reason otherwise."""
     folder = Path(folder)
     probe_in = folder
-    while not probe_in.exists() and probe_in != probe_in.parent:
+    while not os.path.lexists(probe_in) and probe_in != probe_in.parent:
         probe_in = probe_in.parent
     try:
+        if probe_in.is_symlink() and not probe_in.exists():
+            raise FileNotFoundError(2, f"{str(probe_in)!r} is a link to nothing")
         if not probe_in.is_dir():
             raise NotADirectoryError(20, f"{str(probe_in)!r} is a file, not a folder")
         fd, probe = tempfile.mkstemp(dir=probe_in, prefix=".patchpar-write-check-")

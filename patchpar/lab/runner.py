@@ -99,6 +99,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     from patchpar.measure.cost import check_fits, count_lowered, memory_per_device
     from patchpar.measure.timing import time_phases
     from patchpar.parallel.engine import guided_slab, stale_bytes_per_device
+    from patchpar.pipelines.text2img import outputs_abstract
     from patchpar.parallel.sites import record_sites
 
     s, m = config.sampler, config.measure
@@ -111,7 +112,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         c = low.compile()
         memory[phase] = memory_per_device(c)
         check_fits(memory[phase], f"the {phase} phase's program")  # before running it
-        x, loop = _outputs_abstract(c)
+        x, loop = outputs_abstract(c)
         compiled.append((phase, n, c))
         lowered[phase] = (low, calls)
     compile_s = time.perf_counter() - t0
@@ -167,17 +168,6 @@ def timed_decode(pipe, final, vae_plan, repeats: int) -> tuple[np.ndarray, dict]
     from patchpar.measure.timing import time_calls
 
     return time_calls("decode_s", lambda: pipe.decode(final, vae_plan), repeats)
-
-
-def _outputs_abstract(compiled):
-    """A compiled program's outputs as shapes, dtypes and shardings (the next phase's inputs)."""
-    import jax
-
-    return jax.tree.map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-        compiled.out_info,
-        compiled.output_shardings,
-    )
 
 
 def checked_plan(config: RunConfig, pipe, devices_present: bool = True):

@@ -151,8 +151,27 @@ def varying_keys(records: list[dict], shown=()) -> list[str]:
 
 
 def _short(v) -> str:
+    """A value as a label shows it: whole up to 24 characters, else its head and tail."""
     text = v if isinstance(v, str) else json.dumps(v)
-    return text if len(text) <= 24 else text[:21] + "..."
+    return text if len(text) <= 24 else text[:12] + "…" + text[-11:]
+
+
+def _shown_values(values: list) -> list[str]:
+    """Each value as `_short` shows it, unless two different values would look the same: then
+    every long one also gets a digest of its whole text (labels never collide)."""
+    short = [_short(v) for v in values]
+    seen: dict[str, str] = {}
+    clash = any(seen.setdefault(t, json.dumps(v, sort_keys=True)) != json.dumps(v, sort_keys=True)
+                for t, v in zip(short, values, strict=True))  # fmt: skip
+    if not clash:
+        return short
+    import hashlib
+
+    return [
+        t if t == (v if isinstance(v, str) else json.dumps(v)) else
+        f"{t}#{hashlib.sha1(json.dumps(v, sort_keys=True).encode()).hexdigest()[:6]}"
+        for t, v in zip(short, values, strict=True)
+    ]  # fmt: skip
 
 
 def point_labels(records: list[dict], shown=()) -> list[str]:
@@ -174,8 +193,9 @@ def point_extras(records: list[dict], shown=()) -> list[list[str]]:
     flat = [_point(r) for r in records]
     values = {k: [json.dumps(f.get(k), sort_keys=True) for f in flat] for k in keys}
     common = {k: max(vs, key=vs.count) for k, vs in values.items()}  # first of the most common
+    shown_as = {k: _shown_values([f.get(k) for f in flat]) for k in keys}
     return [
-        [f"{k}={_short(flat[i].get(k))}" for k in keys if values[k][i] != common[k]]
+        [f"{k}={shown_as[k][i]}" for k in keys if values[k][i] != common[k]]
         for i in range(len(records))
     ]
 

@@ -117,13 +117,9 @@ class Pipeline:
         height: int,
         width: int,
     ) -> Conditioning:
-        """The prompts' conditioning stacked over guidance (NonFiniteError if it holds NaN or
-        Inf: a text encoder that overflowed, or damaged inputs)."""
-        cond = self._encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
-        check_finite_conditioning(cond, self.unet.module.dtype)
-        return cond
-
-    def _encode_prompt(self, prompts, negative_prompts, guidance_scale, height, width):
+        """The prompts' conditioning stacked over guidance (`check_finite_conditioning` says
+        whether it holds NaN or Inf; the callers that make images check it once, outside any
+        timed call)."""
         check_guidance(guidance_scale, negative_prompts)
         cfg = guidance_scale > 1.0
         negative = negative_prompts or [""] * len(prompts)
@@ -248,7 +244,10 @@ class Pipeline:
         """NonFiniteError when the final latent `final` holds NaN or Inf, naming the step and
         phase where it first did: the run is replayed phase by phase with the loop watched (a
         diagnostic program, run only then). Every process of a launched run calls it (the
-        replay has collectives); they all see the same gathered latent."""
+        replay has collectives); they all see the same gathered latent. A plan with stand-in
+        collectives (`comm=False`: timing alone, the images wrong by design) is not checked."""
+        if plan is not None and not plan.comm:
+            return
         if np.isfinite(np.asarray(to_local(final), np.float32)).all():
             return
         programs, args = self.denoise_phases(
@@ -373,6 +372,7 @@ class Pipeline:
         say = log or (lambda msg: None)
         say(f"encoding {len(prompts)} prompt(s)")
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
+        check_finite_conditioning(cond, self.unet.module.dtype)
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
         args = (cond, latents, sampler, steps, guidance_scale, plan, check_memory)
@@ -390,29 +390,41 @@ class Pipeline:
 
     def _denoise_logged(self, cond, latents, sampler, steps, guidance_scale, plan, check_memory,
                         log):  # fmt: skip
-        """`denoise_with_state` phase by phase, each phase compiled just before it runs and
-        announced: what a long run shows while it works."""
+        """`denoise_with_state` phase by phase, announced: every phase compiled (and, with
+        `check_memory`, checked to fit) before any runs, then each run in turn."""
         programs, args = self.denoise_phases(cond, latents, sampler, steps, guidance_scale, plan)
-        x, loop, done = args[3], None, 0
+        compiled, x, loop, done = [], args[3], None, 0
         for phase, n, fn in programs:
-            name = (
-                "denoising" if len(programs) == 1 else f"{phase.replace('warmup', 'warm-up')} phase"
-            )
+            name = "denoising" if len(programs) == 1 else f"{phase.replace('warmup', 'warm-up')} phase"
             span = f"steps {done + 1}-{done + n} of {steps}"
             log(f"{name}: compiling ({span})")
             t0 = time.perf_counter()
-            compiled = jax.jit(fn).lower(*args[:3], x, loop).compile()
+            c = jax.jit(fn).lower(*args[:3], x, loop).compile()
             if check_memory:
                 from patchpar.measure.cost import check_fits, memory_per_device
 
                 what = "the denoising program" if len(programs) == 1 else f"the {name}'s program"
-                check_fits(memory_per_device(compiled), what)
-            log(f"{name}: running {span} (compiled in {time.perf_counter() - t0:.1f} s)")
-            x, loop = compiled(*args[:3], x, loop)
+                check_fits(memory_per_device(c), what)
+            compiled.append((name, span, c, time.perf_counter() - t0))
+            x, loop = outputs_abstract(c)  # the next phase is lowered on what this returns
             done += n
+        x, loop = args[3], None
+        for name, span, c, compile_s in compiled:
+            log(f"{name}: running {span} (compiled in {compile_s:.1f} s)")
+            x, loop = c(*args[:3], x, loop)
         final = to_local(x)
         self.check_finite_latent(final, cond, latents, sampler, steps, guidance_scale, plan)
         return final, loop[1]
+
+
+def outputs_abstract(compiled):
+    """A compiled program's outputs as shapes, dtypes and shardings (the next phase's inputs,
+    to lower it before the first has run)."""
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+        compiled.out_info,
+        compiled.output_shardings,
+    )
 
 
 class NonFiniteError(FloatingPointError):
