@@ -99,8 +99,8 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     from patchpar.measure.cost import check_fits, count_lowered, memory_per_device
     from patchpar.measure.timing import time_phases
     from patchpar.parallel.engine import guided_slab, stale_bytes_per_device
-    from patchpar.pipelines.text2img import outputs_abstract
     from patchpar.parallel.sites import record_sites
+    from patchpar.pipelines.text2img import outputs_abstract
 
     s, m = config.sampler, config.measure
     t0 = time.perf_counter()
