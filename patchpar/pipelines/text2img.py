@@ -395,7 +395,9 @@ class Pipeline:
         programs, args = self.denoise_phases(cond, latents, sampler, steps, guidance_scale, plan)
         compiled, x, loop, done = [], args[3], None, 0
         for phase, n, fn in programs:
-            name = "denoising" if len(programs) == 1 else f"{phase.replace('warmup', 'warm-up')} phase"
+            name = (
+                "denoising" if len(programs) == 1 else f"{phase.replace('warmup', 'warm-up')} phase"
+            )
             span = f"steps {done + 1}-{done + n} of {steps}"
             log(f"{name}: compiling ({span})")
             t0 = time.perf_counter()
