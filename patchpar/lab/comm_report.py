@@ -99,9 +99,20 @@ def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
         if r.get("status") == "ok" and r["model"] == "sdxl" and r["devices"] == devices
     ]
 
-    def pick(res, prefix):
+    def pick(res, name, *options):
+        """The record of strategy `name` with every option in `options` (as `describe()`
+        writes them, e.g. "send='full'") and no row-aligned band: records keep the options of
+        the code that made them (`comm_groups` came later), so no whole string is matched."""
         return next(
-            (r for r in ok if r["resolution"] == res and r["strategy"].startswith(prefix)), None
+            (
+                r
+                for r in ok
+                if r["resolution"] == res
+                and r["strategy"].startswith(name + "(")
+                and all(o in r["strategy"] for o in options)
+                and "align='rows'" not in r["strategy"]
+            ),
+            None,
         )
 
     lines = [
@@ -111,9 +122,9 @@ def distrifusion_table2_markdown(records: list[dict], devices: int = 8) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res, paper in PAPER_TABLE2.items():
-        d = pick(res, "distrifusion")
-        full = pick(res, "pcpp(warmup_steps=4, gn='corrected', portion=0.3, send='full')")
-        band = pick(res, "pcpp(warmup_steps=4, gn='corrected', portion=0.3, send='band')")
+        d = pick(res, "distrifusion", "warmup_steps=4", "gn='corrected'", "no_sync=False")
+        full = pick(res, "pcpp", "gn='corrected'", "portion=0.3", "send='full'")
+        band = pick(res, "pcpp", "gn='corrected'", "portion=0.3", "send='band'")
         if not (d and full and band):
             lines.append(f"| {res} | {paper}G | (not measured yet) | | | | | | | |")
             continue
