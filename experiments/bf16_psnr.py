@@ -33,10 +33,10 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from patchpar.lab.defaults import default_guidance
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.classifier import FASHION_MNIST_CLASSES
     from patchpar.measure.quality import psnr_per_image
-    from patchpar.models.presets import default_guidance
     from patchpar.pipelines import load_pipeline
 
     prompts = [f"a photo of a {c}" for c in FASHION_MNIST_CLASSES]

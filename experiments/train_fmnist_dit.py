@@ -17,7 +17,7 @@ T5 text encoder of patchpar's own trained jointly with it.
   masked), then gathered for the batch.
 - Diffusion, optimiser, EMA and checkpoints as experiments/train_fmnist.py (DDPM linear betas,
   epsilon prediction, 10% empty captions, Adam with clipping, EMA exported). The Fashion-MNIST
-  classifier of `prompt_accuracy` is the `fmnist` preset's (`presets.CLASSIFIER_OF`).
+  classifier of `prompt_accuracy` is the `fmnist` preset's (`patchpar.lab.defaults.CLASSIFIER_OF`).
 - --work holds checkpoints and the loss log (git-ignored; another recipe's folder is refused);
   --out the diffusers-format PixArt folder (default runs/train_fmnist_dit/weights; the shipped
   model is patchpar/weights/fmnist-dit/, written only with --out patchpar/weights/fmnist-dit).

@@ -92,7 +92,8 @@ def test_fmnist_preset_one_image_per_class_deterministic():
 def test_fmnist_dit_preset_follows_the_prompt():
     """The shipped DiT: a pixel-space PixArt folder; one image per class at its tuned guidance,
     deterministic, most of them the class asked for (500 samples: paper_repro.md)."""
-    from patchpar.models.presets import default_guidance, default_sampler, family
+    from patchpar.lab.defaults import default_guidance, default_sampler
+    from patchpar.models.presets import family
     from patchpar.pipelines import load_pipeline
 
     assert family("fmnist-dit") == "pixart" and default_guidance("fmnist-dit") == 2.0

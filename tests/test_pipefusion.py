@@ -64,12 +64,12 @@ def test_the_stack_composes_to_the_model():
     ctx, extras = cond.context[1], {k: v[1] for k, v in cond.extras.items()}
     ts = jnp.broadcast_to(t, (x.shape[0],))
     stack, outer = fn.stack, fn.stack.outer(params)
-    hidden, keep = stack.context(outer, ctx, extras["encoder_attention_mask"])
-    t6, emb = stack.time(outer, ts, extras["resolution"], extras["aspect_ratio"])
+    hidden = stack.context(outer, ctx, extras)
+    temb = stack.time(outer, ts, extras)
     h = stack.embed(outer, IDENTITY, x)
     for block in stack.blocks(params):
-        h, _ = stack.block(IDENTITY, block, h, hidden, keep, t6, x.shape[2] // 2)
-    got = stack.head(outer, h, emb, *x.shape[1:3])
+        h, _ = stack.block(outer, IDENTITY, block, h, hidden, temb, x.shape[2] // 2)
+    got = stack.head(outer, h, temb, *x.shape[1:3])
     want = fn(params, x, ts, ctx, **extras)
     assert got.shape == want.shape and max_diff(got, want) <= 1e-5
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from patchpar.models.presets import family, get_preset
+from patchpar.models.presets import abstract_denoiser
 
 GB = 1e9
 
@@ -204,7 +204,7 @@ def xdit_cost_markdown(records: list[dict], points=XDIT_POINTS) -> str:
 
 def _layers(model: str) -> int:
     """A DiT preset's block count (PipeFusion's formula per layer)."""
-    return int(get_preset(model)["transformer"]["num_layers"])
+    return abstract_denoiser(model).stack.num_layers
 
 
 def _xdit_cost_rows(records: list[dict], model: str, res: int) -> str:
@@ -216,7 +216,7 @@ def _xdit_cost_rows(records: list[dict], model: str, res: int) -> str:
     for n in (2, 4, 8):
         d = _pick(records, model, res, n, "distrifusion")
         for name, cost in XDIT_COST.items():
-            if name == "pipefusion" and family(model) != "pixart":
+            if name == "pipefusion" and abstract_denoiser(model).stack is None:
                 continue  # a stack of identical blocks only
             r = _pick(records, model, res, n, name)
             if r is None or d is None:

@@ -349,9 +349,10 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Everything checkable without a model; ValueError naming the field and what fits."""
+        from patchpar.lab.defaults import DEFAULT_CLIP
         from patchpar.measure.quality import FID_MIN_SAMPLES, FID_RELIABLE_SAMPLES
         from patchpar.models.attention import IMPLEMENTATIONS
-        from patchpar.models.presets import CLIP_MODELS, DEFAULT_CLIP
+        from patchpar.models.presets import CLIP_MODELS
         from patchpar.parallel.strategies import STRATEGIES
         from patchpar.pipelines.text2img import SEED_RANGE
         from patchpar.sampling.schedulers import SAMPLERS
@@ -518,7 +519,8 @@ def clip_ok(model: str, m: MeasureConfig) -> bool:
     """clip_score has a CLIP to use: the model's default, a shipped name, a local-dir folder,
     or a named open_clip model with its checkpoint (whether the files load is checked before
     generating: patchpar.lab.evaluate.check_quality_inputs)."""
-    from patchpar.models.presets import CLIP_MODELS, DEFAULT_CLIP
+    from patchpar.lab.defaults import DEFAULT_CLIP
+    from patchpar.models.presets import CLIP_MODELS
 
     if m.clip_model is None:
         return model in DEFAULT_CLIP

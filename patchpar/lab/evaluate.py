@@ -49,7 +49,8 @@ def ground_truth_features(config: RunConfig) -> np.ndarray:
 def clip_spec(config: RunConfig) -> tuple[str, str | None, str | None]:
     """(model, checkpoint, config JSON) of the CLIP that clip_score uses: measure.clip_model,
     a shipped name resolved to its folder, or the run's model's default."""
-    from patchpar.models.presets import CLIP_MODELS, DEFAULT_CLIP
+    from patchpar.lab.defaults import DEFAULT_CLIP
+    from patchpar.models.presets import CLIP_MODELS
 
     m = config.measure
     name = m.clip_model if m.clip_model is not None else DEFAULT_CLIP.get(config.model.name)
@@ -66,7 +67,7 @@ def clip_spec(config: RunConfig) -> tuple[str, str | None, str | None]:
 
 def classifier_folder(config: RunConfig) -> Path:
     """The prompt_accuracy classifier: the model folder's classifier/ (fmnist-random: fmnist's)."""
-    from patchpar.models.presets import CLASSIFIER_OF
+    from patchpar.lab.defaults import CLASSIFIER_OF
 
     name = config.model.name
     return model_folder(CLASSIFIER_OF.get(name, name)) / "classifier"

@@ -51,7 +51,7 @@ class GenerateConfig(DecodeFlags):
 def check(config: GenerateConfig) -> list[str]:
     """Every check of the flags that needs no model, before any work or launch (ValueError
     naming the value and what fits); returns the options given that have no effect here."""
-    from patchpar.models.presets import default_guidance
+    from patchpar.lab.defaults import default_guidance
     from patchpar.pipelines.text2img import check_guidance, check_seed
 
     if config.dtype not in DTYPES:
@@ -94,9 +94,10 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     import jax.numpy as jnp
     from PIL import Image
 
+    from patchpar.lab.defaults import default_guidance, default_sampler
     from patchpar.lab.results import check_writable
     from patchpar.models.attention import AttentionSpec, resolve
-    from patchpar.models.presets import default_guidance, default_sampler, resolve_dtype
+    from patchpar.models.presets import resolve_dtype
     from patchpar.pipelines import load_pipeline
 
     check(config)

@@ -19,7 +19,7 @@ from patchpar.measure.comm import (
     parse_collectives,
 )
 from patchpar.measure.flops import program_flops
-from patchpar.models import UNetFn
+from patchpar.models.family import Denoiser
 from patchpar.parallel.engine import (
     Plan,
     abstract_inputs,
@@ -68,7 +68,7 @@ def released_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
     the all-gather of the UNet output over all devices that it runs every step to hand the
     full latent to the scheduler (patchpar keeps the latent sharded instead)."""
     count = _site_count(plan, log, "released_bytes")
-    if plan.devices > 1 and not plan.strategy.owns_program:
+    if plan.devices > 1 and plan.program.gathers_output:
         # out_shape: one device's slab of the guided output (its CFG part); PipeFusion's
         # released code (xDiT) returns each latent patch to the first stage, as patchpar does
         slab = int(np.prod(out_shape)) * out_itemsize * (2 if plan.cfg == 1 else 1)
@@ -77,7 +77,7 @@ def released_count(plan: Plan, log, out_shape, out_itemsize: int) -> CommCount:
 
 
 def measure(
-    unet: UNetFn,
+    unet: Denoiser,
     plan: Plan,
     latent_hw: tuple[int, int],
     batch: int = 1,
@@ -95,7 +95,7 @@ def measure(
     log = log or (lambda msg: None)
     plan.validate(unet, latent_hw, 1_000_000, guidance_scale, batch)
     params = unet.abstract_params() if params is None else params
-    if plan.strategy.owns_program:
+    if not plan.program.per_call:  # its phases lowered whole (PipeFusion's pipeline)
         return _measure_phases(
             unet, plan, latent_hw, batch, params, guidance_scale, flops, memory, log
         )
@@ -143,7 +143,7 @@ def measure(
 def _measure_phases(
     unet, plan, latent_hw, batch, params, guidance_scale, flops, memory, log
 ) -> dict:
-    """`measure` for a strategy that owns its program (PipeFusion): each phase's compiled loop
+    """`measure` for a program whose step is not one model call (PipeFusion's): each phase's compiled loop
     on a two-step schedule, one step per phase (the loop body is one step, counted once)."""
     from dataclasses import replace
 

@@ -187,7 +187,7 @@ def compute_workload(
         data=plan.data,
         fsdp=plan.fsdp_degree > 1,
         comm_groups=plan.strategy.packed_groups(),
-        sync_offset=0 if plan.strategy.owns_program else 1,
+        sync_offset=plan.program.sync_offset,
         drain_steps=plan.strategy.phase_iterations("steady", 1, plan.patch) - 1,
         version=WORKLOAD_VERSION,
     )
@@ -195,29 +195,20 @@ def compute_workload(
 
 @functools.lru_cache(maxsize=32)
 def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tuple[float, float]:
-    """FLOPs of the text encoders (2 x batch prompts of 77 CLIP tokens, or of T5's 120 / 300
-    for PixArt-α / Σ) and of the VAE decoder on the batch, from the lowered programs of the
-    components' configs (a preset's, or a folder's); 0 for a model without a VAE."""
+    """FLOPs of the text encoders (2 x batch prompts, as many tokens as the family's pipeline
+    reads: 77 CLIP tokens, T5's 120 / 300 for PixArt-α / Σ; `Family.text_programs`) and of the
+    VAE decoder on the batch, from the lowered programs of the components' configs (a
+    preset's, or a folder's); 0 for a model without a VAE."""
     import jax
 
-    from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
-    from patchpar.models.presets import MAX_TEXT_TOKENS, component_config
-    from patchpar.models.t5 import T5Config, T5EncoderModel
+    from patchpar.models.presets import component_config, model_family
     from patchpar.parallel.vae import VAEPlan, lowered_decode
 
-    sds = jax.ShapeDtypeStruct
-    pipeline = component_config(model, "pipeline") or {}
+    programs = model_family(model).text_programs(
+        lambda sub: component_config(model, sub), 2 * batch, dtype
+    )
     encode = 0.0
-    for name in ("text_encoder", "text_encoder_2"):
-        cfg = component_config(model, name)
-        if cfg is None:
-            continue
-        if cfg.get("model_type") == "t5":
-            module = T5EncoderModel(T5Config.from_transformers(cfg, name), dtype)
-            ids = sds((2 * batch, MAX_TEXT_TOKENS.get(pipeline.get("_class_name"), 120)), np.int32)
-        else:
-            module = CLIPTextModel(CLIPTextConfig.from_transformers(cfg, name), dtype)
-            ids = sds((2 * batch, 77), np.int32)
+    for module, ids in programs:
         params = jax.eval_shape(lambda i, m=module: m.init(jax.random.key(0), i)["params"], ids)
         lowered = jax.jit(lambda p, i, m=module: m.apply({"params": p}, i)).lower(params, ids)
         encode += program_flops(lowered)

@@ -1,5 +1,6 @@
-"""Flax diffusion models (SD / SDXL UNets, PixArt-α/Σ transformers, the VAE, CLIP and T5 text
-encoders) and their loading from diffusers / transformers folders."""
+"""Flax diffusion models and their loading from diffusers / transformers folders: the model
+families as plug-in packages (`unet`: SD / SDXL, `pixart`: PixArt-α/Σ; `family` is their
+registry) and the components they share (the VAE, CLIP and T5 text encoders)."""
 
 from patchpar.models.api import (
     Denoiser,

@@ -25,11 +25,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from patchpar.models import Denoiser
+from patchpar.models.family import Denoiser
 from patchpar.models.sites import IDENTITY
-from patchpar.parallel import pipeline
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
+from patchpar.parallel.program import Program
 from patchpar.parallel.rules import (
     FSDP_AXES,
     RULES,
@@ -70,6 +70,12 @@ class Plan:
         return self.strategy.model_degree(self.devices // (self.cfg * self.data))
 
     @property
+    def program(self) -> Program:
+        """How its phases are built and run: the strategy's own program, or the engine's
+        (`STEP`: one model call per step with the strategy's site ops)."""
+        return self.strategy.program() or STEP
+
+    @property
     def patch(self) -> int:
         return self.devices // (self.cfg * self.data * self.model)
 
@@ -100,8 +106,8 @@ class Plan:
     def rules_name(self) -> str:
         """`replicated`, `tensor`, `fsdp` or `tensor+fsdp` (FSDP of degree 1 is nothing);
         `stages` for a pipeline (each device its stage's blocks)."""
-        if self.strategy.owns_program:
-            return "stages"
+        if self.program.rules_name is not None:
+            return self.program.rules_name
         if self.fsdp_degree == 1:
             return self.strategy.rules
         return "fsdp" if self.strategy.rules == "replicated" else f"{self.strategy.rules}+fsdp"
@@ -133,8 +139,6 @@ class Plan:
                 f"devices = data is pure data parallelism)"
             )
         s.validate(steps, self.patch, self.cfg)
-        if build_mesh and (groups := s.packed_groups()) is not None and groups > 1:
-            check_groups(groups, stale_sites(unet, self, tuple(latent_hw)))
         if batch is not None and batch % self.data:
             raise ValueError(
                 f"batch of {batch} image(s) per call is not divisible by data={self.data}: every "
@@ -146,57 +150,77 @@ class Plan:
                 f"cfg=2 puts the unconditional and conditional halves on different devices, but "
                 f"guidance_scale={guidance_scale} turns guidance off; use cfg=1 or guidance_scale > 1"
             )
-        if s.owns_program:  # its own program, its own checks (rows into its patches)
-            if self.fsdp or self.model > 1:
-                raise ValueError(
-                    f"strategy {s.name!r} splits the blocks over the patch axis itself; it does "
-                    f"not combine with fsdp or tensor parallelism (use fsdp=False)"
-                )
-            s.validate_model(unet, tuple(latent_hw), self.patch)
-            return
+        self.program.validate(self, unet, tuple(latent_hw), build_mesh)
+
+
+class StepProgram(Program):
+    """The engine's program: each step one call of the denoiser under `shard_map` over the
+    (data, cfg, patch, model) mesh, the strategy's site ops doing the exchanges."""
+
+    name = "step"
+
+    def validate(self, plan, unet, latent_hw, build_mesh=True) -> None:
+        s = plan.strategy
+        if build_mesh and (groups := s.packed_groups()) is not None and groups > 1:
+            check_groups(groups, stale_sites(unet, plan, tuple(latent_hw)))
         down = unet.row_multiple
         axes = {s.patch_axis(0), s.patch_axis(1)}
-        if "col" in axes and unet.family != "unet":
+        if "col" in axes and not unet.splits_columns:
             raise ValueError(
                 f"strategy {s.name!r} splits columns, but a {unet.family} transformer's positions "
                 f"are split by rows only; use split=row"
             )
         for axis in sorted(axes):
             size = latent_hw[0] if axis == "row" else latent_hw[1]
-            mult = self.patch * down
+            mult = plan.patch * down
             if size % mult:
                 what = "rows" if axis == "row" else "columns"
                 raise ValueError(
-                    f"latent {what}={size} not divisible by patch={self.patch} x "
+                    f"latent {what}={size} not divisible by patch={plan.patch} x "
                     f"{unet.row_multiple_reason} = {mult}: every patch must split evenly; use a "
                     f"latent size that is a multiple of {mult} (or fewer devices)"
                 )
+
+    def place(self, plan, unet, params):
+        return params  # placed inside the program by the logical-axis rules (`parallel.rules`)
+
+    def weight_bytes(self, plan, unet, params) -> int:
+        return weight_bytes_per_device(params, plan.rules(), plan.degrees(), unet.logical)
+
+    def run_phase(self, unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
+                  guidance_scale, watch=False):  # fmt: skip
+        mesh = plan.mesh()
+        if loop is None:  # the first phase starts the solver history and the stale buffers
+            state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)
+            loop = (sampler.init_carry(x), state)
+        fn = _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh)
+        x, carry, state, *first = run_steps(fn, sampler, schedule, x, *loop, *span, watch)
+        return (x, (carry, state), *first)
+
+
+STEP = StepProgram()
 
 
 def guided_slab(plan: Plan, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
     """One device's share of one step's guided output, (B, H, W, C) -> its slab (the unit of
     the cfg gather's bytes): its images, and its rows (or columns) of the patch axis; a
-    strategy owning its program (PipeFusion) guides every row of the image each step."""
+    program that does not split the rows (PipeFusion's) guides every row each step."""
     b, h, w, c = latent_shape
     axis = plan.strategy.patch_axis(0)
-    n = 1 if plan.strategy.owns_program else plan.patch
+    n = plan.patch if plan.program.splits_rows else 1
     return (b // plan.data, h // n if axis == "row" else h, w // n if axis == "col" else w, c)
 
 
 def placed_params(plan: Plan, unet: Denoiser, params):
-    """The parameters as `plan`'s programs take them best, placed once outside them: a
-    pipeline's stages (`pipeline.Staged`: each device its own blocks); the others place
-    theirs inside the program (`parallel.rules`), so the parameters themselves."""
-    if plan.strategy.owns_program:
-        return pipeline.staged(unet.stack, params, plan)
-    return params
+    """The parameters as `plan`'s programs take them best, placed once outside them
+    (`Program.place`): a pipeline's stages (each device its own blocks); the engine's own
+    program places them inside (`parallel.rules`), so the parameters themselves."""
+    return plan.program.place(plan, unet, params)
 
 
 def weight_bytes(plan: Plan, unet: Denoiser, params) -> int:
     """Parameter bytes one device holds under `plan` (a pipeline's stage: its blocks)."""
-    if plan.strategy.owns_program:
-        return pipeline.block_bytes_per_device(unet.stack, params, plan.patch)
-    return weight_bytes_per_device(params, plan.rules(), plan.degrees(), unet.logical)
+    return plan.program.weight_bytes(plan, unet, params)
 
 
 def _x_spec(axis: str) -> P:  # (B, H, W, C): images over data, rows (or columns) over patch
@@ -216,10 +240,10 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
     `state` is None in the `warmup` phase (buffers are written, not read). In the steady phase
     of a strategy with packed exchange, the sites' pending sends are exchanged after the model
     call, in the strategy's `comm_groups` groups (`patchpar.parallel.exchange`)."""
-    if plan.strategy.owns_program:
+    if plan.program is not STEP:
         raise ValueError(
             f"strategy {plan.strategy.name!r} runs its own program per phase "
-            f"(`patchpar.parallel.pipeline`), not one model call with site ops; time or count "
+            f"({plan.program.name}), not one model call with site ops; time or count "
             f"its phases with `denoise_phase`"
         )
     ops = plan.strategy.ops(phase, plan.patch)
@@ -409,22 +433,12 @@ def denoise(
 def _run_phase(
     unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale, watch=False
 ):
-    """One phase: (x, loop) -> (x, loop); with `watch`, also the first step that left a NaN or
-    Inf in x (-1: none; -2: not known, a strategy that owns its program)."""
-    if plan.strategy.owns_program:
-        span = phase_steps(plan, schedule.timesteps.shape[0])[phase]
-        out = pipeline.run_phase(
-            unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale
-        )
-        return (*out, jnp.int32(-2)) if watch else out
-    mesh = plan.mesh()
-    if loop is None:  # the first phase starts the solver history and the stale buffers
-        state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)
-        loop = (sampler.init_carry(x), state)
-    start, stop = phase_steps(plan, schedule.timesteps.shape[0])[phase]
-    fn = _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh)
-    x, carry, state, *first = run_steps(fn, sampler, schedule, x, *loop, start, stop, watch)
-    return (x, (carry, state), *first)
+    """One phase by the plan's program: (x, loop) -> (x, loop); with `watch`, also the first
+    step that left a NaN or Inf in x (-1: none; -2: not known)."""
+    span = phase_steps(plan, schedule.timesteps.shape[0])[phase]
+    return plan.program.run_phase(
+        unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale, watch
+    )
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 9), static_argnames=("guidance_scale", "watch"))

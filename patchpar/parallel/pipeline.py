@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
+from patchpar.parallel.program import Program
 from patchpar.parallel.sites import STALE
 from patchpar.parallel.sites.pipe import SLOT, Hop, PipeKV
 from patchpar.sampling.loop import guided
@@ -174,7 +175,7 @@ def _local(
     g, b = cond.context.shape[:2]
     flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
     extras = {k: flat(v) for k, v in cond.added().items()}
-    ctx, keep = stack.context(outer, flat(cond.context), extras.pop("encoder_attention_mask", None))
+    ctx = stack.context(outer, flat(cond.context), extras)  # step-invariant
     if first:  # the whole latent (b, H, W, C) -> M patches, a history per patch, no buffers yet
         bb, hh, ww, cc = x.shape
         lat = jnp.moveaxis(x.reshape(bb, patches, hh // patches, ww, cc), 1, 0)
@@ -183,10 +184,10 @@ def _local(
     else:
         (lat, hist), kv = _strip(x)
     rows, width = lat.shape[2], lat.shape[3]  # one patch's latent rows, the latent's columns
-    p = stack.config.patch_size
+    p = stack.patch_size
     row = width // p  # tokens per image row
 
-    dt, d = jnp.dtype(stack.dtype), stack.config.inner_dim
+    dt, d = jnp.dtype(stack.dtype), stack.width
     tokens = (rows * patches // p) * row  # the whole image's
     if kv is None:  # the first full pass writes the buffers whole
         zeros = [jnp.zeros((g * b, tokens, d), dt) for _ in range(real.shape[0])]
@@ -202,7 +203,7 @@ def _local(
         ops = PipeKV(patches=n_patch)
         at = jnp.asarray(m, jnp.int32)
         ts = jnp.broadcast_to(schedule.timesteps[i], (g * b,))
-        t6, emb = stack.time(outer, ts, extras.get("resolution"), extras.get("aspect_ratio"))
+        temb = stack.time(outer, ts, extras)
         xs = sampler.scale_input(schedule, i, x_in)
         xs = jnp.broadcast_to(xs[None], (g,) + xs.shape).reshape((g * b,) + xs.shape[1:])
         first_stage = stack.embed(outer, ops, xs, {SLOT: {"at": at}})
@@ -215,11 +216,11 @@ def _local(
                 STALE: {"attn1": {"k": kv["k"][l], "v": kv["v"][l]}},
             }
             params_l = jax.tree.map(lambda a: a[l], blocks)  # noqa: B023
-            out, mut = stack.block(ops, params_l, h, ctx, keep, t6, row, variables, [STALE])
+            out, mut = stack.block(outer, ops, params_l, h, ctx, temb, row, variables, [STALE])
             h = jnp.where(real[l], out, h)  # a padding block passes its input on
             ks.append(mut[STALE]["attn1"]["k"])
             vs.append(mut[STALE]["attn1"]["v"])
-        pred = unet.prediction(stack.head(outer, h, emb, x_in.shape[1], width))
+        pred = unet.prediction(stack.head(outer, h, temb, x_in.shape[1], width))
         return h, pred.reshape((g, b) + pred.shape[1:]), {"k": ks, "v": vs}
 
     def guide(pred):  # outside any cond: the cfg gather is a collective
@@ -298,7 +299,52 @@ def _whole(lat: jax.Array) -> jax.Array:
     return jnp.moveaxis(lat, 0, 1).reshape(b, m * h, w, c)
 
 
+class PipelineProgram(Program):
+    """PipeFusion's program: the layers of the denoiser's `stack` split into stages over the
+    patch axis, patches streamed through them (`run_phase`)."""
+
+    name = "pipeline"
+    per_call = False  # its phases are lowered whole (a step is M slots of every stage)
+    splits_rows = False  # the last stage guides every row of the image each step
+    gathers_output = False  # xDiT returns each latent patch to the first stage, as here
+    sync_offset = 0  # warmup_steps full-image passes, no step counter offset
+    rules_name = "stages"  # each device its stage's blocks (`Staged`)
+
+    def validate(self, plan, unet, latent_hw, build_mesh=True) -> None:
+        s = plan.strategy
+        if plan.fsdp or plan.model > 1:
+            raise ValueError(
+                f"strategy {s.name!r} splits the blocks over the patch axis itself; it does "
+                f"not combine with fsdp or tensor parallelism (use fsdp=False)"
+            )
+        stack = unet.stack
+        if stack is None:
+            raise ValueError(
+                f"{s.name} splits a stack of identical transformer blocks into stages; a "
+                f"{unet.family} has none (its levels differ in width and resolution): use "
+                f"sync_patch, distrifusion or pcpp on it, or a DiT (PixArt)"
+            )
+        s.validate_layers(stack.num_layers, latent_hw[0], unet.row_multiple,
+                          unet.row_multiple_reason, plan.patch)  # fmt: skip
+
+    def place(self, plan, unet, params):
+        return staged(unet.stack, params, plan)
+
+    def weight_bytes(self, plan, unet, params) -> int:
+        return block_bytes_per_device(unet.stack, params, plan.patch)
+
+    def run_phase(self, unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
+                  guidance_scale, watch=False):  # fmt: skip
+        out = run_phase(
+            unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale
+        )
+        return (*out, jnp.int32(-2)) if watch else out  # the step of a NaN is not known
+
+
+PIPELINE = PipelineProgram()
+
 __all__ = [
+    "PIPELINE",
     "Staged",
     "block_bytes_per_device",
     "layer_counts",

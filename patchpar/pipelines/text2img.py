@@ -1,8 +1,8 @@
 """Text-to-image: prompts -> tokens -> text embeddings (with the negative prompt for CFG) ->
-denoising loop -> VAE decode -> uint8 images. SD-style folders (one text encoder), SDXL-style
-folders (two, penultimate hidden states, pooled embedding and size conditioning) and PixArt-α/Σ
-folders (a DiT with a T5 encoder: 120 / 300 tokens and their mask, micro-conditions where the
-transformer has them)."""
+denoising loop -> VAE decode -> uint8 images, for a folder of any model family
+(`patchpar.models.family`): the family loads its denoiser and turns prompts into its
+conditioning (SD: CLIP; SDXL: two CLIPs, pooled embedding and size conditioning; PixArt-α/Σ:
+T5 tokens and their mask, micro-conditions)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from patchpar.models import TextEncoderFn, UNetFn, VAEFn, load_text_encoder, load_unet, load_vae
-from patchpar.models.api import Denoiser, T5EncoderFn, load_pixart, load_t5_encoder
 from patchpar.models.attention import AUTO, AttentionSpec
-from patchpar.models.loading import CheckpointError, read_config
-from patchpar.models.presets import (
-    MAX_TEXT_TOKENS,
-    PRESETS,
-    SHIPPED,
-    check_model,
-    preset_folder,
-)
-from patchpar.models.tokenizer import T5Tokenizer, Tokenizer, load_tokenizer
+from patchpar.models.components import VAEFn, load_vae
+from patchpar.models.family import Denoiser, TextConditioner
+from patchpar.models.loading import read_config
+from patchpar.models.presets import PRESETS, SHIPPED, check_model, model_family, preset_folder
 from patchpar.parallel.engine import (
     Plan,
     denoise_phase,
@@ -47,7 +40,7 @@ from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 
 
 def unet_on_stack(
-    unet: UNetFn, params, x: jax.Array, t: jax.Array, cond: Conditioning
+    unet: Denoiser, params, x: jax.Array, t: jax.Array, cond: Conditioning
 ) -> jax.Array:
     """The denoiser on every guidance half at once: x (B, h, W, C) -> (G, B, h, W, C), the
     sampler's model output (`prediction`: a learned-sigma DiT's first half)."""
@@ -63,16 +56,26 @@ class Output:
 
 @dataclass
 class Pipeline:
-    unet: Denoiser  # the denoiser: a UNet or a PixArt transformer (field named as before DiTs)
+    unet: Denoiser  # the denoiser, of any family (field named as before DiTs)
     unet_params: dict
     vae: VAEFn | None  # None: a pixel-space model (the "latent" is the image in [-1, 1])
     vae_params: dict | None
-    text_encoders: list[tuple[TextEncoderFn | T5EncoderFn, dict]]
-    tokenizers: list[Tokenizer | T5Tokenizer]
+    text: TextConditioner  # the family's prompts -> Conditioning (its encoders, tokenizers)
     scheduler: SchedulerConfig
-    force_zeros_for_empty_prompt: bool = True  # SDXL: zero negative embeddings for "" negatives
     name: str = ""
-    text_tokens: int | None = None  # T5 pipelines: tokens the encoder reads (PixArt-α 120, Σ 300)
+
+    @property
+    def text_encoders(self) -> list:
+        return self.text.encoders
+
+    @property
+    def tokenizers(self) -> list:
+        return self.text.tokenizers
+
+    @property
+    def text_tokens(self) -> int | None:
+        """T5 pipelines: tokens the encoder reads (PixArt-α 120, Σ 300); None for CLIP."""
+        return getattr(self.text, "tokens", None)
 
     @property
     def is_xl(self) -> bool:
@@ -127,61 +130,9 @@ class Pipeline:
             raise ValueError(
                 f"{len(negative)} negative prompts for {len(prompts)} prompts; give one per prompt or none"
             )
-        if self.family == "pixart":
-            return self._t5_conditioning(prompts, negative, cfg, height, width)
-        ctx, pooled = self._embed(prompts)
-        if not cfg:
-            stack = lambda a: None if a is None else a[None]  # noqa: E731
-            return self._conditioning(stack(ctx), stack(pooled), len(prompts), height, width, 1)
-        zero_negative = (
-            self.is_xl and self.force_zeros_for_empty_prompt and not any(negative_prompts or [])
+        return self.text(
+            self.unet, prompts, negative, cfg, height, width, not any(negative_prompts or [])
         )
-        if zero_negative:
-            nctx, npooled = jnp.zeros_like(ctx), jnp.zeros_like(pooled)
-        else:
-            nctx, npooled = self._embed(negative)
-        pool = None if pooled is None else jnp.stack([npooled, pooled])
-        return self._conditioning(jnp.stack([nctx, ctx]), pool, len(prompts), height, width, 2)
-
-    def _conditioning(self, ctx, pooled, b, height, width, g) -> Conditioning:
-        if not self.is_xl:
-            return Conditioning(ctx)
-        tid = jnp.asarray(
-            [height, width, 0, 0, height, width], jnp.float32
-        )  # original, crop, target
-        return Conditioning(
-            ctx, {"text_embeds": pooled, "time_ids": jnp.broadcast_to(tid, (g, b, 6))}
-        )
-
-    def _t5_conditioning(self, prompts, negative, cfg: bool, height, width) -> Conditioning:
-        """PixArt: T5's last hidden states and their mask (the negative prompt encoded as any
-        other, "" by default), and the micro-conditions (height, width) and height / width of
-        the image when the transformer has them, the same for both guidance halves."""
-        (fn, params), tok = self.text_encoders[0], self.tokenizers[0]
-        texts = [*negative, *prompts] if cfg else prompts
-        ids, mask = tok(texts, self.text_tokens or 120)
-        g, b = 1 + cfg, len(prompts)
-        ctx = _encode_text(fn, params, jnp.asarray(ids), jnp.asarray(mask))["last_hidden_state"]
-        extras = {"encoder_attention_mask": jnp.asarray(mask).reshape(g, b, -1)}
-        if self.unet.config.use_additional_conditions:
-            size = jnp.asarray([height, width], jnp.float32)
-            extras["resolution"] = jnp.broadcast_to(size, (g, b, 2))
-            ratio = jnp.asarray([height / width], jnp.float32)
-            extras["aspect_ratio"] = jnp.broadcast_to(ratio, (g, b, 1))
-        return Conditioning(ctx.reshape((g, b) + ctx.shape[1:]), extras)
-
-    def _embed(self, prompts: list[str]) -> tuple[jax.Array, jax.Array | None]:
-        """SD: last hidden state. SDXL: both encoders' penultimate states, concatenated, and the
-        second encoder's projected pooled output."""
-        states, pooled = [], None
-        for (fn, params), tok in zip(self.text_encoders, self.tokenizers, strict=True):
-            out = _encode_text(fn, params, jnp.asarray(tok(prompts)))
-            if self.is_xl:
-                states.append(out["hidden_states"][-2])
-                pooled = out.get("text_embeds", out["pooler_output"])
-            else:
-                states.append(out["last_hidden_state"])
-        return jnp.concatenate(states, axis=-1), pooled
 
     # ------------------------------------------------------------------ sampling
 
@@ -479,11 +430,6 @@ def check_guidance(guidance_scale, negative_prompts: list[str] | None = None) ->
         )
 
 
-@partial(jax.jit, static_argnums=(0,))
-def _encode_text(fn: TextEncoderFn | T5EncoderFn, params, ids, *mask):
-    return fn(params, ids, *mask)
-
-
 @partial(jax.jit, static_argnums=(0, 1, 2, 7))
 def _denoise_single(unet, smp, _plan, params, cond, schedule, x, guidance_scale):
     """All steps on one device; returns (final latent, empty stale state)."""
@@ -517,87 +463,28 @@ def _single_phase(
 def load_pipeline(
     path_or_preset: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
 ) -> Pipeline:
-    """A pipeline from a local diffusers folder (SD, SDXL, PixArt-α/Σ), or a preset name with
-    weights (`fmnist`, `tiny`, `tiny-xl`, `tiny-dit`). A folder without `vae/` is a pixel-space
-    model. `attention` picks the attention kernel of the denoiser and the VAE (default `auto`:
-    patchpar/models/attention.py)."""
+    """A pipeline from a local diffusers folder of any supported family (SD, SDXL, PixArt-α/Σ),
+    or a preset name with weights (`fmnist`, `tiny`, `tiny-xl`, `tiny-dit`). A folder without
+    `vae/` is a pixel-space model. `attention` picks the attention kernel of the denoiser and
+    the VAE (default `auto`: patchpar/models/attention.py). A folder of a family patchpar does
+    not run is an error naming it, before any component is read."""
+    from patchpar.models.attention import resolve
+
     name = str(path_or_preset)
     check_model(name)  # a preset or a folder, else the presets and the nearest names
     folder = preset_folder(name) if name in PRESETS or name in SHIPPED else Path(name)
+    fam = model_family(folder)
     index = _model_index(folder)
-    if (folder / "transformer").is_dir():
-        return _load_pixart_pipeline(folder, index, dtype, attention, name)
-    unet = load_unet(folder / "unet", dtype, attention)
+    denoiser = fam.load_denoiser(folder / fam.denoiser_folder, dtype, resolve(attention, dtype))
+    text = fam.load_text(folder, index, dtype)
     vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
-    encoders, tokenizers = [], []
-    for sub in ("text_encoder", "text_encoder_2"):
-        if (folder / sub).is_dir():
-            encoders.append(load_text_encoder(folder / sub, dtype))
-            tokenizers.append(load_tokenizer(folder / sub.replace("text_encoder", "tokenizer")))
-    if not encoders:
-        raise CheckpointError(f"{str(folder)!r} has no text_encoder/ folder")
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
-    force_zeros = index.get("force_zeros_for_empty_prompt", True)
-    return Pipeline(*unet, *vae, encoders, tokenizers, sched, force_zeros, name)
-
-
-def _load_pixart_pipeline(folder: Path, index: dict, dtype, attention, name: str) -> Pipeline:
-    """A PixArt-α/Σ folder: transformer/, vae/ (none: pixel space), a T5 text_encoder/ and
-    tokenizer/, scheduler/; the T5 tokens from the pipeline class (α 120, Σ 300; 120 without
-    model_index.json)."""
-    dit = load_pixart(folder / "transformer", dtype, attention)
-    for sub in ("text_encoder", "tokenizer"):
-        if not (folder / sub).is_dir():
-            raise CheckpointError(f"{str(folder)!r}: a PixArt pipeline needs {sub}/; it is missing")
-    vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
-    encoder = load_t5_encoder(folder / "text_encoder", dtype)
-    tokenizer = T5Tokenizer(folder / "tokenizer")
-    sched = SchedulerConfig.from_diffusers(
-        read_config(folder / "scheduler", "scheduler_config.json")
-    )
-    tokens = MAX_TEXT_TOKENS.get(index.get("_class_name"), 120)
-    return Pipeline(*dit, *vae, [encoder], [tokenizer], sched, True, name, tokens)
-
-
-SUPPORTED_PIPELINES = (
-    "StableDiffusionPipeline",
-    "StableDiffusionXLPipeline",
-    "PixArtAlphaPipeline",
-    "PixArtSigmaPipeline",
-)
-# pipelines people will point patchpar at, and what they are
-_KNOWN_OTHERS = {
-    "StableDiffusion3": "SD3 (an MMDiT transformer, not supported yet)",
-    "Flux": "Flux (an MMDiT transformer, not supported yet)",
-    "Sana": "Sana (a linear-attention DiT, not supported yet)",
-    "HunyuanDiT": "HunyuanDiT (not supported yet)",
-    "DiTPipeline": "DiT (class-conditional, not text-to-image)",
-    "Inpaint": "inpainting (a UNet with extra input channels)",
-    "Img2Img": "image-to-image",
-    "ControlNet": "ControlNet",
-}
+    return Pipeline(*denoiser, *vae, text, sched, name)
 
 
 def _model_index(folder: Path) -> dict:
-    """model_index.json ({} if absent); a pipeline class patchpar cannot run is an error that
-    says what it is, before any component is read."""
+    """model_index.json ({} if absent; its class was checked by `model_family`)."""
     path = folder / "model_index.json"
-    if not path.is_file():
-        return {}
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
-    name = index.get("_class_name")
-    if name is not None and name not in SUPPORTED_PIPELINES:
-        what = next(
-            (v for k, v in _KNOWN_OTHERS.items() if k in name),
-            "not a text-to-image pipeline patchpar knows",
-        )
-        raise CheckpointError(
-            f"{str(folder)!r}: unsupported: {name} is {what}; patchpar runs "
-            f"{list(SUPPORTED_PIPELINES)}"
-        )
-    return index
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -25,9 +25,6 @@ class Strategy:
     name: ClassVar[str] = "base"
     parallel: ClassVar[bool] = True  # runs under shard_map over the (data, cfg, patch, model) mesh
     rules: ClassVar[str] = "replicated"  # how parameters are placed (`parallel.rules.RULES`)
-    # True: the strategy runs its own shard_map program per phase instead of the engine's
-    # model call with site ops (PipeFusion: `patchpar.parallel.pipeline`)
-    owns_program: ClassVar[bool] = False
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -44,9 +41,10 @@ class Strategy:
         del phase, patch
         return steps
 
-    def validate_model(self, unet, latent_hw: tuple[int, int], patch: int) -> None:
-        """Checks against the denoiser, for a strategy that owns its program (the engine's
-        own row-patch checks do not apply to it); ValueError naming the numbers."""
+    def program(self):
+        """Its own `parallel.program.Program` (PipeFusion: the layers split into stages), or
+        None: the engine's (one model call per step with this strategy's site ops)."""
+        return None
 
     def packed_groups(self) -> int | None:
         """Groups of the steady phase's packed stale exchange (`patchpar.parallel.exchange`);

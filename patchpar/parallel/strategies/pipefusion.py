@@ -14,7 +14,6 @@ from patchpar.parallel.strategies.base import Strategy, option
 @dataclass(frozen=True)
 class PipeFusion(Strategy):
     name = "pipefusion"
-    owns_program = True
 
     warmup_steps: int = option(
         1,
@@ -26,6 +25,11 @@ class PipeFusion(Strategy):
         "M, the row patches streamed through the S stages (xDiT's num_pipeline_patch; default "
         "M = S, the devices on the patch axis); M >= S.",
     )
+
+    def program(self):
+        from patchpar.parallel.pipeline import PIPELINE
+
+        return PIPELINE
 
     def patches(self, stages: int) -> int:
         """M on `stages` devices."""
@@ -52,26 +56,20 @@ class PipeFusion(Strategy):
                 f"needed M slots after; use num_patches >= {patch} (default {patch})"
             )
 
-    def validate_model(self, unet, latent_hw: tuple[int, int], patch: int) -> None:
-        stack = unet.stack
-        if stack is None:
-            raise ValueError(
-                f"pipefusion splits a stack of identical transformer blocks into stages; a "
-                f"{unet.family} has none (its levels differ in width and resolution): use "
-                f"sync_patch, distrifusion or pcpp on it, or a DiT (PixArt)"
-            )
-        layers = stack.num_layers
+    def validate_layers(self, layers: int, rows: int, p: int, why: str, patch: int) -> None:
+        """`layers` blocks on `patch` stages, latent `rows` into num_patches patches of whole
+        tokens (rows a multiple of p, for `why`)."""
         if layers < patch:
             raise ValueError(
                 f"pipefusion: {layers} blocks cannot fill {patch} stages (every device needs at "
                 f"least one block); use at most {layers} devices on the patch axis"
             )
-        m, rows, p = self.patches(patch), latent_hw[0], unet.row_multiple
+        m = self.patches(patch)
         if rows % (m * p):
             fits = [k for k in range(patch, rows // p + 1) if rows % (k * p) == 0]
             raise ValueError(
                 f"pipefusion: latent rows={rows} do not split into num_patches={m} patches of "
-                f"whole tokens ({unet.row_multiple_reason}: {m} x {p} = {m * p} rows); "
+                f"whole tokens ({why}: {m} x {p} = {m * p} rows); "
                 + (
                     f"num_patches can be one of {fits} on {patch} stages"
                     if fits

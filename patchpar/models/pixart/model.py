@@ -333,14 +333,34 @@ class CaptionProjection(nn.Module):  # PixArtAlphaTextProjection: linear, tanh G
 
 class PixArtTransformer2DModel(nn.Module):
     """diffusers PixArtTransformer2DModel. Runs unchanged on a row slab (rows a multiple of p);
-    the sites go through `ops`."""
+    the sites go through `ops`. The forward is its parts in order: `context` (the projected
+    caption), `time` (adaLN-single), `embed` (patches and positions), `block` i for every
+    layer, `head` (the output layers); a strategy that splits the layers (PipeFusion) calls
+    the same parts (`patchpar.models.pixart.Stack`)."""
 
     config: PixArtConfig
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
 
-    @nn.compact
+    def setup(self):
+        cfg, dt, ops = self.config, self.dtype, self.ops
+        layer = ops.layer  # every parameterised layer: FSDP gathers its weights there
+        self.pos_embed = layer(PatchEmbed)(cfg, dt, ops)
+        self.adaln_single = layer(AdaLayerNormSingle)(cfg, dt)
+        if cfg.caption_channels is not None:
+            self.caption_projection = layer(CaptionProjection)(cfg.inner_dim, dt)
+        self.transformer_blocks = [
+            layer(PixArtBlock)(cfg, dt, ops, self.attn) for _ in range(cfg.num_layers)
+        ]
+        d = cfg.inner_dim
+        self.scale_shift_table = self.param(
+            "scale_shift_table", nn.initializers.normal(d**-0.5), (2, d), dt
+        )
+        self.proj_out = layer(nn.Dense)(
+            cfg.patch_size**2 * cfg.out_channels, dtype=dt, param_dtype=dt
+        )
+
     def __call__(
         self,
         sample: jax.Array,  # (B, h, W, Cin): the whole latent, or a row slab of it
@@ -350,28 +370,40 @@ class PixArtTransformer2DModel(nn.Module):
         resolution: jax.Array | None = None,  # (B, 2) image height, width (micro-condition)
         aspect_ratio: jax.Array | None = None,  # (B, 1) height / width (micro-condition)
     ) -> jax.Array:  # (B, h, W, Cout)
-        cfg, dt, ops = self.config, self.dtype, self.ops
-        layer = ops.layer  # every parameterised layer: FSDP gathers its weights there
         b, h, w, _ = sample.shape
-        p = cfg.patch_size
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (b,))
-        x = layer(PatchEmbed)(cfg, dt, ops, name="pos_embed")(sample)  # (B, T, D)
-        t6, emb = layer(AdaLayerNormSingle)(cfg, dt, name="adaln_single")(
-            timesteps, resolution, aspect_ratio
-        )
-        ctx = encoder_hidden_states.astype(dt)
-        if cfg.caption_channels is not None:
-            ctx = layer(CaptionProjection)(cfg.inner_dim, dt, name="caption_projection")(ctx)
+        x = self.embed(sample)  # (B, T, D)
+        temb = self.time(timesteps, resolution, aspect_ratio)
+        ctx = self.context(encoder_hidden_states, encoder_attention_mask)
+        for i in range(self.config.num_layers):
+            x = self.block(i, x, ctx, temb, w // self.config.patch_size)
+        return self.head(x, temb, h, w)
+
+    def embed(self, sample: jax.Array) -> jax.Array:
+        """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions."""
+        return self.pos_embed(sample)
+
+    def time(self, timesteps, resolution=None, aspect_ratio=None) -> tuple[jax.Array, jax.Array]:
+        """((B, 6, D) block modulations, (B, D) embedded timestep)."""
+        t6, emb = self.adaln_single(timesteps, resolution, aspect_ratio)
+        return t6.reshape(timesteps.shape[0], 6, self.config.inner_dim), emb
+
+    def context(self, encoder_hidden_states, encoder_attention_mask=None):
+        """(projected caption (B, S, D), its key mask (B, S) bool or None): step-invariant."""
+        ctx = encoder_hidden_states.astype(self.dtype)
+        if self.config.caption_channels is not None:
+            ctx = self.caption_projection(ctx)
         keep = None if encoder_attention_mask is None else encoder_attention_mask.astype(bool)
-        t6 = t6.reshape(b, 6, cfg.inner_dim)
-        for i in range(cfg.num_layers):
-            x = layer(PixArtBlock)(cfg, dt, ops, self.attn, name=BLOCK.format(i))(
-                x, ctx, keep, t6, w // p
-            )
-        d = cfg.inner_dim
-        table = self.param("scale_shift_table", nn.initializers.normal(d**-0.5), (2, d), dt)
-        proj = layer(nn.Dense)(p * p * cfg.out_channels, dtype=dt, param_dtype=dt, name="proj_out")
-        return output_head(cfg, dt, x, emb, table, proj, h, w)
+        return ctx, keep
+
+    def block(self, i: int, x, ctx, temb, row: int) -> jax.Array:
+        """Block i on (B, T, D) tokens; `row`: tokens per image row (W / p)."""
+        return self.transformer_blocks[i](x, ctx[0], ctx[1], temb[0], row)
+
+    def head(self, x, temb, h: int, w: int) -> jax.Array:
+        """(B, T, D) tokens of an h x w latent slab -> (B, h, w, out_channels)."""
+        return output_head(self.config, self.dtype, x, temb[1], self.scale_shift_table,
+                           self.proj_out, h, w)  # fmt: skip
 
 
 def output_head(config: PixArtConfig, dtype, x, emb, table, proj, h: int, w: int) -> jax.Array:
@@ -384,67 +416,3 @@ def output_head(config: PixArtConfig, dtype, x, emb, table, proj, h: int, w: int
     x = _layer_norm(1e-6, dtype, parent=None).apply({}, x) * (1 + scale) + shift
     x = proj(x).reshape(b, h // p, w // p, p, p, config.out_channels)
     return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, config.out_channels)
-
-
-@dataclass(frozen=True)
-class PixArtStack:
-    """The transformer as what a layer-splitting strategy needs (PipeFusion,
-    `patchpar.parallel.pipeline`): an input part, `num_layers` identical blocks and an output
-    part, each run on explicit parameters. Run in order on the whole latent they are the
-    model's `__call__` (a test holds this). `variables` are extra Flax collections for the
-    site ops (`ops`), `mutable` those a block returns."""
-
-    config: PixArtConfig
-    dtype: jnp.dtype = jnp.float32
-    attn: AttentionSpec = AUTO
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
-    def blocks(self, params) -> list:
-        """The blocks' parameters in layer order."""
-        return [params[BLOCK.format(i)] for i in range(self.num_layers)]
-
-    def outer(self, params) -> dict:
-        """Every parameter that is not a block's (input and output parts)."""
-        names = {BLOCK.format(i) for i in range(self.num_layers)}
-        return {k: v for k, v in params.items() if k not in names}
-
-    def context(self, outer, encoder_hidden_states, encoder_attention_mask=None):
-        """(projected caption (B, S, D), its key mask (B, S) bool or None): step-invariant."""
-        ctx = encoder_hidden_states.astype(self.dtype)
-        if self.config.caption_channels is not None:
-            proj = CaptionProjection(self.config.inner_dim, self.dtype, parent=None)
-            ctx = proj.apply({"params": outer["caption_projection"]}, ctx)
-        keep = None if encoder_attention_mask is None else encoder_attention_mask.astype(bool)
-        return ctx, keep
-
-    def embed(self, outer, ops: SiteOps, sample, variables=None) -> jax.Array:
-        """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions
-        (`ops.positions`)."""
-        mod = PatchEmbed(self.config, self.dtype, ops, parent=None)
-        return mod.apply({"params": outer["pos_embed"], **(variables or {})}, sample)
-
-    def time(self, outer, timesteps, resolution=None, aspect_ratio=None):
-        """((B, 6, D) block modulations, (B, D) embedded timestep)."""
-        b = timesteps.shape[0]
-        mod = AdaLayerNormSingle(self.config, self.dtype, parent=None)
-        t6, emb = mod.apply({"params": outer["adaln_single"]}, timesteps, resolution, aspect_ratio)
-        return t6.reshape(b, 6, self.config.inner_dim), emb
-
-    def block(self, ops: SiteOps, block_params, x, ctx, keep, t6, row, variables=None, mutable=()):
-        """One block on (B, T, D) tokens -> (tokens, the `mutable` collections)."""
-        mod = PixArtBlock(self.config, self.dtype, ops, self.attn, parent=None)
-        variables = {"params": block_params, **(variables or {})}
-        if not mutable:
-            return mod.apply(variables, x, ctx, keep, t6, row), {}
-        return mod.apply(variables, x, ctx, keep, t6, row, mutable=list(mutable))
-
-    def head(self, outer, x, emb, h: int, w: int) -> jax.Array:
-        """(B, T, D) tokens of an h x w latent slab -> (B, h, w, out_channels)."""
-        cfg, dt = self.config, self.dtype
-        features = cfg.patch_size**2 * cfg.out_channels
-        dense = nn.Dense(features, dtype=dt, param_dtype=dt, parent=None)
-        proj = lambda y: dense.apply({"params": outer["proj_out"]}, y)  # noqa: E731
-        return output_head(cfg, dt, x, emb, outer["scale_shift_table"], proj, h, w)

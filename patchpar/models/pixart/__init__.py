@@ -1,0 +1,341 @@
+"""The PixArt family (PixArt-α / Σ): `PixArtTransformer2DModel` in Flax (`model`), its presets
+(`presets`), the denoiser `PixArtFn` and its layer `Stack`, the T5 conditioning of PixArt
+pipelines, and `FAMILY`, what the rest of patchpar asks of it (`patchpar.models.family`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from patchpar.models.attention import AUTO, AttentionSpec, resolve
+from patchpar.models.components import (
+    T5EncoderFn,
+    VAEFn,
+    abstract_init,
+    encode_text,
+    load_t5_encoder,
+    random_params,
+)
+from patchpar.models.family import Family
+from patchpar.models.loading import CheckpointError, read_config, write_component
+from patchpar.models.pixart import presets as _presets
+from patchpar.models.pixart.model import (
+    BLOCK,
+    CLASS_NAMES,
+    LOGICAL,
+    UNSUPPORTED,
+    PixArtConfig,
+    PixArtTransformer2DModel,
+    sincos_table,
+)
+from patchpar.models.sites import SiteOps
+from patchpar.models.t5 import T5Config, T5EncoderModel
+from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+
+@dataclass(frozen=True)
+class PixArtFn:
+    """`pixart_apply(params, sample (B, H, W, C), timesteps, encoder_hidden_states (B, S, Dt),
+    encoder_attention_mask=None (B, S), added_cond_kwargs=None)` -> (B, H, W, out_channels);
+    `added_cond_kwargs` holds `resolution` (B, 2) and `aspect_ratio` (B, 1) for a model with
+    micro-conditions (diffusers' names throughout)."""
+
+    module: PixArtTransformer2DModel
+    family = "pixart"
+    logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
+    splits_columns = False  # its positions and tokens are cut by rows only
+
+    @property
+    def config(self) -> PixArtConfig:
+        return self.module.config
+
+    @property
+    def row_multiple(self) -> int:
+        """Latent rows of one patch must be a multiple of the patch size p: a row slab is then
+        a contiguous run of whole tokens."""
+        return self.config.patch_size
+
+    @property
+    def row_multiple_reason(self) -> str:
+        return f"patch size {self.config.patch_size}"
+
+    def prediction(self, out: jax.Array) -> jax.Array:
+        """The sampler's model output from the network's: with learned sigma (twice the
+        latent's channels) the first half, as diffusers' PixArt pipelines take it."""
+        return out[..., : self.config.in_channels] if self.config.learned_sigma else out
+
+    @property
+    def stack(self) -> Stack:
+        """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
+        return Stack(self.module)
+
+    def check_split(self, model: int) -> None:
+        """Tensor parallel over `model` devices: the feed-forward's inner width divides (heads
+        need not: they are padded with zero heads)."""
+        inner = 4 * self.config.inner_dim
+        if model > 1 and inner % model:
+            fits = [d for d in range(1, 9) if inner % d == 0]
+            raise ValueError(
+                f"tensor parallel over model={model}: the feed-forward width {inner} is not "
+                f"divisible by {model}; degrees that divide it: {fits}"
+            )
+
+    def __call__(
+        self,
+        params,
+        sample,
+        timesteps,
+        encoder_hidden_states,
+        encoder_attention_mask=None,
+        added_cond_kwargs=None,
+        **micro,
+    ):
+        # the micro-conditions come in diffusers' dict, or as keywords (a Conditioning's extras)
+        added = {**(added_cond_kwargs or {}), **micro}
+        unknown = sorted(set(added) - {"resolution", "aspect_ratio"})
+        if unknown:
+            raise ValueError(
+                f"added_cond_kwargs {unknown} are not PixArt's (it takes resolution, aspect_ratio)"
+            )
+        if added and not self.config.use_additional_conditions:
+            raise ValueError(
+                "this PixArt transformer has no micro-conditions (use_additional_conditions is "
+                f"off), but added_cond_kwargs={sorted(added)} were given"
+            )
+        return self.module.apply(
+            {"params": params},
+            sample,
+            timesteps,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            added.get("resolution"),
+            added.get("aspect_ratio"),
+        )
+
+    def with_ops(self, ops: SiteOps) -> PixArtFn:
+        return replace(self, module=self.module.clone(ops=ops))
+
+    def with_attention(self, spec: AttentionSpec) -> PixArtFn:
+        return replace(self, module=self.module.clone(attn=spec))
+
+    def example_inputs(
+        self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 120
+    ):
+        """Abstract inputs of the right shapes (latent size = sample_size unless given):
+        (sample, timesteps, encoder_hidden_states) and the module's keyword inputs (the text
+        mask, and the micro-conditions if the model has them)."""
+        cfg, dt = self.config, self.module.dtype
+        h, w = height or cfg.sample_size, width or cfg.sample_size
+        sds = jax.ShapeDtypeStruct
+        text = cfg.caption_channels or cfg.inner_dim
+        args = (
+            sds((batch, h, w, cfg.in_channels), dt),
+            sds((batch,), jnp.float32),
+            sds((batch, seq, text), dt),
+        )
+        added = {"encoder_attention_mask": sds((batch, seq), jnp.int32)}
+        if cfg.use_additional_conditions:
+            added["resolution"] = sds((batch, 2), jnp.float32)
+            added["aspect_ratio"] = sds((batch, 1), jnp.float32)
+        return args, added
+
+    def abstract_params(self):
+        args, added = self.example_inputs(1, self.config.patch_size, seq=4)
+        return abstract_init(self.module, *args, **added)
+
+    def init(self, seed: int = 0):
+        return random_params(self.abstract_params(), seed)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The transformer's forward as a layer-splitting strategy (PipeFusion,
+    `patchpar.parallel.pipeline`) consumes it: the model's own parts (`context`, `time`,
+    `embed`, one `block`, `head`), each applied on explicit parameters. `extras` are the
+    conditioning's keyword inputs (the text mask, the micro-conditions); `variables` are
+    extra Flax collections of the part (the site ops' state), `mutable` those a block
+    returns."""
+
+    module: PixArtTransformer2DModel
+
+    @property
+    def num_layers(self) -> int:
+        return self.module.config.num_layers
+
+    @property
+    def patch_size(self) -> int:
+        return self.module.config.patch_size
+
+    @property
+    def width(self) -> int:
+        """The tokens' width (what a block passes on)."""
+        return self.module.config.inner_dim
+
+    @property
+    def dtype(self):
+        return self.module.dtype
+
+    def blocks(self, params) -> list:
+        """The blocks' parameters in layer order."""
+        return [params[BLOCK.format(i)] for i in range(self.num_layers)]
+
+    def outer(self, params) -> dict:
+        """Every parameter that is not a block's (input and output parts)."""
+        names = {BLOCK.format(i) for i in range(self.num_layers)}
+        return {k: v for k, v in params.items() if k not in names}
+
+    def _apply(self, ops, outer, method, *args, variables=None, mutable=()):
+        module = self.module.clone(ops=ops)
+        return module.apply({"params": outer, **(variables or {})}, *args, method=method,
+                            mutable=list(mutable) or False)  # fmt: skip
+
+    def context(self, outer, encoder_hidden_states, extras: dict):
+        """The step-invariant text context: (projected caption, key mask)."""
+        mask = extras.get("encoder_attention_mask")
+        return self._apply(self.module.ops, outer, "context", encoder_hidden_states, mask)
+
+    def time(self, outer, timesteps, extras: dict):
+        """The timestep's embeddings: ((B, 6, D) block modulations, (B, D) embedded)."""
+        args = (timesteps, extras.get("resolution"), extras.get("aspect_ratio"))
+        return self._apply(self.module.ops, outer, "time", *args)
+
+    def embed(self, outer, ops: SiteOps, sample, variables=None) -> jax.Array:
+        """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions
+        (`ops.positions`); `variables` of the patch embedding."""
+        nested = {k: {"pos_embed": v} for k, v in (variables or {}).items()}
+        return self._apply(ops, outer, "embed", sample, variables=nested)
+
+    def block(self, outer, ops, block_params, x, ctx, temb, row, variables=None, mutable=()):
+        """One block on (B, T, D) tokens -> (tokens, the `mutable` collections)."""
+        name = BLOCK.format(0)  # every block is alike: the parameters given run as block 0
+        nested = {k: {name: v} for k, v in (variables or {}).items()}
+        params = {**outer, name: block_params}
+        out = self._apply(ops, params, lambda m, *a: m.block(0, *a), x, ctx, temb, row,
+                          variables=nested, mutable=mutable)  # fmt: skip
+        if not mutable:
+            return out, {}
+        y, mutated = out
+        return y, {k: v[name] for k, v in mutated.items()}
+
+    def head(self, outer, x, temb, h: int, w: int) -> jax.Array:
+        """(B, T, D) tokens of an h x w latent slab -> (B, h, w, out_channels)."""
+        return self._apply(self.module.ops, outer, "head", x, temb, h, w)
+
+
+@dataclass
+class T5Conditioning:
+    """PixArt: T5's last hidden states and their mask (the negative prompt encoded as any
+    other, "" by default), and the micro-conditions (height, width) and height / width of the
+    image when the transformer has them, the same for both guidance halves."""
+
+    encoders: list
+    tokenizers: list
+    tokens: int = 120  # the T5 tokens read (PixArt-α 120, Σ 300)
+
+    def __call__(self, denoiser, prompts, negative, cfg, height, width, empty_negative):
+        from patchpar.sampling.guidance import Conditioning
+
+        del empty_negative
+        (fn, params), tok = self.encoders[0], self.tokenizers[0]
+        texts = [*negative, *prompts] if cfg else prompts
+        ids, mask = tok(texts, self.tokens)
+        g, b = 1 + cfg, len(prompts)
+        ctx = encode_text(fn, params, jnp.asarray(ids), jnp.asarray(mask))["last_hidden_state"]
+        extras = {"encoder_attention_mask": jnp.asarray(mask).reshape(g, b, -1)}
+        if denoiser.config.use_additional_conditions:
+            size = jnp.asarray([height, width], jnp.float32)
+            extras["resolution"] = jnp.broadcast_to(size, (g, b, 2))
+            ratio = jnp.asarray([height / width], jnp.float32)
+            extras["aspect_ratio"] = jnp.broadcast_to(ratio, (g, b, 1))
+        return Conditioning(ctx.reshape((g, b) + ctx.shape[1:]), extras)
+
+
+class PixArtFamily(Family):
+    name = "pixart"
+    denoiser_folder = "transformer"
+    denoiser_classes = CLASS_NAMES
+    pipeline_classes = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
+    presets = _presets.PRESETS
+    full_size = _presets.FULL_SIZE
+    weighted = _presets.WEIGHTED
+    default_guidance = 4.5  # diffusers' PixArt-α/Σ pipelines
+
+    def denoiser(self, config, where, dtype=jnp.float32, attention=None) -> PixArtFn:
+        attn = attention if attention is not None else AttentionSpec()
+        return PixArtFn(PixArtTransformer2DModel(PixArtConfig.from_diffusers(config, where), dtype,
+                                                 attn=attn))  # fmt: skip
+
+    def is_large(self, config: dict) -> bool:
+        return config["num_attention_heads"] * config["attention_head_dim"] >= 1024
+
+    def text_tokens(self, index: dict) -> int:
+        """The T5 tokens a pipeline class reads (120 without model_index.json)."""
+        return _presets.MAX_TEXT_TOKENS.get(index.get("_class_name"), 120)
+
+    def load_text(self, folder: Path, index: dict, dtype) -> T5Conditioning:
+        from patchpar.models.tokenizer import T5Tokenizer
+
+        for sub in ("text_encoder", "tokenizer"):
+            if not (folder / sub).is_dir():
+                raise CheckpointError(
+                    f"{str(folder)!r}: a PixArt pipeline needs {sub}/; it is missing"
+                )
+        encoder = load_t5_encoder(folder / "text_encoder", dtype)
+        tokenizer = T5Tokenizer(folder / "tokenizer")
+        return T5Conditioning([encoder], [tokenizer], self.text_tokens(index))
+
+    def text_programs(self, component, batch: int, dtype):
+        cfg = component("text_encoder")
+        if cfg is None:
+            return []
+        module = T5EncoderModel(T5Config.from_transformers(cfg, "text_encoder"), dtype)
+        tokens = self.text_tokens(component("pipeline") or {})
+        return [(module, jax.ShapeDtypeStruct((batch, tokens), jnp.int32))]
+
+    def write_random_folder(self, folder: Path, preset: dict, seed: int) -> None:
+        """A PixArt pipeline folder: transformer/, vae/, a T5 text_encoder/ and its
+        sentencepiece tokenizer/ (trained here on a few captions), scheduler/,
+        model_index.json."""
+        from patchpar.models.configs import TOKENIZER_TEXT
+        from patchpar.models.tokenizer import write_t5_tokenizer
+        from patchpar.models.unet import write_scheduler
+
+        folder = Path(folder)
+        dit = self.denoiser(preset["transformer"], "transformer")
+        write_component(folder / "transformer", preset["transformer"], dit.init(seed))
+        vae = VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"]), jnp.float32))
+        write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
+        t5 = T5EncoderFn(T5EncoderModel(T5Config.from_transformers(preset["text_encoder"])))
+        write_component(folder / "text_encoder", preset["text_encoder"], t5.init(seed + 2))
+        vocab = preset["text_encoder"]["vocab_size"]
+        write_t5_tokenizer(folder / "tokenizer", TOKENIZER_TEXT, vocab_size=vocab)
+        write_scheduler(folder, preset["scheduler"])
+        index = {
+            "_class_name": preset["pipeline"]["_class_name"],
+            "transformer": ["diffusers", "PixArtTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+            "text_encoder": ["transformers", "T5EncoderModel"],
+            "tokenizer": ["transformers", "T5Tokenizer"],
+            "scheduler": ["diffusers", preset["scheduler"]["_class_name"]],
+        }
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def load_pixart(path, dtype=jnp.float32, attention: AttentionSpec = AUTO):
+    """PixArt-α/Σ transformer from a diffusers folder (`.../transformer` or a pipeline folder
+    holding `transformer/`)."""
+    from patchpar.models.components import component
+
+    return FAMILY.load_denoiser(component(path, "transformer"), dtype, resolve(attention, dtype))
+
+
+FAMILY = PixArtFamily()
+
+__all__ = [
+    "FAMILY", "LOGICAL", "UNSUPPORTED", "PixArtConfig", "PixArtFn", "PixArtTransformer2DModel",
+    "Stack", "T5Conditioning", "load_pixart", "read_config", "sincos_table",
+]  # fmt: skip
