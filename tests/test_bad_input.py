@@ -68,14 +68,15 @@ def test_unet_config_missing_keys_and_inpainting():
     "cls, what",
     [
         ("StableDiffusion3Pipeline", "unsupported: StableDiffusion3Pipeline is SD3"),
-        ("FluxPipeline", "unsupported: FluxPipeline is Flux"),
+        ("QwenImagePipeline", "unsupported: QwenImagePipeline is Qwen-Image"),
+        ("WanPipeline", "unsupported: WanPipeline is Wan"),
         ("StableDiffusionInpaintPipeline", "is inpainting"),
     ],
 )
 def test_unsupported_pipeline_class_is_named(model, cls, what):
     index = json.loads((model / "model_index.json").read_text())
     (model / "model_index.json").write_text(json.dumps({**index, "_class_name": cls}))
-    shutil.rmtree(model / "unet")  # an SD3/Flux folder has no unet/: say what it is instead
+    shutil.rmtree(model / "unet")  # an SD3/Qwen-Image folder has no unet/: say what it is instead
     with pytest.raises(CheckpointError, match=what):
         load_pipeline(model)
 

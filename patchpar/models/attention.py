@@ -124,6 +124,16 @@ def attend(
     return _splash_attention(q, k, v, heads, mask, spec)
 
 
+def attend_joint(spec, q, text_k, text_v, k, v, heads: int, mask=None) -> jax.Array:
+    """`attend` over the text keys/values (all exist) followed by the image's (`mask`: (Tk,)
+    of the image keys that exist, None: all): an MMDiT's joint attention."""
+    keys = jnp.concatenate([text_k, k], axis=1)
+    values = jnp.concatenate([text_v, v], axis=1)
+    if mask is not None:
+        mask = jnp.concatenate([jnp.ones(mask.shape[:-1] + (text_k.shape[1],), bool), mask], -1)
+    return attend(spec, q, keys, values, heads, mask)
+
+
 def _keys_mask(mask: jax.Array) -> jax.Array:
     """A (Tk,) or (B, Tk) key mask as (B or 1, Tk)."""
     return mask[None] if mask.ndim == 1 else mask

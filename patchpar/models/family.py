@@ -32,14 +32,13 @@ if TYPE_CHECKING:
     from patchpar.sampling.guidance import Conditioning
 
 # The family packages under patchpar/models/, in the order folders are matched.
-PACKAGES = ("unet", "pixart")
+PACKAGES = ("unet", "pixart", "flux")
 
 # What people point patchpar at that no family runs: a pipeline's or a denoiser's
 # `_class_name` (a substring of it) -> what it is.
 UNSUPPORTED = {
     "StableDiffusion3": "SD3 (an MMDiT transformer, not supported yet)",
     "SD3Transformer2DModel": "SD3 (MMDiT)",
-    "Flux": "Flux (an MMDiT transformer, not supported yet)",
     "QwenImage": "Qwen-Image (an MMDiT transformer, not supported yet)",
     "Wan": "Wan (a video DiT, not supported yet)",
     "HunyuanVideo": "HunyuanVideo (a video DiT, not supported yet)",

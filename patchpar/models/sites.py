@@ -9,7 +9,9 @@ Model code calls a `SiteOps` object at exactly three places:
 3. `self_attention`: self-attention queries need keys/values of the whole image. By default
    the site gathers them (`self_attn_kv`: all of them, or for PCPP the neighbouring bands, with
    a key mask for slots that do not exist on an edge device) and runs the kernel locally;
-   context-parallel strategies (Ring, Ulysses) answer the whole attention instead.
+   context-parallel strategies (Ring, Ulysses) answer the whole attention instead. An MMDiT's
+   `joint_attention` is the same site with the text tokens' keys/values (local on every
+   device) in front of the image's.
 
 Two non-spatial calls serve the weights: tensor parallelism's `model_degree` (how many ways
 weights are split) and `model_sum` (the all-reduce after a row-split layer), and `layer`, the
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from patchpar.models.attention import AttentionSpec, attend
+from patchpar.models.attention import AttentionSpec, attend, attend_joint
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,25 @@ class SiteOps:
         gives, with `spec`'s kernel."""
         k, v, mask = self.self_attn_kv(mod, k, v, row)  # (B, T_keys, H*D)
         return attend(spec, q, k, v, heads, mask)
+
+    def joint_attention(
+        self,
+        mod,
+        q: jax.Array,
+        text_k: jax.Array,
+        text_v: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        heads: int,
+        spec: AttentionSpec,
+        row: int | None = None,
+    ) -> jax.Array:
+        """An MMDiT's joint attention: the queries q (B, S + h*W, H*D) of the text tokens (the
+        first S, every device holds all of them) and of the local image tokens attend over the
+        text keys/values (B, S, H*D), which stay local, and the image keys/values k, v
+        (B, h*W, H*D), whose whole image this site gives (`self_attn_kv`) -> (B, S + h*W, H*D)."""
+        k, v, mask = self.self_attn_kv(mod, k, v, row)
+        return attend_joint(spec, q, text_k, text_v, k, v, heads, mask)
 
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
         """A DiT's position embeddings of the local tokens, (rows x cols, D): `table(r, c)`

@@ -103,6 +103,9 @@ class PatchOps(SiteOps):
     ) -> jax.Array:
         return self.attn_op(mod, q, k, v, heads, spec, row)
 
+    def joint_attention(self, mod, q, text_k, text_v, k, v, heads, spec, row=None):
+        return self.attn_op.joint(mod, q, text_k, text_v, k, v, heads, spec, row)
+
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
         """This device's rows of the whole image's position table: the image has n x rows
         token rows and this slab is the patch index's (a constant sliced, no exchange; row

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from patchpar.models.attention import AttentionSpec, OnlineSoftmax, attend
+from patchpar.models.attention import AttentionSpec, OnlineSoftmax, attend, attend_joint
 from patchpar.parallel.mesh import PATCH, divisors
 from patchpar.parallel.sites.common import PatchSite, note
 
@@ -49,6 +49,15 @@ class ContextAttention(PatchSite):
         if self.n == 1:
             return attend(spec, q, k, v, heads)
         return context_attention(q, k, v, heads, spec, self.n, self.ulysses, self.local)
+
+    def joint(self, mod, q, text_k, text_v, k, v, heads: int, spec: AttentionSpec, row=None):
+        """An MMDiT's joint attention under Ring / Ulysses: not built yet."""
+        if self.n == 1:
+            return attend_joint(spec, q, text_k, text_v, k, v, heads)
+        raise NotImplementedError(
+            "ring and ulysses do not run an MMDiT's joint attention yet (the text tokens' "
+            "keys and values beside the image's); use sync_patch, distrifusion or pcpp"
+        )
 
     def received_bytes(self, info, p):
         if self.n == 1:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from patchpar.models.attention import AttentionSpec, attend
+from patchpar.models.attention import AttentionSpec, attend, attend_joint
 from patchpar.parallel.mesh import PATCH
 from patchpar.parallel.sites.common import STALE, PatchSite, exchange, nbytes, note
 
@@ -78,6 +78,12 @@ class KV(PatchSite):
         """Self-attention of the local queries (B, L, H*D) over the keys/values the mode gives."""
         k, v, mask = self.keys(mod, k, v, row)
         return attend(spec, q, k, v, heads, mask)
+
+    def joint(self, mod, q, text_k, text_v, k, v, heads: int, spec: AttentionSpec, row=None):
+        """An MMDiT's joint attention: the image keys/values as `keys` gives them, the text's
+        (local on every device) in front (`SiteOps.joint_attention`)."""
+        k, v, mask = self.keys(mod, k, v, row)
+        return attend_joint(spec, q, text_k, text_v, k, v, heads, mask)
 
     def keys(self, mod, k: jax.Array, v: jax.Array, row: int | None = None):
         """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a (T,) mask of
