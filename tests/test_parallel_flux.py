@@ -100,6 +100,32 @@ def test_exact_and_stale_sampling_runs_on_an_mmdit():
 @pytest.mark.parametrize(
     "name, devices, options",
     [
+        ("ring", 4, {}),
+        ("ulysses", 4, {}),  # 3 heads padded to 4
+        pytest.param("ulysses", 4, {"ring_degree": 2}, marks=pytest.mark.slow),
+    ],
+)
+def test_context_parallel_joint_attention_equals_single(name, devices, options):
+    """Ring and Ulysses on the joint attention: the image tokens' Q/K/V travel, the text's
+    stay local (folded into every softmax once; under Ulysses each device takes its heads of
+    them and the text outputs' heads are gathered). One call equals single; the HLO bytes
+    equal the analytic model."""
+    from patchpar.measure.cost import measure
+
+    fn, params = micro_flux()
+    x, t, cond = inputs()
+    plan = Plan(make_strategy(name, **options), devices)
+    plan.validate(fn, x.shape[1:3], 10, GUIDANCE)
+    step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
+    out, _ = step(params, x, t, cond, None)
+    assert max_diff(out, single_guided(fn, params, x, t, cond)) <= 1e-4
+    rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
+    assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+
+
+@pytest.mark.parametrize(
+    "name, devices, options",
+    [
         ("distrifusion", 2, {"warmup_steps": 1}),
         ("pcpp", 4, {"warmup_steps": 1, "send": "band", "align": "rows"}),
     ],

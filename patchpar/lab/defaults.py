@@ -14,7 +14,6 @@ TUNED_GUIDANCE = {"fmnist": 2.0, "fmnist-dit": 2.0}
 # The solver each trained preset was tuned with, where it is not 20-step DDIM (fmnist-dit: on
 # held-out seeds 100-149, results/fmnist_dit_sampler; PixArt's pipelines' DPM-Solver++ too).
 TUNED_SAMPLER = {"fmnist-dit": "dpmpp_2m"}
-DEFAULT_SAMPLER = "ddim"
 
 # The CLIP model (`presets.CLIP_MODELS`) `clip_score` uses by default for each model
 # (experiments/train_clip_fmnist.py).
@@ -28,7 +27,14 @@ CLASSIFIER_OF = {"fmnist-random": "fmnist", "fmnist-dit": "fmnist"}
 
 
 def default_sampler(model: str | Path) -> str:
-    return TUNED_SAMPLER.get(str(model), DEFAULT_SAMPLER)
+    """The tuned sampler of a trained preset, else the model family's (DDIM; FLUX: the
+    flow-matching Euler)."""
+    from patchpar.models.presets import model_family
+
+    name = str(model)
+    if name in TUNED_SAMPLER:
+        return TUNED_SAMPLER[name]
+    return model_family(name).default_sampler
 
 
 def default_guidance(model: str | Path) -> float:

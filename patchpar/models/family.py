@@ -82,6 +82,8 @@ class Denoiser(Protocol):
         strategy that splits the layers (PipeFusion); None without one (a UNet)."""
         ...
 
+    no_stack: str  # where `stack` is None: why (for the error a layer-split strategy gives)
+
     def prediction(self, out: jax.Array) -> jax.Array:
         """The sampler's model output from the network's."""
         ...
@@ -111,13 +113,18 @@ class TextConditioner(Protocol):
     encoders: list  # [(fn, params)]
     tokenizers: list
 
+    def loop_scale(self, guidance_scale: float) -> float:
+        """The classifier-free guidance scale of the denoising loop for a pipeline's
+        `guidance_scale` (itself for CFG families; 1 where the scale is a model input, FLUX)."""
+        ...
+
     def __call__(
-        self, denoiser: Denoiser, prompts: list[str], negative: list[str], cfg: bool,
+        self, denoiser: Denoiser, prompts: list[str], negative: list[str], guidance_scale: float,
         height: int, width: int, empty_negative: bool,
     ) -> Conditioning:  # fmt: skip
-        """The conditioning stacked over guidance: (negative, positive) with `cfg`, else the
-        positive alone. `empty_negative`: no negative prompt was given (SDXL then zeroes the
-        negative embeddings)."""
+        """The conditioning stacked over guidance: (negative, positive) where the loop guides
+        (`loop_scale` > 1), else the positive alone. `empty_negative`: no negative prompt was
+        given (SDXL then zeroes the negative embeddings)."""
         ...
 
 
@@ -132,6 +139,7 @@ class Family:
     full_size: ClassVar[tuple[str, ...]] = ()  # presets with published (full) shapes
     weighted: ClassVar[tuple[str, ...]] = ()  # presets written with random weights on first use
     default_guidance: ClassVar[float] = 7.5  # its pipelines' default guidance scale
+    default_sampler: ClassVar[str] = "ddim"  # the sampler a run takes unless told
 
     # ---------------------------------------------------------------- the denoiser
 

@@ -176,8 +176,9 @@ class T5Tokenizer:
     as T5's own folders hold it), else its `tokenizer.json` (the same unigram model as
     transformers' fast tokenizer saves it)."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, lower: bool = True):
         folder = Path(folder)
+        self.lower = lower  # PixArt lower-cases the prompt; FLUX passes it as it is
         path = folder / "spiece.model"
         if path.is_file():
             import sentencepiece as spm
@@ -207,7 +208,7 @@ class T5Tokenizer:
 
     def pieces(self, prompt: str) -> list[int]:
         """The prompt's ids before truncation: pieces then </s>."""
-        return [*self._encode(prompt.lower().strip()), self.eos_id]
+        return [*self._encode(prompt.lower().strip() if self.lower else prompt), self.eos_id]
 
     def __call__(self, prompts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
         ids = np.full((len(prompts), max_length), self.pad_id, np.int32)

@@ -21,10 +21,7 @@ from patchpar.models.sites import IDENTITY, SiteOps
 
 _REQUIRED = {
     "act_fn": "silu",
-    "use_quant_conv": True,
-    "use_post_quant_conv": True,
     "mid_block_add_attention": True,
-    "shift_factor": None,
     "latents_mean": None,
     "latents_std": None,
 }
@@ -40,6 +37,9 @@ class VAEConfig:
     norm_num_groups: int = 32
     scaling_factor: float = 0.18215
     sample_size: int = 32  # pixels; diffusers' tiled decode uses it as the tile side
+    shift_factor: float = 0.0  # latents = (mean - shift) x scale (FLUX's VAE; SD's: none)
+    use_quant_conv: bool = True  # a 1x1 conv after the encoder (FLUX's VAE has none)
+    use_post_quant_conv: bool = True  # a 1x1 conv before the decoder
 
     @property
     def downsample_factor(self) -> int:
@@ -69,6 +69,9 @@ class VAEConfig:
             norm_num_groups=cfg.get("norm_num_groups", 32),
             scaling_factor=cfg.get("scaling_factor", 0.18215),
             sample_size=_side(cfg.get("sample_size", 32)),
+            shift_factor=float(cfg.get("shift_factor") or 0.0),
+            use_quant_conv=bool(cfg.get("use_quant_conv", True)),
+            use_post_quant_conv=bool(cfg.get("use_post_quant_conv", True)),
         )
 
 
@@ -183,7 +186,8 @@ class Decoder(nn.Module):
 
 class AutoencoderKL(nn.Module):
     """`encode` gives the latent distribution's (mean, logvar); `decode` maps a latent to an
-    image in [-1, 1]. Scaling by `config.scaling_factor` is the pipeline's job, as in diffusers."""
+    image in [-1, 1]. Scaling by `config.scaling_factor` (and shifting by `shift_factor`) is
+    the pipeline's job, as in diffusers."""
 
     config: VAEConfig
     dtype: jnp.dtype = jnp.float32
@@ -194,18 +198,24 @@ class AutoencoderKL(nn.Module):
         lc = self.config.latent_channels
         self.encoder = Encoder(self.config, self.dtype, self.ops, self.attn)
         self.decoder = Decoder(self.config, self.dtype, self.ops, self.attn)
-        self.quant_conv = Conv(2 * lc, 1, padding=0, dtype=self.dtype)
-        self.post_quant_conv = Conv(lc, 1, padding=0, dtype=self.dtype)
+        if self.config.use_quant_conv:
+            self.quant_conv = Conv(2 * lc, 1, padding=0, dtype=self.dtype)
+        if self.config.use_post_quant_conv:
+            self.post_quant_conv = Conv(lc, 1, padding=0, dtype=self.dtype)
 
     def encode(
         self, images: jax.Array
     ) -> tuple[jax.Array, jax.Array]:  # (B,H,W,3) -> 2 x (B,h,w,lc)
-        moments = self.quant_conv(self.encoder(images))
+        moments = self.encoder(images)
+        if self.config.use_quant_conv:
+            moments = self.quant_conv(moments)
         mean, logvar = jnp.split(moments, 2, axis=-1)
         return mean, jnp.clip(logvar, -30.0, 20.0)
 
     def decode(self, latents: jax.Array) -> jax.Array:  # (B, h, w, lc) -> (B, H, W, 3)
-        return self.decoder(self.post_quant_conv(latents))
+        if self.config.use_post_quant_conv:
+            latents = self.post_quant_conv(latents)
+        return self.decoder(latents)
 
     def __call__(self, images: jax.Array) -> jax.Array:
         mean, _ = self.encode(images)

@@ -63,6 +63,7 @@ class Pipeline:
     text: TextConditioner  # the family's prompts -> Conditioning (its encoders, tokenizers)
     scheduler: SchedulerConfig
     name: str = ""
+    default_sampler: str = "ddim"  # the family's (`Family.default_sampler`)
 
     @property
     def text_encoders(self) -> list:
@@ -84,6 +85,14 @@ class Pipeline:
     @property
     def family(self) -> str:
         return self.unet.family
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the latent the denoiser takes (FLUX: the unpacked latent's 16)."""
+        (sample, *_), _ = self.unet.example_inputs(
+            1, self.unet.row_multiple, self.unet.row_multiple
+        )
+        return sample.shape[-1]
 
     @property
     def latent_factor(self) -> int:
@@ -123,16 +132,23 @@ class Pipeline:
         """The prompts' conditioning stacked over guidance (`check_finite_conditioning` says
         whether it holds NaN or Inf; the callers that make images check it once, outside any
         timed call)."""
-        check_guidance(guidance_scale, negative_prompts)
-        cfg = guidance_scale > 1.0
+        self._check_guidance(guidance_scale, negative_prompts)
         negative = negative_prompts or [""] * len(prompts)
         if len(negative) != len(prompts):
             raise ValueError(
                 f"{len(negative)} negative prompts for {len(prompts)} prompts; give one per prompt or none"
             )
         return self.text(
-            self.unet, prompts, negative, cfg, height, width, not any(negative_prompts or [])
-        )
+            self.unet, prompts, negative, guidance_scale, height, width,
+            not any(negative_prompts or []),
+        )  # fmt: skip
+
+    def _check_guidance(self, guidance_scale, negative_prompts) -> None:
+        """A valid scale; a negative prompt only where the loop guides (a family whose scale
+        is a model input, FLUX, says itself why it takes none)."""
+        check_guidance(guidance_scale)
+        if self.text.loop_scale(guidance_scale) == guidance_scale:
+            check_guidance(guidance_scale, negative_prompts)
 
     # ------------------------------------------------------------------ sampling
 
@@ -141,18 +157,18 @@ class Pipeline:
         check_seed(seed)
         h, w = self.check_size(height, width)
         return jax.random.normal(
-            jax.random.key(seed), (batch, h, w, self.unet.config.in_channels), jnp.float32
+            jax.random.key(seed), (batch, h, w, self.latent_channels), jnp.float32
         )
 
     def _denoise_call(self, cond, latents, sampler, steps, guidance_scale, plan):
         """(jitted function, all its arguments) for denoising on one device or under `plan`;
         arguments 3, 4, 5 and 6 (params, cond, schedule, x) are the dynamic ones."""
         smp = get_sampler(sampler)
-        schedule = smp.schedule(self.scheduler, steps)
+        schedule = smp.schedule(self.scheduler_at(*latents.shape[1:3]), steps)
         x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
+        gs = float(self.text.loop_scale(guidance_scale))  # the loop's CFG scale
         if plan is not None:
-            plan.validate(self.unet, x.shape[1:3], steps, guidance_scale, x.shape[0])
-        gs = float(guidance_scale)
+            plan.validate(self.unet, x.shape[1:3], steps, gs, x.shape[0])
         if plan is None or not plan.strategy.parallel:
             fn, static = _denoise_single, (self.unet, smp, None)
             params = self.unet_params
@@ -160,6 +176,12 @@ class Pipeline:
             fn, static = denoise_parallel, (self.unet, plan, smp)
             params = self._placed(plan)
         return fn, (*static, params, cond, schedule, x, gs)
+
+    def scheduler_at(self, h: int, w: int) -> SchedulerConfig:
+        """The scheduler for a latent of h x w (a flow-matching model's shift may depend on its
+        tokens: `SchedulerConfig.at_tokens`)."""
+        tokens = getattr(self.unet, "image_tokens", None)
+        return self.scheduler if tokens is None else self.scheduler.at_tokens(tokens(h, w))
 
     def _placed(self, plan: Plan):
         """The denoiser's parameters placed for `plan` (`engine.placed_params`), once per plan."""
@@ -274,7 +296,7 @@ class Pipeline:
             img = latents.astype(jnp.float32)
             img = jnp.repeat(img, 3, axis=-1) if img.shape[-1] == 1 else img
         else:
-            z = latents / self.vae.config.scaling_factor
+            z = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
             img = to_local(vae_decode(self.vae, self.vae_params, z, vae_plan or VAEPlan()))
         img = np.asarray(img, np.float32)
         if not np.isfinite(img).all():
@@ -294,7 +316,7 @@ class Pipeline:
         steps: int = 20,
         guidance_scale: float = 7.5,
         seed: int = 0,
-        sampler: str = "ddim",
+        sampler: str | None = None,
         negative_prompts: list[str] | None = None,
         latents: jax.Array | None = None,
         plan: Plan | None = None,
@@ -308,16 +330,17 @@ class Pipeline:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
+        sampler = self.default_sampler if sampler is None else sampler
         size = self.unet.config.sample_size * self.latent_factor
         height = size if height is None else height  # 0 is an error (check_size), not "default"
         width = height if width is None else width
         hw = self.check_size(height, width)
         check_seed(seed)
-        check_guidance(guidance_scale, negative_prompts)
-        get_sampler(sampler).schedule(self.scheduler, steps)  # name and step count
+        self._check_guidance(guidance_scale, negative_prompts)
+        get_sampler(sampler).schedule(self.scheduler_at(*hw), steps)  # name, steps, model kind
         if plan is not None:  # every check before any work
             n = len(prompts) if latents is None else latents.shape[0]
-            plan.validate(self.unet, hw, steps, guidance_scale, n)
+            plan.validate(self.unet, hw, steps, self.text.loop_scale(guidance_scale), n)
         if vae_plan is not None:
             vae_plan.validate(self.vae, hw, len(prompts) if latents is None else latents.shape[0])
         say = log or (lambda msg: None)
@@ -481,7 +504,7 @@ def load_pipeline(
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
-    return Pipeline(*denoiser, *vae, text, sched, name)
+    return Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler)
 
 
 def _model_index(folder: Path) -> dict:

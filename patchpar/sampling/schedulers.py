@@ -1,4 +1,5 @@
-"""Schedulers as pure functions with one signature (DDIM, Euler discrete, DPM-Solver++ 2M).
+"""Schedulers as pure functions with one signature (DDIM, Euler discrete, DPM-Solver++ 2M, and
+flow matching's Euler for FLUX-style models).
 
 A `Schedule` (a pytree of arrays, built once per step count) holds everything a step needs;
 every sampler answers
@@ -8,9 +9,11 @@ every sampler answers
     init_carry(x)                                   -> the solver's history (multistep methods)
 
 with `i` a (possibly traced) step index, so a whole phase of the loop compiles once.
-Numbers follow diffusers' DDIMScheduler, EulerDiscreteScheduler and
+Numbers follow diffusers' DDIMScheduler, EulerDiscreteScheduler,
 DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2) with their
-SD defaults; `SchedulerConfig.from_diffusers` reads `scheduler/scheduler_config.json`.
+SD defaults, and FlowMatchEulerDiscreteScheduler (`flow_euler`: sigmas from 1 to 1/N,
+shifted by a fixed `shift` or by mu from the image's token count, the model's output a
+velocity); `SchedulerConfig.from_diffusers` reads `scheduler/scheduler_config.json`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,32 @@ class SchedulerConfig:
     set_alpha_to_one: bool = False  # DDIM: alpha of the step after the last
     clip_sample: bool = False  # DDIM: clip the x0 prediction to +-clip_sample_range
     clip_sample_range: float = 1.0
+    # flow matching (FlowMatchEulerDiscreteScheduler): the model predicts a velocity
+    flow: bool = False
+    shift: float = 1.0  # sigma -> shift sigma / (1 + (shift - 1) sigma), when not dynamic
+    use_dynamic_shifting: bool = False  # shift by mu from the image's tokens (FLUX.1-dev)
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    image_seq_len: int | None = None  # the image's tokens (set per size: `at_tokens`)
+
+    def at_tokens(self, tokens: int) -> SchedulerConfig:
+        """This config for an image of `tokens` tokens (what dynamic shifting reads)."""
+        from dataclasses import replace
+
+        return replace(self, image_seq_len=int(tokens)) if self.use_dynamic_shifting else self
+
+    def mu(self) -> float:
+        """FLUX's resolution-dependent shift: linear in the image's tokens, base_shift at
+        base_image_seq_len and max_shift at max_image_seq_len (diffusers' calculate_shift)."""
+        if self.image_seq_len is None:
+            raise ValueError(
+                "this flow-matching scheduler shifts by the image's size "
+                "(use_dynamic_shifting): give it the image's tokens (SchedulerConfig.at_tokens)"
+            )
+        m = (self.max_shift - self.base_shift) / (self.max_image_seq_len - self.base_image_seq_len)
+        return self.image_seq_len * m + self.base_shift - m * self.base_image_seq_len
 
     @classmethod
     def from_diffusers(
@@ -64,11 +93,21 @@ class SchedulerConfig:
                 raise ValueError(f"{where}: {key}=True is not supported")
         if cfg.get("trained_betas") is not None:
             raise ValueError(f"{where}: trained_betas is not supported")
+        flow = cfg.get("_class_name") == "FlowMatchEulerDiscreteScheduler"
+        if flow:
+            for key, want in (
+                ("invert_sigmas", False),
+                ("shift_terminal", None),
+                ("stochastic_sampling", False),
+                ("time_shift_type", "exponential"),
+            ):
+                if cfg.get(key, want) != want:
+                    raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported ({want!r})")
         # An in-memory diffusers config lists the keys it left at the class default; like
         # `Scheduler.from_config`, treat those as unset so each sampler takes its own default.
         unset = set(cfg.get("_use_default_values", ()))
-        fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in cfg.items() if k in fields and k not in unset})
+        fields = set(cls.__dataclass_fields__) - {"flow", "image_seq_len"}
+        return cls(**{k: v for k, v in cfg.items() if k in fields and k not in unset}, flow=flow)
 
     def alphas_cumprod(
         self,
@@ -118,6 +157,14 @@ def _check_steps(cfg: SchedulerConfig, n: int) -> None:
         raise ValueError(f"steps={n!r}: need an integer in [1, {cfg.num_train_timesteps}]")
 
 
+def _check_ddpm(cfg: SchedulerConfig, name: str) -> None:
+    if cfg.flow:
+        raise ValueError(
+            f"sampler {name!r} needs a DDPM-style model; this one is flow-matching "
+            f"(FlowMatchEulerDiscreteScheduler): use flow_euler"
+        )
+
+
 def _sigmas_at(ac: np.ndarray, ts: np.ndarray) -> np.ndarray:
     sig = ((1 - ac) / ac) ** 0.5
     return np.interp(ts, np.arange(len(sig)), sig)
@@ -141,6 +188,7 @@ def _schedule(ts, sigmas, alphas, alphas_prev, init, cfg, clip: float = 0.0) -> 
 
 def ddim_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
     _check_steps(cfg, n)
+    _check_ddpm(cfg, "ddim")
     ac = cfg.alphas_cumprod()
     spacing = cfg.spacing("leading")
     if spacing == "linspace":
@@ -176,6 +224,7 @@ def ddim_step(s: Schedule, i, x, out, carry):
 
 def euler_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
     _check_steps(cfg, n)
+    _check_ddpm(cfg, "euler")
     ac = cfg.alphas_cumprod()
     spacing = cfg.spacing("linspace")
     ts = _spaced_timesteps(cfg, n, spacing)
@@ -204,6 +253,7 @@ def euler_step(s: Schedule, i, x, out, carry):
 
 def dpmpp_2m_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
     _check_steps(cfg, n)
+    _check_ddpm(cfg, "dpmpp_2m")
     ac = cfg.alphas_cumprod()
     ts = _spaced_timesteps(cfg, n, cfg.spacing("linspace"), plus_one=True)
     sig = np.concatenate([_sigmas_at(ac, ts), [0.0]])  # final_sigmas_type="zero"
@@ -239,6 +289,44 @@ def dpmpp_2m_step(s: Schedule, i, x, out, carry):
     return x_next.astype(x.dtype), (x0, jnp.asarray(True))
 
 
+# ---------------------------------------------------------------- flow matching (Euler)
+
+
+def flow_euler_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
+    """Sigmas linspace(1, 1/n) shifted (exponentially by mu with dynamic shifting, else by
+    `shift`) in float32 as diffusers' FluxPipeline and FlowMatchEulerDiscreteScheduler, then 0;
+    the model's timestep input is sigma (diffusers passes timesteps / 1000 = sigma x 1000 /
+    1000, reproduced in float32)."""
+    _check_steps(cfg, n)
+    if not cfg.flow:
+        raise ValueError(
+            "sampler 'flow_euler' needs a flow-matching model (FlowMatchEulerDiscreteScheduler); "
+            "this model's scheduler is DDPM-style: use ddim, euler or dpmpp_2m"
+        )
+    sig = np.linspace(1.0, 1.0 / n, n).astype(np.float32)
+    if cfg.use_dynamic_shifting:
+        e = np.float32(np.exp(cfg.mu()))
+        sig = (e / (e + (np.float32(1) / sig - np.float32(1)))).astype(np.float32)
+    else:
+        shift = np.float32(cfg.shift)
+        sig = (shift * sig / (np.float32(1) + (shift - np.float32(1)) * sig)).astype(np.float32)
+    t = (sig * np.float32(cfg.num_train_timesteps)).astype(np.float32)
+    t = (t / np.float32(1000)).astype(np.float32)
+    sigmas = np.concatenate([sig, np.zeros(1, np.float32)])
+    z = np.zeros(n)
+    return Schedule(
+        jnp.asarray(t), jnp.asarray(sigmas), jnp.asarray(z, jnp.float32),
+        jnp.asarray(z, jnp.float32), jnp.asarray(1.0, jnp.float32), jnp.asarray(0.0, jnp.float32),
+        False,
+    )  # fmt: skip
+
+
+def flow_euler_step(s: Schedule, i, x, out, carry):
+    """x + (sigma_next - sigma) v, in float32, cast to the model output's dtype."""
+    dt = s.sigmas[i + 1] - s.sigmas[i]
+    return (x.astype(jnp.float32) + dt * out.astype(jnp.float32)).astype(out.dtype), carry
+
+
 # ---------------------------------------------------------------- registry
 
 
@@ -266,7 +354,10 @@ SAMPLERS: dict[str, Sampler] = {
     "dpmpp_2m": Sampler(
         "dpmpp_2m", dpmpp_2m_schedule, dpmpp_2m_step, _identity_scale, multistep=True
     ),
+    "flow_euler": Sampler("flow_euler", flow_euler_schedule, flow_euler_step, _identity_scale),
 }
+# samplers of DDPM-style (noise / v prediction) models; flow-matching models take flow_euler
+DDPM_SAMPLERS = ("ddim", "euler", "dpmpp_2m")
 
 
 def get_sampler(name: str) -> Sampler:

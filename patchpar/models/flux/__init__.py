@@ -37,6 +37,7 @@ class FluxFn:
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = False  # its tokens and positions are cut by rows only
     stack = None  # two kinds of blocks and a text stream: no layer split yet
+    no_stack = "PipeFusion over its double and single blocks and text stream is not built yet"
 
     @property
     def config(self) -> FluxConfig:
@@ -55,9 +56,19 @@ class FluxFn:
         """The sampler's model output from the network's: all of it (the flow's velocity)."""
         return out
 
+    def image_tokens(self, h: int, w: int) -> int:
+        """Tokens of an h x w latent (what FLUX's resolution-dependent shift reads)."""
+        return (h // 2) * (w // 2)
+
     def check_split(self, model: int) -> None:
         """Tensor parallel over `model` devices: the feed-forward and MLP widths (4 x the
         width) divide (heads need not: they are padded with zero heads)."""
+        if model > 1:
+            raise ValueError(
+                f"tensor parallel over model={model}: not built for FLUX yet (its single blocks' "
+                f"proj_out reads [attention heads | MLP] joined, a split the placement rules do "
+                f"not express); use sync_patch, distrifusion or pcpp, data or fsdp"
+            )
         inner = 4 * self.config.inner_dim
         if model > 1 and inner % model:
             fits = [d for d in range(1, 9) if inner % d == 0]
@@ -119,6 +130,50 @@ class FluxFn:
         return random_params(self.abstract_params(), seed)
 
 
+@dataclass
+class FluxConditioning:
+    """FLUX.1: T5's last hidden states of `tokens` tokens (no mask: FluxPipeline lets the padding
+    be attended), CLIP's pooled output (`pooled_projections`), and for a guidance-distilled
+    model (dev) the guidance scale as an input (`guidance`); no classifier-free guidance, so
+    one guidance half (G = 1) and the loop's scale 1 (`loop_scale`)."""
+
+    encoders: list  # [CLIP, T5]
+    tokenizers: list
+    tokens: int = 512  # the T5 tokens read (dev 512, schnell 256)
+
+    def loop_scale(self, guidance_scale: float) -> float:
+        del guidance_scale  # an input of the model (dev) or nothing (schnell), never CFG here
+        return 1.0
+
+    def __call__(self, denoiser, prompts, negative, guidance_scale, height, width, empty_negative):
+        import warnings
+
+        from patchpar.models.components import encode_text
+        from patchpar.sampling.guidance import Conditioning
+
+        del negative, height, width
+        if not empty_negative:
+            raise ValueError(
+                "FLUX.1 takes no negative prompt here: it is guidance-distilled (dev embeds the "
+                "guidance scale, schnell has none) and true CFG is not built yet"
+            )
+        (clip, clip_params), (t5, t5_params) = self.encoders
+        clip_tok, t5_tok = self.tokenizers
+        pooled = encode_text(clip, clip_params, jnp.asarray(clip_tok(prompts)))["pooler_output"]
+        ids, _ = t5_tok(prompts, self.tokens)
+        ctx = encode_text(t5, t5_params, jnp.asarray(ids))["last_hidden_state"]
+        extras = {"pooled_projections": pooled[None]}
+        if denoiser.config.guidance_embeds:
+            extras["guidance"] = jnp.full((1, len(prompts)), guidance_scale, jnp.float32)
+        elif guidance_scale not in (0.0, 1.0):
+            warnings.warn(
+                f"guidance_scale={guidance_scale}: this FLUX model (schnell-like) has no "
+                "guidance input, so the scale is not used",
+                stacklevel=3,
+            )
+        return Conditioning(ctx[None], extras)
+
+
 class FluxFamily(Family):
     name = "flux"
     denoiser_folder = "transformer"
@@ -128,6 +183,7 @@ class FluxFamily(Family):
     full_size = _presets.FULL_SIZE
     weighted = _presets.WEIGHTED
     default_guidance = 3.5  # diffusers' FluxPipeline (dev's embedded guidance scale)
+    default_sampler = "flow_euler"  # flow matching: FlowMatchEulerDiscreteScheduler
 
     def denoiser(self, config, where, dtype=jnp.float32, attention=None) -> FluxFn:
         attn = attention if attention is not None else AttentionSpec()
@@ -137,11 +193,27 @@ class FluxFamily(Family):
     def is_large(self, config: dict) -> bool:
         return config.get("num_attention_heads", 24) * config.get("attention_head_dim", 128) >= 1024
 
-    def load_text(self, folder: Path, index: dict, dtype):
-        raise NotImplementedError(
-            f"{str(folder)!r}: the FLUX pipeline (CLIP + T5 conditioning, flow-matching "
-            "sampler, 16-channel VAE) is not built yet; load its transformer with "
-            "patchpar.models.load_denoiser"
+    def load_text(self, folder: Path, index: dict, dtype) -> FluxConditioning:
+        from patchpar.models.components import load_t5_encoder, load_text_encoder
+        from patchpar.models.loading import CheckpointError
+        from patchpar.models.tokenizer import T5Tokenizer, load_tokenizer
+
+        for sub in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
+            if not (folder / sub).is_dir():
+                raise CheckpointError(
+                    f"{str(folder)!r}: a FLUX pipeline needs {sub}/ (CLIP in text_encoder/, "
+                    f"T5 in text_encoder_2/); it is missing"
+                )
+        clip = load_text_encoder(folder / "text_encoder", dtype)
+        t5 = load_t5_encoder(folder / "text_encoder_2", dtype, subfolder="text_encoder_2")
+        tokens = int(index.get("max_sequence_length", 512))
+        return FluxConditioning(
+            [clip, t5],
+            [
+                load_tokenizer(folder / "tokenizer"),
+                T5Tokenizer(folder / "tokenizer_2", lower=False),
+            ],
+            tokens,
         )
 
     def text_programs(self, component, batch: int, dtype):
@@ -159,11 +231,48 @@ class FluxFamily(Family):
         return out
 
     def write_random_folder(self, folder: Path, preset: dict, seed: int) -> None:
+        """A FLUX pipeline folder: transformer/, vae/, a CLIP text_encoder/ and tokenizer/, a T5
+        text_encoder_2/ and its sentencepiece tokenizer_2/ (trained here on a few captions),
+        scheduler/, model_index.json."""
+        import json
+
+        from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
+        from patchpar.models.components import T5EncoderFn, TextEncoderFn, VAEFn
+        from patchpar.models.configs import TOKENIZER_TEXT
         from patchpar.models.loading import write_component
+        from patchpar.models.t5 import T5Config, T5EncoderModel
+        from patchpar.models.tokenizer import write_clip_tokenizer, write_t5_tokenizer
+        from patchpar.models.unet import write_scheduler
+        from patchpar.models.vae import AutoencoderKL, VAEConfig
 
         folder = Path(folder)
         fn = self.denoiser(preset["transformer"], "transformer")
         write_component(folder / "transformer", preset["transformer"], fn.init(seed))
+        vae = VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"]), jnp.float32))
+        write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
+        clip = TextEncoderFn(
+            CLIPTextModel(CLIPTextConfig.from_transformers(preset["text_encoder"]))
+        )
+        write_component(folder / "text_encoder", preset["text_encoder"], clip.init(seed + 2))
+        write_clip_tokenizer(folder / "tokenizer")
+        t5_cfg = preset["text_encoder_2"]
+        t5 = T5EncoderFn(T5EncoderModel(T5Config.from_transformers(t5_cfg)))
+        write_component(folder / "text_encoder_2", t5_cfg, t5.init(seed + 3))
+        write_t5_tokenizer(folder / "tokenizer_2", TOKENIZER_TEXT, vocab_size=t5_cfg["vocab_size"])
+        write_scheduler(folder, preset["scheduler"])
+        index = {
+            "_class_name": preset["pipeline"]["_class_name"],
+            "transformer": ["diffusers", "FluxTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+            "text_encoder": ["transformers", "CLIPTextModel"],
+            "tokenizer": ["transformers", "CLIPTokenizer"],
+            "text_encoder_2": ["transformers", "T5EncoderModel"],
+            "tokenizer_2": ["transformers", "T5TokenizerFast"],
+            "scheduler": ["diffusers", preset["scheduler"]["_class_name"]],
+        }
+        if "max_sequence_length" in preset["pipeline"]:
+            index["max_sequence_length"] = preset["pipeline"]["max_sequence_length"]
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2))
 
 
 def load_flux(path, dtype=jnp.float32, attention: AttentionSpec = AUTO):

@@ -22,6 +22,9 @@ _FLUX = {
     "guidance_embeds": True,
     "axes_dims_rope": [16, 56, 56],
 }
+# The T5 tokens each pipeline reads (diffusers' FluxPipeline: max_sequence_length 512; the
+# schnell model card's 256)
+MAX_TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256}
 # The 16-channel VAE: no quant convs, latents shifted then scaled.
 _FLUX_VAE = {
     "_class_name": "AutoencoderKL",
@@ -53,14 +56,13 @@ _DEV_SCHED = {
     "max_image_seq_len": 4096,
 }
 _SCHNELL_SCHED = {**_DEV_SCHED, "shift": 1.0, "use_dynamic_shifting": False}
-_CLIP_L_TEXT = {**CLIP_L, "projection_dim": 768}
 
 PRESETS: dict[str, dict[str, dict]] = {
     "flux-dev": {
         "pipeline": {"_class_name": "FluxPipeline"},
         "transformer": {**_FLUX, "sample_size": 128},
         "vae": _FLUX_VAE,
-        "text_encoder": _CLIP_L_TEXT,
+        "text_encoder": CLIP_L,
         "text_encoder_2": T5_XXL,
         "scheduler": _DEV_SCHED,
     },
@@ -68,7 +70,7 @@ PRESETS: dict[str, dict[str, dict]] = {
         "pipeline": {"_class_name": "FluxPipeline", "max_sequence_length": 256},
         "transformer": {**_FLUX, "guidance_embeds": False, "sample_size": 128},
         "vae": _FLUX_VAE,
-        "text_encoder": _CLIP_L_TEXT,
+        "text_encoder": CLIP_L,
         "text_encoder_2": T5_XXL,
         "scheduler": _SCHNELL_SCHED,
     },
@@ -93,7 +95,7 @@ PRESETS["tiny-flux"] = {  # dev-like: guidance embedding, 2 double + 2 single bl
         "norm_num_groups": 8,
         "sample_size": 256,
     },
-    "text_encoder": {**TINY_CLIP, "projection_dim": 32},
+    "text_encoder": TINY_CLIP,
     "text_encoder_2": {
         **T5_XXL,
         "d_model": 32,
@@ -106,4 +108,4 @@ PRESETS["tiny-flux"] = {  # dev-like: guidance embedding, 2 double + 2 single bl
     "scheduler": _DEV_SCHED,
 }
 FULL_SIZE = ("flux-dev", "flux-schnell")
-WEIGHTED: tuple[str, ...] = ()  # tiny-flux gets its folder with the FLUX pipeline
+WEIGHTED = ("tiny-flux",)

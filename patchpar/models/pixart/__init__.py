@@ -48,6 +48,7 @@ class PixArtFn:
     family = "pixart"
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = False  # its positions and tokens are cut by rows only
+    no_stack = ""  # it has one (`stack`)
 
     @property
     def config(self) -> PixArtConfig:
@@ -236,10 +237,14 @@ class T5Conditioning:
     tokenizers: list
     tokens: int = 120  # the T5 tokens read (PixArt-α 120, Σ 300)
 
-    def __call__(self, denoiser, prompts, negative, cfg, height, width, empty_negative):
+    def loop_scale(self, guidance_scale: float) -> float:
+        return guidance_scale  # classifier-free guidance
+
+    def __call__(self, denoiser, prompts, negative, guidance_scale, height, width, empty_negative):
         from patchpar.sampling.guidance import Conditioning
 
         del empty_negative
+        cfg = guidance_scale > 1.0
         (fn, params), tok = self.encoders[0], self.tokenizers[0]
         texts = [*negative, *prompts] if cfg else prompts
         ids, mask = tok(texts, self.tokens)

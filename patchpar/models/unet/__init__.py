@@ -37,7 +37,8 @@ class UNetFn:
     family = "unet"
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = True  # convolutions and GroupNorm cut as well by columns as by rows
-    stack = None  # no stack of identical blocks: its levels differ in width and resolution
+    stack = None  # no stack of identical blocks
+    no_stack = "its levels differ in width and resolution"
 
     @property
     def config(self) -> UNetConfig:
@@ -131,10 +132,14 @@ class CLIPConditioning:
     def xl(self) -> bool:
         return len(self.encoders) == 2
 
-    def __call__(self, denoiser, prompts, negative, cfg, height, width, empty_negative):
+    def loop_scale(self, guidance_scale: float) -> float:
+        return guidance_scale  # classifier-free guidance
+
+    def __call__(self, denoiser, prompts, negative, guidance_scale, height, width, empty_negative):
         from patchpar.sampling.guidance import Conditioning
 
         del denoiser
+        cfg = guidance_scale > 1.0
         ctx, pooled = self._embed(prompts)
         g = 2 if cfg else 1
         if cfg:

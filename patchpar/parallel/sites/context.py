@@ -51,18 +51,29 @@ class ContextAttention(PatchSite):
         return context_attention(q, k, v, heads, spec, self.n, self.ulysses, self.local)
 
     def joint(self, mod, q, text_k, text_v, k, v, heads: int, spec: AttentionSpec, row=None):
-        """An MMDiT's joint attention under Ring / Ulysses: not built yet."""
+        """An MMDiT's joint attention (`SiteOps.joint_attention`): the image tokens' Q/K/V go
+        through Ulysses' all-to-alls and the ring as in `__call__`; the text tokens' (held
+        whole by every device) take this device's heads locally, their K/V fold into every
+        query's softmax once, and their output heads are all-gathered over the Ulysses group."""
+        s = text_k.shape[1]
+        note(self, shape=k.shape, itemsize=q.dtype.itemsize, heads=heads, text=s)
         if self.n == 1:
             return attend_joint(spec, q, text_k, text_v, k, v, heads)
-        raise NotImplementedError(
-            "ring and ulysses do not run an MMDiT's joint attention yet (the text tokens' "
-            "keys and values beside the image's); use sync_patch, distrifusion or pcpp"
-        )
+        return joint_context_attention(
+            q[:, :s], text_k, text_v, q[:, s:], k, v, heads, spec, self.n, self.ulysses,
+            self.local,
+        )  # fmt: skip
 
     def received_bytes(self, info, p):
         if self.n == 1:
             return 0
-        return context_bytes(info["shape"], info["itemsize"], info["heads"], self.n, self.ulysses)
+        total = context_bytes(info["shape"], info["itemsize"], info["heads"], self.n, self.ulysses)
+        if info.get("text") and self.ulysses > 1:  # the text output's heads, all-gathered
+            b, _, inner = info["shape"]
+            hp = padded_heads(info["heads"], self.ulysses)
+            one = b * info["text"] * hp * (inner // info["heads"]) * info["itemsize"]
+            total += (self.ulysses - 1) * one // self.ulysses
+        return total
 
 
 def padded_heads(heads: int, ulysses: int) -> int:
@@ -118,6 +129,50 @@ def context_attention(
     return out[:, :, :heads].reshape(b, length, inner)
 
 
+def joint_context_attention(tq, tk, tv, q, k, v, heads, spec, n, ulysses, local=False):
+    """Joint attention of text queries tq and image queries q (this device's patch) over the
+    text keys/values tk, tv (B, S, H*D, whole on every device) and the image's of all n
+    patches: -> (B, S + L, H*D), text first. The image part is `context_attention`'s; each
+    device computes its Ulysses heads of the text queries too, whose outputs are gathered."""
+    b, length, inner = q.shape
+    s, d = tq.shape[1], inner // heads
+    hp = padded_heads(heads, ulysses)
+    r = n // ulysses
+    lh = hp // ulysses  # local heads
+    qkv = jnp.stack([q, k, v]).reshape(3, b, length, heads, d)
+    text = jnp.stack([tq, tk, tv]).reshape(3, b, s, heads, d)
+    if hp != heads:
+        pad = ((0, 0),) * 3 + ((0, hp - heads), (0, 0))
+        qkv, text = jnp.pad(qkv, pad), jnp.pad(text, pad)
+    if ulysses > 1:
+        qkv = _all_to_all(qkv, split=3, concat=2, n=n, ulysses=ulysses, local=local)
+        j = 0 if local else lax.axis_index(PATCH) % ulysses  # this device's heads in its group
+        text = lax.dynamic_slice_in_dim(text, j * lh, lh, axis=3)
+    qkv = qkv.reshape(qkv.shape[:3] + (lh * d,))  # (3, B, T, lh * D)
+    text = text.reshape(3, b, s, lh * d)
+    queries = jnp.concatenate([text[0], qkv[0]], axis=1)  # (B, S + T, lh * D)
+    if r == 1:
+        keys = jnp.concatenate([text[1], qkv[1]], axis=1)
+        out = attend(spec, queries, keys, jnp.concatenate([text[2], qkv[2]], axis=1), lh)
+    else:
+        out = _ring(queries, qkv[1:], lh, spec, n, ulysses, r, local, first=text[1:])
+    out = out.reshape(b, -1, lh, d)
+    t_out, i_out = out[:, :s], out[:, s:]
+    if ulysses > 1:
+        i_out = _all_to_all(i_out, split=1, concat=2, n=n, ulysses=ulysses, local=local)
+        t_out = _gather_heads(t_out, n, ulysses, local)
+    t_out = t_out[:, :, :heads].reshape(b, s, inner)
+    return jnp.concatenate([t_out, i_out[:, :, :heads].reshape(b, length, inner)], axis=1)
+
+
+def _gather_heads(x, n: int, ulysses: int, local: bool):
+    """(B, S, lh, D) of this device's heads -> (B, S, u * lh, D) of its Ulysses group."""
+    if local:
+        return jnp.concatenate([x] * ulysses, axis=2)
+    with jax.named_scope("pp_kv"):
+        return lax.all_gather(x, PATCH, axis=2, axis_index_groups=_groups(n, ulysses), tiled=True)
+
+
 def _all_to_all(x, split: int, concat: int, n: int, ulysses: int, local: bool):
     if local:  # same shapes, no exchange
         parts = jnp.split(x, ulysses, axis=split)
@@ -128,7 +183,8 @@ def _all_to_all(x, split: int, concat: int, n: int, ulysses: int, local: bool):
         )
 
 
-def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, local: bool):
+def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, local: bool,
+          first=None):  # fmt: skip
     """Online softmax over the r K/V blocks of the ring (Python-unrolled: r <= devices, and
     each hop is its own collective in the program, so its bytes are counted). With the `xla`
     kernel each hop's block is one whole-logits block (no inner loop: XLA's cost analysis
@@ -137,6 +193,8 @@ def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, 
     block_q = q.shape[1] if whole else spec.block_q
     block_kv = kv.shape[2] if whole else spec.block_kv
     state = OnlineSoftmax.start(q, heads, block_q)
+    if first is not None:  # keys/values every device holds (an MMDiT's text): folded once
+        state = state.update(first[0], first[1], None, first.shape[2] if whole else block_kv)
     pairs = ring_pairs(n, ulysses)
     for hop in range(r):
         nxt = None
