@@ -93,6 +93,8 @@ def measure(
     it; the warm-up program is the same one without stale buffers coming in). `log` hears a
     line as each program is lowered and compiled (a full-size model takes tens of seconds)."""
     log = log or (lambda msg: None)
+    if unet.guidance_halves == 1:  # the scale is a model input (FLUX.1): one half, no CFG
+        guidance_scale = 1.0
     plan.validate(unet, latent_hw, 1_000_000, guidance_scale, batch)
     params = unet.abstract_params() if params is None else params
     if not plan.program.per_call:  # its phases lowered whole (PipeFusion's pipeline)

@@ -61,6 +61,8 @@ class Denoiser(Protocol):
     family: str  # its family's name
     logical: tuple  # its parameters' logical axes (`parallel.rules`)
     splits_columns: bool  # whether its patches may cut columns as well as rows
+    text_tokens: int  # the text tokens abstract lowering assumes (`engine.abstract_inputs`)
+    guidance_halves: int  # halves of a guided model call: 2 with classifier-free guidance, 1
 
     @property
     def module(self) -> Any: ...

@@ -337,9 +337,17 @@ def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
 
 
 def abstract_inputs(
-    unet: Denoiser, latent_hw: tuple[int, int], batch: int = 1, seq: int = 77, cfg_stack: int = 2
+    unet: Denoiser,
+    latent_hw: tuple[int, int],
+    batch: int = 1,
+    seq: int | None = None,
+    cfg_stack: int | None = None,
 ):
-    """x (B, H, W, C), t and a guidance-stacked Conditioning, all abstract, in the UNet's dtype."""
+    """x (B, H, W, C), t and a guidance-stacked Conditioning, all abstract, in the UNet's dtype;
+    `seq` text tokens and `cfg_stack` guidance halves, by default the denoiser's own
+    (`text_tokens`, `guidance_halves`)."""
+    seq = unet.text_tokens if seq is None else seq
+    cfg_stack = unet.guidance_halves if cfg_stack is None else cfg_stack
     (x, _, ctx), added = unet.example_inputs(batch, *latent_hw, seq=seq)
     stack = lambda s: jax.ShapeDtypeStruct((cfg_stack, *s.shape), s.dtype)  # noqa: E731
     cond = Conditioning(stack(ctx), {k: stack(v) for k, v in added.items()})

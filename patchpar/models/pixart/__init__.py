@@ -49,6 +49,10 @@ class PixArtFn:
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = False  # its positions and tokens are cut by rows only
     no_stack = ""  # it has one (`stack`)
+    # the text tokens abstract lowering assumes: 77, as the published comm records were
+    # measured (its pipelines read 120 / 300; only cross-attention's FLOPs depend on it)
+    text_tokens = 77
+    guidance_halves = 2  # classifier-free guidance
 
     @property
     def config(self) -> PixArtConfig:

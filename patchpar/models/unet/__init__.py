@@ -37,6 +37,8 @@ class UNetFn:
     family = "unet"
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = True  # convolutions and GroupNorm cut as well by columns as by rows
+    text_tokens = 77  # CLIP's
+    guidance_halves = 2  # classifier-free guidance
     stack = None  # no stack of identical blocks
     no_stack = "its levels differ in width and resolution"
 
