@@ -193,6 +193,9 @@ def test_flux_bad_input(dev_folder):
         pipe(PROMPTS[:1], 16, 16, steps=2, guidance_scale=3.5, sampler="ddim")
     with pytest.raises(ValueError, match=r"height=18 must be a positive multiple of 4"):
         pipe(PROMPTS[:1], 18, 16, steps=2, guidance_scale=3.5)
+    long = " ".join(TEXTS * 3)  # more T5 tokens than the folder's 24
+    with pytest.warns(UserWarning, match="the text encoder takes 24, so this part was truncated"):
+        pipe.encode_prompt([long], None, 3.5, 16, 16)
 
 
 def test_tiny_flux_generates_on_row_patches(tmp_path):

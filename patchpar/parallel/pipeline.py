@@ -320,8 +320,8 @@ class PipelineProgram(Program):
         stack = unet.stack
         if stack is None:
             raise ValueError(
-                f"{s.name} splits a stack of identical transformer blocks into stages; the "
-                f"{unet.family} denoiser has none it can split ({unet.no_stack}): use "
+                f"{s.name} splits a stack of identical transformer blocks into stages; a "
+                f"{unet.family} has none ({unet.no_stack}): use "
                 f"sync_patch, distrifusion or pcpp on it, or a DiT (PixArt)"
             )
         s.validate_layers(stack.num_layers, latent_hw[0], unet.row_multiple,
