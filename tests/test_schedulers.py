@@ -71,7 +71,8 @@ def test_ddim_clip_sample_matches_diffusers():
 
 def test_unknown_sampler_lists_known():
     with pytest.raises(
-        ValueError, match=r"unknown sampler 'plms'; known: \['ddim', 'dpmpp_2m', 'euler', 'flow_euler'\]"
+        ValueError,
+        match=r"unknown sampler 'plms'; known: \['ddim', 'dpmpp_2m', 'euler', 'flow_euler'\]",
     ):
         get_sampler("plms")
 
