@@ -155,3 +155,44 @@ def test_columns_and_odd_rows_are_refused():
         ValueError, match=r"rows=14 not divisible by patch=4 x 2 x 2 latent packing"
     ):
         Plan(make_strategy("sync_patch"), 4).validate(fn, (14, 12), 4, GUIDANCE)
+
+
+@pytest.mark.parametrize("text", ["mean", "first"])
+def test_text_stream_policies(text):
+    """How the steady phase keeps the text stream: with warm-up over every step each policy
+    equals sync_patch (the copies are equal then, nothing is sent); after warm-up `mean` and
+    `first` differ from `own`. Their bytes: one all-reduce (mean) or all-gather (first) of the
+    text tokens after each of the 4 blocks, in the steady phase only, HLO = analytic."""
+    from patchpar.measure.cost import measure
+
+    sync, _ = _sample("sync_patch", 2)
+    warm, _ = _sample("distrifusion", 2, warmup_steps=3, text=text)
+    assert max_diff(warm, sync) <= 1e-4
+    own, _ = _sample("distrifusion", 2, warmup_steps=1)
+    kept, _ = _sample("distrifusion", 2, warmup_steps=1, text=text)
+    assert max_diff(kept, own) > 1e-6
+    fn, _ = micro_flux()
+    x, _, _ = inputs()
+    rec = {
+        t: measure(fn, Plan(make_strategy("distrifusion", text=t), 2), x.shape[1:3], 2, flops=False)
+        for t in ("own", text)
+    }
+    assert all(ph["analytic_matches_hlo"] for r in rec.values() for ph in r["phases"].values())
+    steady = {t: r["phases"]["steady"]["hlo"] for t, r in rec.items()}
+    # 2 devices: either policy receives the other device's copy of the text tokens after each
+    # block whose text a later block reads (3 of 4): 2 images x 512 T5 tokens (what abstract
+    # lowering assumes for FLUX) x 24 x 4 bytes each
+    text_bytes = 3 * 2 * 512 * 24 * 4
+    assert steady[text]["text"]["max"] == text_bytes, steady[text]
+    assert steady[text]["all"]["max"] == steady["own"]["all"]["max"] + text_bytes
+    assert rec[text]["phases"]["warmup"]["hlo"] == rec["own"]["phases"]["warmup"]["hlo"]
+
+
+def test_a_text_stream_policy_needs_an_mmdit():
+    from parallel_helpers import micro_unet
+
+    unet, _ = micro_unet("sd")
+    with pytest.raises(ValueError, match="text='mean' says how an MMDiT keeps its text stream"):
+        Plan(make_strategy("distrifusion", text="mean"), 2).validate(unet, (16, 16), 10, 5.0)
+    with pytest.raises(ValueError, match=r"text='all'; known: \['own', 'mean', 'first'\]"):
+        make_strategy("pcpp", text="all")

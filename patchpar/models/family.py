@@ -63,6 +63,7 @@ class Denoiser(Protocol):
     splits_columns: bool  # whether its patches may cut columns as well as rows
     text_tokens: int  # the text tokens abstract lowering assumes (`engine.abstract_inputs`)
     guidance_halves: int  # halves of a guided model call: 2 with classifier-free guidance, 1
+    text_stream: bool  # whether every device computes a text stream (an MMDiT's joint blocks)
 
     @property
     def module(self) -> Any: ...

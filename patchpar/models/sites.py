@@ -92,6 +92,12 @@ class SiteOps:
         k, v, mask = self.self_attn_kv(mod, k, v, row)
         return attend_joint(spec, q, text_k, text_v, k, v, heads, mask)
 
+    def text_stream(self, mod, txt: jax.Array) -> jax.Array:
+        """An MMDiT's text tokens (B, S, D) after a block -> the copy this device keeps (every
+        device computes the whole text stream; `parallel.sites.text`). Here: as they are."""
+        del mod
+        return txt
+
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
         """A DiT's position embeddings of the local tokens, (rows x cols, D): `table(r, c)`
         gives the (r x c, D) table of an r x c token grid (a NumPy constant). Here the grid is

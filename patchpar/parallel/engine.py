@@ -161,6 +161,12 @@ class StepProgram(Program):
 
     def validate(self, plan, unet, latent_hw, build_mesh=True) -> None:
         s = plan.strategy
+        text = getattr(s, "text", "own")
+        if text != "own" and not unet.text_stream:
+            raise ValueError(
+                f"{s.name}: text={text!r} says how an MMDiT keeps its text stream; a "
+                f"{unet.family} has none (its text enters by cross-attention): use text=own"
+            )
         if build_mesh and (groups := s.packed_groups()) is not None and groups > 1:
             check_groups(groups, stale_sites(unet, plan, tuple(latent_hw)))
         down = unet.row_multiple

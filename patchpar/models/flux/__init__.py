@@ -37,6 +37,7 @@ class FluxFn:
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = False  # its tokens and positions are cut by rows only
     text_tokens = 512  # FLUX.1-dev's T5 tokens: they join every block's sequence
+    text_stream = True  # every device computes the text stream (`parallel.sites.text`)
     guidance_halves = 1  # guidance-distilled: the scale is an input, not a second half
     stack = None  # two kinds of blocks and a text stream: no layer split yet
     no_stack = "PipeFusion over its double and single blocks and text stream is not built yet"

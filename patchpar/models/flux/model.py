@@ -395,10 +395,12 @@ class FluxTransformer2DModel(nn.Module):
         img, rope = self.embed(sample)
         temb = self.time(timesteps, guidance, pooled_projections, b)
         txt = self.context(encoder_hidden_states)
+        last = (self.config.num_layers + self.config.num_single_layers) - 1
         for i in range(self.config.num_layers):
-            img, txt = self.double(i, img, txt, temb, rope, w // 2)
+            img, txt = self.double(i, img, txt, temb, rope, w // 2, i < last)
         for i in range(self.config.num_single_layers):
-            img, txt = self.single(i, img, txt, temb, rope, w // 2)
+            j = self.config.num_layers + i
+            img, txt = self.single(i, img, txt, temb, rope, w // 2, j < last)
         return self.head(img, temb, h, w)
 
     def embed(self, sample: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -419,11 +421,16 @@ class FluxTransformer2DModel(nn.Module):
         """(B, S, D) text tokens."""
         return self.context_embedder(encoder_hidden_states.astype(self.dtype))
 
-    def double(self, i: int, img, txt, temb, rope, row: int):
-        return self.transformer_blocks[i](img, txt, temb, rope, row)
+    def double(self, i: int, img, txt, temb, rope, row: int, text_read: bool = True):
+        """Double block i; `text_read`: a later block reads its text tokens, so the copy
+        this device keeps goes through the text-stream site (`ops.text_stream`)."""
+        img, txt = self.transformer_blocks[i](img, txt, temb, rope, row)
+        return img, self.ops.text_stream(self, txt) if text_read else txt
 
-    def single(self, i: int, img, txt, temb, rope, row: int):
-        return self.single_transformer_blocks[i](img, txt, temb, rope, row)
+    def single(self, i: int, img, txt, temb, rope, row: int, text_read: bool = True):
+        """Single block i (the last block's text tokens are read by nothing)."""
+        img, txt = self.single_transformer_blocks[i](img, txt, temb, rope, row)
+        return img, self.ops.text_stream(self, txt) if text_read else txt
 
     def head(self, img, temb, h: int, w: int) -> jax.Array:
         """(B, T, D) image tokens of an h x w latent slab -> (B, h, w, C)."""

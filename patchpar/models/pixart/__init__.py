@@ -52,6 +52,7 @@ class PixArtFn:
     # the text tokens abstract lowering assumes: 77, as the published comm records were
     # measured (its pipelines read 120 / 300; only cross-attention's FLOPs depend on it)
     text_tokens = 77
+    text_stream = False  # every device computes the text stream (`parallel.sites.text`)
     guidance_halves = 2  # classifier-free guidance
 
     @property

@@ -38,6 +38,7 @@ class UNetFn:
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = True  # convolutions and GroupNorm cut as well by columns as by rows
     text_tokens = 77  # CLIP's
+    text_stream = False  # every device computes the text stream (`parallel.sites.text`)
     guidance_halves = 2  # classifier-free guidance
     stack = None  # no stack of identical blocks
     no_stack = "its levels differ in width and resolution"

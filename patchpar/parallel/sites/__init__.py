@@ -10,6 +10,7 @@ kind, each in its own module with its exchange, its stale buffers and its two by
 | `context.py` | `ContextAttention` | self-attention, Ring / Ulysses | ring hops, all-to-alls |
 | `tensor.py` | `TensorSum` | a row-split layer's output (tensor parallel) | all-reduce over `model` |
 | `fsdp.py` | `FSDPGather` | a layer's weights (FSDP) | all-gather of its shares |
+| `text.py` | `TextStream` | an MMDiT's text stream after each block | all-reduce or all-gather |
 
 `PatchOps` bundles one op per site for one strategy and phase: it is the `SiteOps` the model
 calls. Stale state is explicit: each site keeps its buffer in the Flax collection `stale` of
@@ -46,6 +47,7 @@ from patchpar.parallel.sites.groupnorm import GroupStats
 from patchpar.parallel.sites.halo import Halo
 from patchpar.parallel.sites.kv import KV, band_tokens
 from patchpar.parallel.sites.tensor import TensorSum
+from patchpar.parallel.sites.text import TextStream
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class PatchOps(SiteOps):
     attn_op: KV | ContextAttention = field(default_factory=KV)
     tp_op: TensorSum = field(default_factory=TensorSum)
     fsdp_op: FSDPGather = field(default_factory=FSDPGather)
+    text_op: TextStream = field(default_factory=TextStream)
 
     def sites(self) -> tuple[Site, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -106,6 +109,9 @@ class PatchOps(SiteOps):
     def joint_attention(self, mod, q, text_k, text_v, k, v, heads, spec, row=None):
         return self.attn_op.joint(mod, q, text_k, text_v, k, v, heads, spec, row)
 
+    def text_stream(self, mod, txt: jax.Array) -> jax.Array:
+        return self.text_op(mod, txt)
+
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
         """This device's rows of the whole image's position table: the image has n x rows
         token rows and this slab is the patch index's (a constant sliced, no exchange; row
@@ -145,13 +151,15 @@ def patch_ops(
     ulysses: int | None = None,
     packed: bool = False,
     links: dict | None = None,
+    text: str = "own",
 ) -> PatchOps:
     """The ops of the row-patch sites on `n` patch devices in `phase`, by mode words (see each
     site's module): halo fresh | stale | zero, gn sync | separate | stale | corrected, kv all |
     local | stale | band (with `portion`, `send` and `align`), or `ulysses` = d for context-parallel
     attention (Ring x Ulysses, ring degree n / d). `exchange=False` is DistriFusion's no_sync;
     `packed`: steady sends go to the engine's packed exchange; `links`: {site kind: Link}, how the
-    steady phase's halos and K/V are compressed and extrapolated (`sites.compress`)."""
+    steady phase's halos and K/V are compressed and extrapolated (`sites.compress`); `text`: how
+    an MMDiT's text stream is kept (`sites.text`: own | mean | first)."""
     if not exchange and gn != "separate":
         raise ValueError(
             f"exchange=False (no_sync) keeps no GroupNorm statistics fresh: gn must be "
@@ -175,6 +183,7 @@ def patch_ops(
         Halo(**common, mode=halo, exchange=exchange, link=links.get("halo")),
         GroupStats(**common, mode=gn),
         attn,
+        text_op=TextStream(n=n, phase=phase, mode=text),
     )
 
 
@@ -191,6 +200,7 @@ __all__ = [
     "PatchSite",
     "Site",
     "TensorSum",
+    "TextStream",
     "band_tokens",
     "exchange",
     "patch_ops",

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from patchpar.models.sites import IDENTITY, SiteOps
 from patchpar.parallel.sites.compress import EXTRAPOLATE_RANGE, RESIDUALS, site_links
 from patchpar.parallel.sites.groupnorm import MODES as GROUPNORM_MODES
+from patchpar.parallel.sites.text import MODES as TEXT_MODES
 
 
 def option(default: Any, help: str, quiet: bool = False) -> Any:
@@ -132,6 +133,14 @@ class StaleStrategy(Strategy):
         quiet=True,
     )
 
+    text: str = option(
+        "own",
+        "an MMDiT's text stream after warm-up (every device computes it, reading the others' "
+        "stale image K/V): own (each device its copy, nothing sent; default), mean (averaged "
+        "over the patch axis after every block), first (patch 0's, as xDiT's PipeFusion).",
+        quiet=True,
+    )
+
     def links(self) -> dict:
         """{site kind: `sites.compress.Link`} of the kinds that compress or extrapolate."""
         return site_links(self.codec, self.residual, self.extrapolate)
@@ -145,6 +154,8 @@ class StaleStrategy(Strategy):
             raise ValueError(f"{self.name}: {e}") from None
         if self.gn not in GN_MODES:
             raise ValueError(f"{self.name}: gn={self.gn!r}; known: {list(GN_MODES)}")
+        if self.text not in TEXT_MODES:
+            raise ValueError(f"{self.name}: text={self.text!r}; known: {list(TEXT_MODES)}")
         g = self.comm_groups
         if g != PER_SITE and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
             raise ValueError(

@@ -55,4 +55,5 @@ class Compact(StaleStrategy):
             kv="all",
             packed=self.packs(phase),
             links=self.links(),
+            text=self.text,
         )

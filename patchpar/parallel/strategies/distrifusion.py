@@ -46,4 +46,5 @@ class DistriFusion(StaleStrategy):
             exchange=not self.no_sync,
             packed=self.packs(phase),
             links=self.links(),
+            text=self.text,
         )

@@ -53,4 +53,5 @@ class PCPP(StaleStrategy):  # warm-up and GroupNorm as DistriFusion's
             align=self.align,
             packed=self.packs(phase),
             links=self.links(),
+            text=self.text,
         )
