@@ -60,6 +60,15 @@ T5_XXL = {
     "eos_token_id": 1,
     "tie_word_embeddings": False,
 }
+TINY_T5 = {  # a 2-layer T5 of width 32 over a 256-piece sentencepiece vocabulary
+    **T5_XXL,
+    "d_model": 32,
+    "d_ff": 64,
+    "d_kv": 8,
+    "num_heads": 4,
+    "num_layers": 2,
+    "vocab_size": 256,
+}
 TINY_CLIP = {
     **CLIP_L,
     "hidden_size": 32,

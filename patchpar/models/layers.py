@@ -255,3 +255,27 @@ def as_list(value, n: int, what: str) -> list:
             raise ValueError(f"{what} has {len(value)} entries, expected {n} (one per block)")
         return list(value)
     return [value] * n
+
+
+class GeluFeedForward(nn.Module):
+    """diffusers FeedForward with `gelu-approximate`: net.0.proj -> tanh GELU -> net.2.
+    Tensor parallel: net.0's outputs and net.2's inputs split over the model axis."""
+
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        inner = 4 * self.dim // self.ops.model_degree()
+        h = _Proj(inner, self.dtype, name="net_0")(x)
+        return dense(self.dim, "net_2", self.dtype, ops=self.ops)(nn.gelu(h, approximate=True))
+
+
+class _Proj(nn.Module):  # diffusers' GELU module: a linear `proj`, then the activation
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return dense(self.features, "proj", self.dtype)(x)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from patchpar.models.attention import AUTO, AttentionSpec
-from patchpar.models.layers import TimestepEmbedding, dense, timestep_embedding
+from patchpar.models.layers import GeluFeedForward, TimestepEmbedding, dense, timestep_embedding
 from patchpar.models.sites import IDENTITY, SiteOps
 
 CLASS_NAMES = ("FluxTransformer2DModel",)
@@ -232,29 +232,6 @@ class JointAttention(nn.Module):
         return img_out, txt_out
 
 
-class GeluFF(nn.Module):
-    """diffusers FeedForward `gelu-approximate`: net.0.proj -> tanh GELU -> net.2."""
-
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-    ops: SiteOps = IDENTITY
-
-    @nn.compact
-    def __call__(self, x):
-        inner = 4 * self.dim // self.ops.model_degree()
-        h = _Proj(inner, self.dtype, name="net_0")(x)
-        return dense(self.dim, "net_2", self.dtype, ops=self.ops)(nn.gelu(h, approximate=True))
-
-
-class _Proj(nn.Module):  # diffusers' GELU module: a linear `proj`, then the activation
-    features: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return dense(self.features, "proj", self.dtype)(x)
-
-
 class _Modulation(nn.Module):  # AdaLayerNormZero(Single)'s `linear` on SiLU(temb): (B, k, D)
     parts: int
     dim: int
@@ -289,10 +266,10 @@ class DoubleBlock(nn.Module):
         ai, at = attn(hi, ht, rope, row)
         img = img + mi[:, 2] * ai
         h = _layer_norm(img) * (1 + mi[:, 4]) + mi[:, 3]
-        img = img + mi[:, 5] * GeluFF(d, dt, self.ops, name="ff")(h)
+        img = img + mi[:, 5] * GeluFeedForward(d, dt, self.ops, name="ff")(h)
         txt = txt + mt[:, 2] * at
         h = _layer_norm(txt) * (1 + mt[:, 4]) + mt[:, 3]
-        txt = txt + mt[:, 5] * GeluFF(d, dt, self.ops, name="ff_context")(h)
+        txt = txt + mt[:, 5] * GeluFeedForward(d, dt, self.ops, name="ff_context")(h)
         return img, txt
 
 

@@ -3,7 +3,7 @@ shapes, for abstract lowering without weights) and `tiny-flux` (a dev-like test 
 guidance embedding, double and single blocks, RoPE; written with random weights on first
 use)."""
 
-from patchpar.models.configs import CLIP_L, T5_XXL, TINY_CLIP
+from patchpar.models.configs import CLIP_L, SD_VAE, T5_XXL, TINY_CLIP, TINY_T5
 
 # FLUX.1-dev / -schnell (black-forest-labs, diffusers folders): 19 double-stream and 38
 # single-stream blocks of width 3072 (24 heads of 128), RoPE on (16, 56, 56) head dims; dev
@@ -22,21 +22,10 @@ _FLUX = {
     "guidance_embeds": True,
     "axes_dims_rope": [16, 56, 56],
 }
-# The T5 tokens each pipeline reads (diffusers' FluxPipeline: max_sequence_length 512; the
-# schnell model card's 256)
-MAX_TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256}
-# The 16-channel VAE: no quant convs, latents shifted then scaled.
+# The 16-channel VAE: SD's shape, no quant convs, latents shifted then scaled.
 _FLUX_VAE = {
-    "_class_name": "AutoencoderKL",
-    "in_channels": 3,
-    "out_channels": 3,
+    **SD_VAE,
     "latent_channels": 16,
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "norm_num_groups": 32,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "act_fn": "silu",
     "scaling_factor": 0.3611,
     "shift_factor": 0.1159,
     "use_quant_conv": False,
@@ -96,15 +85,7 @@ PRESETS["tiny-flux"] = {  # dev-like: guidance embedding, 2 double + 2 single bl
         "sample_size": 256,
     },
     "text_encoder": TINY_CLIP,
-    "text_encoder_2": {
-        **T5_XXL,
-        "d_model": 32,
-        "d_ff": 64,
-        "d_kv": 8,
-        "num_heads": 4,
-        "num_layers": 2,
-        "vocab_size": 256,
-    },
+    "text_encoder_2": TINY_T5,
     "scheduler": _DEV_SCHED,
 }
 FULL_SIZE = ("flux-dev", "flux-schnell")

@@ -27,6 +27,7 @@ from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
     ATTENTION_AXES,
     Attention,
+    GeluFeedForward,
     TimestepEmbedding,
     dense,
     timestep_embedding,
@@ -172,30 +173,6 @@ def sincos_table(config: PixArtConfig, rows: int, cols: int) -> np.ndarray:
 
     # diffusers puts the x (width) coordinate's half first
     return np.concatenate([one_axis(xx), one_axis(yy)], axis=1).astype(np.float32)
-
-
-class GeluFeedForward(nn.Module):
-    """diffusers FeedForward with `gelu-approximate`: net.0.proj -> tanh GELU -> net.2.
-    Tensor parallel: net.0's outputs and net.2's inputs split over the model axis."""
-
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-    ops: SiteOps = IDENTITY
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        inner = 4 * self.dim // self.ops.model_degree()
-        h = _Proj(inner, self.dtype, name="net_0")(x)
-        return dense(self.dim, "net_2", self.dtype, ops=self.ops)(nn.gelu(h, approximate=True))
-
-
-class _Proj(nn.Module):  # diffusers' GELU module: a linear `proj`, then the activation
-    features: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.features, "proj", self.dtype)(x)
 
 
 def _layer_norm(eps: float, dtype, name: str | None = None, **kw) -> nn.LayerNorm:  # no affine

@@ -2,7 +2,7 @@
 shapes, for abstract lowering without weights) and `tiny-dit` (a PixArt-α-like test size,
 written with random weights on first use)."""
 
-from patchpar.models.configs import SD_VAE, T5_XXL, TINY_VAE
+from patchpar.models.configs import SD_VAE, T5_XXL, TINY_T5, TINY_VAE
 
 PRESETS: dict[str, dict[str, dict]] = {}
 # PixArt-α XL-2 1024-MS and PixArt-Σ XL-2 1024-MS (diffusers folders): the same 28-block DiT
@@ -66,15 +66,7 @@ PRESETS["tiny-dit"] = {  # PixArt-α-like: micro-conditions, learned sigma, 120 
         "use_additional_conditions": True,
     },
     "vae": TINY_VAE,
-    "text_encoder": {
-        **T5_XXL,
-        "d_model": 32,
-        "d_ff": 64,
-        "d_kv": 8,
-        "num_heads": 4,
-        "num_layers": 2,
-        "vocab_size": 256,
-    },
+    "text_encoder": TINY_T5,
     "scheduler": _PIXART_SCHED,
 }
 FULL_SIZE = ("pixart-alpha", "pixart-sigma")
