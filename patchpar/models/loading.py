@@ -227,3 +227,9 @@ def _digest(folder: Path, stamp: tuple) -> str:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()[:16]
+
+
+def write_scheduler(folder: Path, config: dict) -> None:
+    """`scheduler/scheduler_config.json` of a pipeline folder."""
+    (folder / "scheduler").mkdir(parents=True, exist_ok=True)
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config, indent=2))

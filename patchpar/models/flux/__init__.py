@@ -242,10 +242,9 @@ class FluxFamily(Family):
         from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
         from patchpar.models.components import T5EncoderFn, TextEncoderFn, VAEFn
         from patchpar.models.configs import TOKENIZER_TEXT
-        from patchpar.models.loading import write_component
+        from patchpar.models.loading import write_component, write_scheduler
         from patchpar.models.t5 import T5Config, T5EncoderModel
         from patchpar.models.tokenizer import write_clip_tokenizer, write_t5_tokenizer
-        from patchpar.models.unet import write_scheduler
         from patchpar.models.vae import AutoencoderKL, VAEConfig
 
         folder = Path(folder)

@@ -21,7 +21,7 @@ from patchpar.models.components import (
     random_params,
 )
 from patchpar.models.family import Family
-from patchpar.models.loading import CheckpointError, read_config, write_component
+from patchpar.models.loading import CheckpointError, read_config, write_component, write_scheduler
 from patchpar.models.pixart import presets as _presets
 from patchpar.models.pixart.model import (
     BLOCK,
@@ -312,7 +312,6 @@ class PixArtFamily(Family):
         model_index.json."""
         from patchpar.models.configs import TOKENIZER_TEXT
         from patchpar.models.tokenizer import write_t5_tokenizer
-        from patchpar.models.unet import write_scheduler
 
         folder = Path(folder)
         dit = self.denoiser(preset["transformer"], "transformer")

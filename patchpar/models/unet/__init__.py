@@ -22,7 +22,7 @@ from patchpar.models.components import (
     random_params,
 )
 from patchpar.models.family import Family
-from patchpar.models.loading import CheckpointError, write_component
+from patchpar.models.loading import CheckpointError, write_component, write_scheduler
 from patchpar.models.sites import SiteOps
 from patchpar.models.unet import presets as _presets
 from patchpar.models.unet.model import LOGICAL, UNet2DConditionModel, UNetConfig
@@ -241,11 +241,6 @@ class UNetFamily(Family):
             index["_class_name"] = "StableDiffusionXLPipeline"
         write_scheduler(folder, preset["scheduler"])
         (folder / "model_index.json").write_text(json.dumps(index, indent=2))
-
-
-def write_scheduler(folder: Path, config: dict) -> None:
-    (folder / "scheduler").mkdir(parents=True, exist_ok=True)
-    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config, indent=2))
 
 
 def load_unet(path, dtype=jnp.float32, attention: AttentionSpec = AUTO) -> tuple[UNetFn, dict]:
