@@ -108,7 +108,7 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         ),
         (
             dict(strategy="distrifusion", devices=2, portion=0.3),
-            r"no option\(s\) \['portion'\]; its options: \['warmup_steps', 'gn', 'comm_groups', 'codec', 'residual', 'extrapolate', 'no_sync'\]",
+            r"no option\(s\) \['portion'\]; its options: \['warmup_steps', 'gn', 'comm_groups', 'codec', 'residual', 'extrapolate', 'text', 'no_sync'\]",
         ),
         (
             dict(strategy="megatron"),
