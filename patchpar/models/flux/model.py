@@ -294,32 +294,11 @@ class SingleBlock(nn.Module):
             cfg.num_attention_heads, cfg.attention_head_dim, d, True, dt, self.ops, self.attn,
             name="attn",
         )(h, None, rope, row)  # fmt: skip
-        out = _PackedRowDense(d, (a.shape[-1], mlp.shape[-1]), dt, self.ops, name="proj_out")(
-            jnp.concatenate([a, mlp], axis=-1)
-        )
+        # [attention | MLP] joined into one projection (under tensor parallelism its input
+        # rows would be two parts' shares: not built, `FluxFn.check_split` refuses it)
+        out = dense(d, "proj_out", dt)(jnp.concatenate([a, mlp], axis=-1))
         x = x + m[:, 2] * out
         return x[:, s:], x[:, :s]
-
-
-class _PackedRowDense(nn.Module):
-    """The single block's proj_out: its input is [attention (heads) | MLP] joined, and under
-    tensor parallelism each part is this device's share, so the kernel's rows are the two
-    parts' shares stacked; the partial outputs are summed over the model axis before the
-    bias. Parameters named as nn.Dense's (kernel (D_in, D), bias)."""
-
-    features: int
-    parts: tuple[int, int]  # the local widths of the two input parts
-    dtype: jnp.dtype = jnp.float32
-    ops: SiteOps = IDENTITY
-
-    @nn.compact
-    def __call__(self, x):
-        init = nn.initializers.lecun_normal()
-        kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
-        y = jnp.dot(x.astype(self.dtype), kernel)
-        if self.ops.model_degree() > 1:
-            y = self.ops.model_sum(self, y)
-        return y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
 
 
 class _PosEmbed(nn.Module):
