@@ -147,6 +147,42 @@ def test_hlo_bytes_equal_the_model_on_an_mmdit(name, devices, options):
     assert warm["all"]["max"] == 4 * 2 * 2 * tokens * 24 * 4, warm
 
 
+@pytest.mark.parametrize(
+    "devices, options, fsdp",
+    [
+        (3, {}, False),  # the micro model's 3 heads, one per device
+        pytest.param(6, {"tp_degree": 3}, True, marks=pytest.mark.slow),  # 2 patches x 3, fsdp
+    ],
+)
+def test_tensor_parallel_on_an_mmdit_equals_single(devices, options, fsdp):
+    """Megatron over whole heads: double blocks split as a DiT's; a single block's proj_mlp
+    and proj_out (its rows [attention | MLP]) are laid out in parts so each device's proj_out
+    rows are its own heads' and MLP share's, one all-reduce per block output. One call equals
+    single; the HLO bytes equal the analytic model; each device holds less weight."""
+    from patchpar.measure.cost import measure
+    from patchpar.parallel.rules import weight_bytes_per_device
+
+    fn, params = micro_flux()
+    x, t, cond = inputs()
+    plan = Plan(make_strategy("tensor", **options), devices, fsdp=fsdp)
+    plan.validate(fn, x.shape[1:3], 10, GUIDANCE)
+    step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
+    out, _ = step(params, x, t, cond, None)
+    assert max_diff(out, single_guided(fn, params, x, t, cond)) <= 1e-4
+    rec = measure(fn, plan, x.shape[1:3], batch=2, params=params, flops=False)
+    assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+    assert rec["weight_bytes_per_device"] < weight_bytes_per_device(params, {}, {}, fn.logical)
+    if not fsdp:  # 2 double blocks x 4 outputs + 2 single blocks x 1: 10 all-reduces
+        (tp,) = [c for c in rec["phases"]["warmup"]["collectives"] if c["site"] == "tp"]
+        assert tp["count"] == 10, tp
+
+
+def test_tensor_parallel_needs_whole_heads_on_an_mmdit():
+    fn, _ = micro_flux()
+    with pytest.raises(ValueError, match=r"FLUX's 3 attention heads must split evenly.* \[3\]"):
+        Plan(make_strategy("tensor"), 2).validate(fn, (16, 12), 4, GUIDANCE)
+
+
 def test_columns_and_odd_rows_are_refused():
     fn, _ = micro_flux()
     with pytest.raises(ValueError, match="split by rows only"):

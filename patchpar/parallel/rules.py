@@ -59,6 +59,21 @@ def _axes(value: Axes) -> tuple[str, ...]:
     return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 
+def parts(name: str) -> tuple[str, int]:
+    """A logical name -> (the logical axis whose rule it follows, the equal parts its
+    dimension is made of, each split alike): `mlp_gated` is 2 parts, `<axis>*<k>` k parts of
+    `<axis>`, any other name 1 part of itself."""
+    if name == "mlp_gated":
+        return name, 2
+    base, star, k = name.partition("*")
+    return (base, int(k)) if star else (name, 1)
+
+
+def _rule(rules: dict, name: str | None) -> tuple[str, ...]:
+    """The mesh axes `rules` give the logical dimension `name` (None: never split)."""
+    return _axes(rules.get(parts(name)[0])) if name else ()
+
+
 def check_rules(rules: dict[str, Axes], table: Table = ()) -> None:
     """Errors naming the rule: an unknown logical axis, an unknown mesh axis, or one mesh axis
     given to two dimensions of the same parameter (of `table`'s patterns or any other kernel)."""
@@ -72,7 +87,7 @@ def check_rules(rules: dict[str, Axes], table: Table = ()) -> None:
             f"{list(AXES)}"
         )
     for pattern, names in tuple(table) + (("any other kernel", _KERNEL),):
-        mapped = [(n, a) for n in names if n for a in _axes(rules.get(n))]
+        mapped = [(n, a) for n in names for a in _rule(rules, n)]
         seen: dict[str, str] = {}
         for name, axis in mapped:
             if axis in seen:
@@ -100,12 +115,13 @@ def _leaves(params):
 
 
 def _spec(names: tuple, rules: dict) -> tuple:
-    """Mesh axis per dimension; `mlp_gated` becomes two dimensions (2, mlp) while placed."""
+    """Mesh axis per dimension; a dimension of k > 1 parts becomes two, (k, dim / k), while
+    placed (`parts`)."""
     out = []
     for name in names:
-        axes = _axes(rules.get(name)) if name else ()
+        axes = _rule(rules, name)
         axis = None if not axes else axes[0] if len(axes) == 1 else axes
-        out += [None, axis] if name == "mlp_gated" else [axis]
+        out += [None, axis] if name and parts(name)[1] > 1 else [axis]
     return tuple(out)
 
 
@@ -116,8 +132,8 @@ def placed(
     local_shapes=None,
     degrees: dict[str, int] | None = None,
 ):
-    """(params laid out for placement, their PartitionSpecs). `mlp_gated` dimensions become
-    (2, mlp) so that each device's share holds its part of both halves (a reshape, no copy).
+    """(params laid out for placement, their PartitionSpecs). A dimension of k parts (`parts`:
+    `mlp_gated`, `mlp*5`) becomes (k, dim / k) so that each device's share holds its share of every part (a reshape, no copy).
     `local_shapes` (the modules' parameter shapes on one device) and the mesh `degrees` pad
     `heads` split over `model` with zero heads up to local x degree, where the heads do not
     divide (DistriFusion's tensor parallelism splits them unevenly instead; a zero head adds
@@ -137,7 +153,7 @@ def placed(
         if path in local:  # pad heads split over `model` to whole heads per device
             pad = []
             for i, name in enumerate(names):
-                split = name and MODEL in _axes(rules.get(name))
+                split = MODEL in _rule(rules, name)
                 k = (degrees or {}).get(MODEL, 1) if split else 1
                 target = local[path].shape[i] * k
                 pad.append((0, target - leaf.shape[i]))
@@ -146,7 +162,8 @@ def placed(
             leaf = jnp.pad(leaf, pad) if any(p for _, p in pad) else leaf
         shape = []
         for dim, name in zip(leaf.shape, names, strict=True):
-            shape += [2, dim // 2] if name == "mlp_gated" else [dim]
+            k = parts(name)[1] if name else 1
+            shape += [k, dim // k] if k > 1 else [dim]
         out[path] = jnp.reshape(leaf, tuple(shape))
     return _tree(out), _tree(specs)
 
@@ -156,18 +173,19 @@ def _tree(flat: dict):
 
 
 def unplaced(local_params, table: Table, rules: dict | None = None):
-    """Inside `shard_map`: this device's shares back in the modules' shapes ((2, mlp / m) ->
-    2 x mlp / m for `mlp_gated`). With `rules`, a share sharded at rest over axes other than
+    """Inside `shard_map`: this device's shares back in the modules' shapes ((k, dim / k / m)
+    -> k x dim / k / m for a dimension of k parts). With `rules`, a share sharded at rest over axes other than
     `model` (FSDP) comes boxed (`nn.Partitioned`, names = those axes per dimension) for the
     layer that owns it to gather just before it runs (`PatchOps.layer`)."""
     out = {}
     for path, leaf in _leaves(local_params).items():
         names = logical_axes(path, leaf.ndim - 1, table)
-        if "mlp_gated" in names and leaf.ndim == len(names) + 1:
-            at = names.index("mlp_gated")
+        multi = [i for i, n in enumerate(names) if n and parts(n)[1] > 1]
+        if multi and leaf.ndim == len(names) + 1:
+            at = multi[0]
             leaf = leaf.reshape(leaf.shape[:at] + (-1,) + leaf.shape[at + 2 :])
         names = logical_axes(path, leaf.ndim, table)
-        rest = [_axes(rules.get(n)) if rules and n else () for n in names]
+        rest = [_rule(rules, n) if rules else () for n in names]
         rest = [tuple(a for a in axes if a != MODEL) or None for axes in rest]
         if any(rest):
             leaf = nn.Partitioned(leaf, names=tuple(rest))
@@ -179,7 +197,7 @@ def _split(path: str, ndim: int, rules: dict, degrees: dict[str, int], table: Ta
     """(dimension, logical name, ways) of every dimension `rules` split, for one parameter."""
     out = []
     for dim, name in enumerate(logical_axes(path, ndim, table)):
-        ways = math.prod(degrees.get(a, 1) for a in _axes(rules.get(name))) if name else 1
+        ways = math.prod(degrees.get(a, 1) for a in _rule(rules, name))
         if ways > 1:
             out.append((dim, name, ways))
     return out
@@ -200,7 +218,7 @@ def check_sharded(params, rules: dict, degrees: dict[str, int], table: Table) ->
     bad, sizes = [], set()
     for path, leaf in _leaves(params).items():
         for dim, name, _ in _split(path, leaf.ndim, rules, degrees, table):
-            axes = [a for a in _axes(rules.get(name)) if a != MODEL]
+            axes = [a for a in _rule(rules, name) if a != MODEL]
             ways = math.prod(degrees.get(a, 1) for a in axes)
             if ways == 1:
                 continue

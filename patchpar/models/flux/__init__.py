@@ -64,12 +64,16 @@ class FluxFn:
         return (h // 2) * (w // 2)
 
     def check_split(self, model: int) -> None:
-        """Tensor parallelism: not built for FLUX yet (model > 1 is refused)."""
-        if model > 1:
+        """Tensor parallelism over `model` devices splits every block by whole heads: a
+        single block's proj_out reads [attention heads | MLP] of each device joined, so the
+        heads must divide (no zero-head padding, as the UNets and PixArt have)."""
+        heads = self.config.num_attention_heads
+        if model > 1 and heads % model:
+            fits = [k for k in range(2, heads + 1) if heads % k == 0]
             raise ValueError(
-                f"tensor parallel over model={model}: not built for FLUX yet (its single blocks' "
-                f"proj_out reads [attention heads | MLP] joined, a split the placement rules do "
-                f"not express); use sync_patch, distrifusion or pcpp, data or fsdp"
+                f"tensor parallel over model={model}: FLUX's {heads} attention heads must split "
+                f"evenly (a single block's proj_out joins each device's attention heads and MLP "
+                f"share); use a model degree in {fits}"
             )
 
     def __call__(

@@ -38,7 +38,10 @@ CLASS_NAMES = ("FluxTransformer2DModel",)
 DOUBLE = "transformer_blocks_{}"  # the double-stream blocks' parameter names, layer i
 SINGLE = "single_transformer_blocks_{}"  # the single-stream blocks'
 # FLUX's logical axes (`parallel.rules`): heads in every Q/K/V projection, the feed-forwards'
-# and the single blocks' MLP widths
+# and the single blocks' MLP widths. A single block's proj_mlp (4 x width) and proj_out (its
+# input [attention (width) | MLP (4 x width)]) are laid out as 4 and 5 parts of the width, each
+# split alike: a device's MLP share is then the same columns in both, and its proj_out rows are
+# its [attention heads | MLP] shares in the order it joins them.
 LOGICAL: tuple[tuple[str, tuple], ...] = (
     (r"attn/(to_[qkv]|add_[qkv]_proj)/kernel$", ("embed", "heads")),
     (r"attn/(to_[qkv]|add_[qkv]_proj)/bias$", ("heads",)),
@@ -46,8 +49,9 @@ LOGICAL: tuple[tuple[str, tuple], ...] = (
     (r"ff(_context)?/net_0/proj/kernel$", ("embed", "mlp")),
     (r"ff(_context)?/net_0/proj/bias$", ("mlp",)),
     (r"ff(_context)?/net_2/kernel$", ("mlp", "embed")),
-    (r"proj_mlp/kernel$", ("embed", "mlp")),
-    (r"proj_mlp/bias$", ("mlp",)),
+    (r"proj_mlp/kernel$", ("embed", "mlp*4")),
+    (r"proj_mlp/bias$", ("mlp*4",)),
+    (r"single_transformer_blocks_\d+/proj_out/kernel$", ("mlp*5", "embed")),
 )
 _KEYS = {
     "patch_size",
@@ -294,9 +298,9 @@ class SingleBlock(nn.Module):
             cfg.num_attention_heads, cfg.attention_head_dim, d, True, dt, self.ops, self.attn,
             name="attn",
         )(h, None, rope, row)  # fmt: skip
-        # [attention | MLP] joined into one projection (under tensor parallelism its input
-        # rows would be two parts' shares: not built, `FluxFn.check_split` refuses it)
-        out = dense(d, "proj_out", dt)(jnp.concatenate([a, mlp], axis=-1))
+        # [attention | MLP] joined into one projection; under tensor parallelism its input is
+        # this device's share of both (`LOGICAL`: proj_out rows of 5 parts), summed over model
+        out = dense(d, "proj_out", dt, ops=self.ops)(jnp.concatenate([a, mlp], axis=-1))
         x = x + m[:, 2] * out
         return x[:, s:], x[:, :s]
 
