@@ -6,7 +6,9 @@ bf16 parameters (no weights): DistriFusion Table 2's setting, xDiT's cost table,
 Writes runs/comm/runs.jsonl (resumable: points already recorded are skipped) and
 runs/comm/table.md (`--out results/comm`: the published). One model call with the CFG pair in
 its batch (cfg=1, batch 1 -> model batch 2), 77 text tokens (PixArt: 120 T5 tokens), bfloat16.
-`--models pixart-alpha` runs one model's points only.
+FLUX.1-dev: one guidance half (its scale is an input: model batch 1), 512 T5 tokens.
+`--models pixart-alpha` runs one model's points only (`--models flux-dev --out results/flux/comm`
+for the FLUX report).
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from patchpar.parallel.engine import Plan
 from patchpar.parallel.strategies import make_strategy
 
 OUT = Path("runs/comm")
-GRID = {"sdxl": (1024, 2048, 3840), "sd15": (512, 1024, 2048), "pixart-alpha": (1024, 2048)}
+GRID = {
+    "sdxl": (1024, 2048, 3840),
+    "sd15": (512, 1024, 2048),
+    "pixart-alpha": (1024, 2048),
+    "flux-dev": (1024, 2048),
+}
 DEVICES = (2, 4, 8)
 STRATEGIES = (
     ("naive_patch", {}),
@@ -45,7 +52,14 @@ FAMILY_STRATEGIES = {
     "pixart": (
         ("pcpp", {"portion": 0.3, "send": "band", "align": "rows"}),
         ("pipefusion", {}),
-    )
+    ),
+    # an MMDiT: the text-stream policies of the stale strategies, and compressed exchange
+    "flux": (
+        ("pcpp", {"portion": 0.3, "send": "band", "align": "rows"}),
+        ("distrifusion", {"text": "mean"}),
+        ("distrifusion", {"text": "first"}),
+        ("compact", {}),
+    ),
 }
 
 
@@ -104,7 +118,7 @@ def main(argv=None) -> int:
             "experiment": "comm",
             "dtype": "bfloat16",
             "cfg": 1,
-            "unet_batch": 2,
+            "unet_batch": unet.guidance_halves,  # one image: its guidance halves
             "attention": unet.module.attn.impl,  # FLOPs: its loops counted in full
             **status,
             "provenance": prov,
