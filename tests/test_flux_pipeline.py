@@ -109,17 +109,17 @@ def unpack(x, h, w):
     return x.reshape(b, h, w, c4 // 4)
 
 
-def _run_both(path, ref, guidance, hw=(8, 12), steps=4):
-    pipe = load_pipeline(path)
+def _run_both(path, ref, guidance, hw=(8, 12), steps=4, negative=None, true_cfg=1.0):
+    pipe = load_pipeline(path).with_true_cfg(true_cfg)
     h, w = hw
-    cond = pipe.encode_prompt(PROMPTS, None, guidance, 2 * h, 2 * w)
+    cond = pipe.encode_prompt(PROMPTS, negative, guidance, 2 * h, 2 * w)
     latents = np.random.RandomState(1).randn(2, h, w, 4).astype(np.float32)
     ours = pipe.denoise(cond, jnp.asarray(latents), "flow_euler", steps, guidance)
     with torch.no_grad():
         theirs = ref(
             PROMPTS, latents=torch.tensor(pack(latents)), height=2 * h, width=2 * w,
             num_inference_steps=steps, guidance_scale=guidance, output_type="latent",
-            max_sequence_length=TOKENS,
+            max_sequence_length=TOKENS, negative_prompt=negative, true_cfg_scale=true_cfg,
         ).images.numpy()  # fmt: skip
     return pipe, cond, np.asarray(ours), unpack(theirs, h, w)
 
@@ -140,6 +140,34 @@ def test_flux_embeddings_schedule_and_final_latent_match_diffusers(dev_folder):
     np.testing.assert_array_equal(cond.extras["guidance"], [[3.5, 3.5]])
     err = np.abs(ours - theirs).max()
     assert err <= 1e-3, f"max abs diff {err:.3g} (latent scale {np.abs(theirs).max():.3g})"
+
+
+def test_true_cfg_matches_diffusers(dev_folder):
+    """true_cfg_scale > 1 (diffusers' FluxPipeline option): the negative prompt is a second
+    guidance half, with dev's guidance input the same in both; the final latent equals
+    diffusers' within 1e-3, and differs from the distilled run."""
+    path, ref = dev_folder
+    negative = ["blurry", "dark"]
+    _, cond, ours, theirs = _run_both(path, ref, 3.5, negative=negative, true_cfg=4.0)
+    assert cond.context.shape[0] == 2 and cond.extras["guidance"].shape == (2, 2)
+    err = np.abs(ours - theirs).max()
+    assert err <= 1e-3, f"max abs diff {err:.3g} (latent scale {np.abs(theirs).max():.3g})"
+    _, _, plain, _ = _run_both(path, ref, 3.5)
+    assert np.abs(ours - plain).max() > 1e-2
+
+
+def test_true_cfg_is_for_a_distilled_model():
+    from types import SimpleNamespace
+
+    from patchpar.pipelines.text2img import Pipeline
+
+    text = SimpleNamespace(loop_scale=lambda g: g)  # a CFG family's conditioning
+    pipe = Pipeline(SimpleNamespace(family="unet"), {}, None, None, text, None)
+    assert pipe.with_true_cfg(1.0) is pipe
+    with pytest.raises(ValueError, match="a unet model guides with guidance_scale"):
+        pipe.with_true_cfg(4.0)
+    with pytest.raises(ValueError, match=r"true_cfg_scale=-1: must be a finite number >= 0"):
+        pipe.with_true_cfg(-1)
 
 
 def test_flux_schedule_matches_diffusers():
@@ -187,7 +215,7 @@ def test_schnell_like_fixed_shift_and_no_guidance_input(tmp_path):
 def test_flux_bad_input(dev_folder):
     path, _ = dev_folder
     pipe = load_pipeline(path)
-    with pytest.raises(ValueError, match="takes no negative prompt"):
+    with pytest.raises(ValueError, match="takes a negative prompt only with true CFG"):
         pipe.encode_prompt(PROMPTS, ["blurry", "dark"], 3.5, 16, 16)
     with pytest.raises(ValueError, match="sampler 'ddim' needs a DDPM-style model"):
         pipe(PROMPTS[:1], 16, 16, steps=2, guidance_scale=3.5, sampler="ddim")

@@ -250,7 +250,10 @@ class SamplerConfig:
     steps: int = 20
     """Denoising steps (DistriFusion and PCPP evaluate 50-step DDIM / Euler)."""
     guidance_scale: float = 7.5
-    """Classifier-free guidance scale; <= 1 disables CFG."""
+    """Classifier-free guidance scale; <= 1 disables CFG (FLUX.1-dev: the guidance input)."""
+    true_cfg_scale: float = 1.0
+    """True classifier-free guidance over a guidance-distilled model (FLUX.1; diffusers'
+    true_cfg_scale): > 1 adds the negative prompt as a second guidance half; <= 1: off."""
     height: int | None = None
     """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
     width: int | None = None
@@ -403,7 +406,11 @@ class RunConfig:
              "integers in [0, 2^32) (larger seeds wrap around: 2^32 would repeat seed 0)"),
             (isinstance(gs, int | float) and math.isfinite(gs) and gs >= 0,
              "sampler.guidance_scale", gs, "a finite number >= 0 (<= 1 turns guidance off)"),
-            (not self.prompts.negative_prompt or gs > 1, "prompts.negative_prompt",
+            (isinstance(s.true_cfg_scale, int | float) and math.isfinite(s.true_cfg_scale)
+             and s.true_cfg_scale >= 0, "sampler.true_cfg_scale", s.true_cfg_scale,
+             "a finite number >= 0 (<= 1: off)"),
+            (not self.prompts.negative_prompt or gs > 1 or s.true_cfg_scale > 1,
+             "prompts.negative_prompt",
              self.prompts.negative_prompt, f"empty with sampler.guidance_scale={gs}: guidance "
              "<= 1 is off, so the negative prompt would be dropped; set guidance_scale > 1"),
             (self.prompts.batch_size >= 0, "prompts.batch_size", self.prompts.batch_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ class GenerateConfig(DecodeFlags):
     """ddim, euler or dpmpp_2m (default: the preset's tuned solver, dpmpp_2m for fmnist-dit; else ddim)."""
     guidance_scale: float | None = None
     """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2 for fmnist; 4.5 for PixArt; else 7.5)."""
+    true_cfg_scale: float = 1.0
+    """True classifier-free guidance over a guidance-distilled model (FLUX.1; diffusers'
+    true_cfg_scale): > 1 adds the negative prompt as a second guidance half; <= 1: off."""
     height: int | None = None
     """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
     width: int | None = None
@@ -76,7 +80,10 @@ def check(config: GenerateConfig) -> list[str]:
     guidance = (
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
-    check_guidance(guidance, [config.negative_prompt])
+    t = config.true_cfg_scale
+    if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"true_cfg_scale={t!r}: must be a finite number >= 0 (<= 1: off)")
+    check_guidance(guidance, None if t > 1 else [config.negative_prompt])
     plan = config.plan()  # unknown strategy or option: error before loading anything
     config.vae_plan()
     unused = [fsdp_unused(config.devices)] if config.fsdp and plan.fsdp_degree == 1 else []
@@ -114,7 +121,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         config.model,
         getattr(jnp, resolve_dtype(config.dtype, config.model)),
         resolve(AttentionSpec(config.attention)),
-    )
+    ).with_true_cfg(config.true_cfg_scale)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     negative = [config.negative_prompt] * len(config.prompt) if config.negative_prompt else None

@@ -179,9 +179,8 @@ def checked_plan(config: RunConfig, pipe, devices_present: bool = True):
     hw = image_size(pipe, config)
     pipe.check_size(*hw)
     f = pipe.latent_factor
-    plan.validate(
-        pipe.unet, (hw[0] // f, hw[1] // f), s.steps, s.guidance_scale, build_mesh=devices_present
-    )
+    gs = pipe.text.loop_scale(s.guidance_scale)  # the loop's CFG scale (FLUX.1: 1 or true CFG)
+    plan.validate(pipe.unet, (hw[0] // f, hw[1] // f), s.steps, gs, build_mesh=devices_present)
     config.vae_plan().validate(pipe.vae, (hw[0] // f, hw[1] // f), len(batches(config)[0]))
     return plan, hw
 
@@ -194,6 +193,7 @@ def preflight(config: RunConfig) -> None:
     config.validate()
     config.plan()
     pipe = get_pipeline(config.model.name, config.sampler.dtype, config.model.attention_spec())
+    pipe = pipe.with_true_cfg(config.sampler.true_cfg_scale)
     present = not config.mesh.processes and jax.device_count() >= config.mesh.devices
     checked_plan(config, pipe, devices_present=present)
 
@@ -214,6 +214,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
         )
     t0 = time.perf_counter()
     pipe = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
+    pipe = pipe.with_true_cfg(s.true_cfg_scale)
     metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
     metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
     metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded

@@ -10,7 +10,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -64,6 +64,25 @@ class Pipeline:
     scheduler: SchedulerConfig
     name: str = ""
     default_sampler: str = "ddim"  # the family's (`Family.default_sampler`)
+
+    def with_true_cfg(self, scale: float) -> Pipeline:
+        """This pipeline with true classifier-free guidance at `scale` over a guidance-distilled
+        model (diffusers' `true_cfg_scale`: FLUX.1; <= 1 is off): the negative prompt becomes a
+        second guidance half. A conditioning that guides with `guidance_scale` itself (UNets,
+        PixArt) has no such option: ValueError."""
+        if not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"true_cfg_scale={scale!r}: must be a finite number >= 0 (<= 1: off)")
+        if not hasattr(self.text, "true_cfg_scale"):
+            if scale <= 1:
+                return self
+            raise ValueError(
+                f"true_cfg_scale={scale}: a {self.family} model guides with guidance_scale "
+                f"(classifier-free guidance) already; true CFG is for a guidance-distilled "
+                f"model (FLUX.1), whose guidance_scale is a model input"
+            )
+        if float(scale) == self.text.true_cfg_scale:
+            return self
+        return replace(self, text=replace(self.text, true_cfg_scale=float(scale)))
 
     @property
     def text_encoders(self) -> list:

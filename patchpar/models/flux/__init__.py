@@ -134,15 +134,20 @@ class FluxConditioning:
     """FLUX.1: T5's last hidden states of `tokens` tokens (no mask: FluxPipeline lets the padding
     be attended), CLIP's pooled output (`pooled_projections`), and for a guidance-distilled
     model (dev) the guidance scale as an input (`guidance`); no classifier-free guidance, so
-    one guidance half (G = 1) and the loop's scale 1 (`loop_scale`)."""
+    one guidance half (G = 1) and the loop's scale 1 (`loop_scale`), unless true CFG is asked
+    for (`true_cfg_scale` > 1: G = 2, [negative, positive], as diffusers' FluxPipeline)."""
 
     encoders: list  # [CLIP, T5]
     tokenizers: list
     tokens: int = 512  # the T5 tokens read (dev 512, schnell 256)
+    # > 1: true classifier-free guidance over the distilled model (diffusers' true_cfg_scale):
+    # the negative prompt ("" if none) is a second guidance half, the two predictions of each
+    # step combined at this scale; the guidance input (dev) is the same for both halves
+    true_cfg_scale: float = 1.0
 
     def loop_scale(self, guidance_scale: float) -> float:
         del guidance_scale  # an input of the model (dev) or nothing (schnell), never CFG here
-        return 1.0
+        return self.true_cfg_scale if self.true_cfg_scale > 1 else 1.0
 
     def __call__(self, denoiser, prompts, negative, guidance_scale, height, width, empty_negative):
         import warnings
@@ -150,27 +155,31 @@ class FluxConditioning:
         from patchpar.models.components import encode_text
         from patchpar.sampling.guidance import Conditioning
 
-        del negative, height, width
-        if not empty_negative:
+        del height, width
+        cfg = self.true_cfg_scale > 1
+        if not empty_negative and not cfg:
             raise ValueError(
-                "FLUX.1 takes no negative prompt here: it is guidance-distilled (dev embeds the "
-                "guidance scale, schnell has none) and true CFG is not built yet"
+                "FLUX.1 takes a negative prompt only with true CFG (true_cfg_scale > 1): it is "
+                "guidance-distilled (dev embeds the guidance scale, schnell has none)"
             )
+        texts = list(negative) + list(prompts) if cfg else list(prompts)
+        g, b = 2 if cfg else 1, len(prompts)
         (clip, clip_params), (t5, t5_params) = self.encoders
         clip_tok, t5_tok = self.tokenizers
-        pooled = encode_text(clip, clip_params, jnp.asarray(clip_tok(prompts)))["pooler_output"]
-        ids, _ = t5_tok(prompts, self.tokens)
+        pooled = encode_text(clip, clip_params, jnp.asarray(clip_tok(texts)))["pooler_output"]
+        ids, _ = t5_tok(texts, self.tokens)
         ctx = encode_text(t5, t5_params, jnp.asarray(ids))["last_hidden_state"]
-        extras = {"pooled_projections": pooled[None]}
+        extras = {"pooled_projections": pooled.reshape(g, b, -1)}
         if denoiser.config.guidance_embeds:
-            extras["guidance"] = jnp.full((1, len(prompts)), guidance_scale, jnp.float32)
+            extras["guidance"] = jnp.full((g, b), guidance_scale, jnp.float32)
         elif guidance_scale not in (0.0, 1.0):
             warnings.warn(
                 f"guidance_scale={guidance_scale}: this FLUX model (schnell-like) has no "
-                "guidance input, so the scale is not used",
+                "guidance input, so the scale is not used"
+                + (f" (true CFG at {self.true_cfg_scale} is)" if cfg else ""),
                 stacklevel=3,
             )
-        return Conditioning(ctx[None], extras)
+        return Conditioning(ctx.reshape((g, b) + ctx.shape[1:]), extras)
 
 
 class FluxFamily(Family):
