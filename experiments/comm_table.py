@@ -59,6 +59,7 @@ FAMILY_STRATEGIES = {
         ("distrifusion", {"text": "mean"}),
         ("distrifusion", {"text": "first"}),
         ("compact", {}),
+        ("pipefusion", {}),  # two segments: M = the least >= 2(S-1)+1 that splits the rows
     ),
 }
 

@@ -107,6 +107,26 @@ def test_flux_matches_diffusers(config, hw, tmp_path):
     close(ours, reference(ref, x, t, ctx, pooled, g))
 
 
+def test_a_folder_patchpar_writes_is_diffusers_own():
+    """Parameters written by patchpar (the random presets' folders) carry diffusers' names:
+    the state dict has exactly a FluxTransformer2DModel's keys and shapes."""
+    from patchpar.models.loading import params_to_state_dict
+
+    ref = make_flux(DEV)
+    fn, _ = load_denoiser_from(ref)
+    ours = params_to_state_dict(fn.init(seed=0))
+    theirs = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    assert {k: v.shape for k, v in ours.items()} == theirs
+
+
+def load_denoiser_from(ref):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        return load_denoiser(tmp)
+
+
 def test_rope_table_matches_diffusers():
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 

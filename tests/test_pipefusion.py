@@ -185,8 +185,9 @@ def test_placed_stages_hold_their_own_blocks_and_give_the_same_images():
     smp, sched = _schedule()
     plan = Plan(make_strategy("pipefusion", warmup_steps=1, num_patches=4), 2)
     staged = placed_params(plan, fn, params)
-    shard = staged.blocks["attn1"]["to_q"]["kernel"].addressable_shards[0].data
-    assert shard.shape[0] == 3 and np.asarray(staged.real).tolist() == [True] * 5 + [False]
+    (blocks,), (real,) = staged.blocks, staged.real  # one segment of identical blocks
+    shard = blocks["attn1"]["to_q"]["kernel"].addressable_shards[0].data
+    assert shard.shape[0] == 3 and np.asarray(real).tolist() == [True] * 5 + [False]
     out, _ = denoise(fn, plan, smp, staged, cond, sched, x * sched.init_noise_sigma, GUIDANCE)
     assert max_diff(out, sample("pipefusion", 2, warmup_steps=1, num_patches=4)) == 0
 

@@ -178,6 +178,7 @@ _LIST_NAMES = {
     "downsamplers",
     "upsamplers",
     "transformer_blocks",
+    "single_transformer_blocks",  # FLUX
     "to_out",
     "net",
     "layers",

@@ -16,7 +16,9 @@ from patchpar.models.family import Family
 from patchpar.models.flux import presets as _presets
 from patchpar.models.flux.model import (
     CLASS_NAMES,
+    DOUBLE,
     LOGICAL,
+    SINGLE,
     FluxConfig,
     FluxTransformer2DModel,
     apply_rope,
@@ -39,8 +41,12 @@ class FluxFn:
     text_tokens = 512  # FLUX.1-dev's T5 tokens: they join every block's sequence
     text_stream = True  # every device computes the text stream (`parallel.sites.text`)
     guidance_halves = 1  # guidance-distilled: the scale is an input, not a second half
-    stack = None  # two kinds of blocks and a text stream: no layer split yet
-    no_stack = "PipeFusion over its double and single blocks and text stream is not built yet"
+    no_stack = ""  # it has one (`stack`)
+
+    @property
+    def stack(self) -> Stack:
+        """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
+        return Stack(self.module)
 
     @property
     def config(self) -> FluxConfig:
@@ -127,6 +133,107 @@ class FluxFn:
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The transformer's forward as a layer-splitting strategy (PipeFusion,
+    `patchpar.parallel.pipeline`) consumes it: the model's own parts (`context`, `time`,
+    `embed`, one `block`, `head`) on explicit parameters. Two segments of identical blocks,
+    the double-stream ones and then the single-stream ones (`segment_blocks`); the tokens
+    between blocks are the pair (image tokens (B, T, D), text tokens (B, S, D)): the text
+    stream travels with the image tokens it was computed beside. Each block takes its rows of
+    the RoPE table from the position site (`ops.positions`, the same collections as its
+    attention's)."""
+
+    module: FluxTransformer2DModel
+    kv_name = "attn"  # the block's joint attention, whose image K/V a stage keeps
+
+    @property
+    def num_layers(self) -> int:
+        return self.module.config.num_layers + self.module.config.num_single_layers
+
+    @property
+    def segment_layers(self) -> tuple[int, int]:
+        """Double-stream, then single-stream blocks."""
+        return self.module.config.num_layers, self.module.config.num_single_layers
+
+    @property
+    def patch_size(self) -> int:
+        """Latent rows (and columns) per token: the 2 x 2 packing."""
+        return 2
+
+    @property
+    def width(self) -> int:
+        return self.module.config.inner_dim
+
+    @property
+    def dtype(self):
+        return self.module.dtype
+
+    def segment_blocks(self, params) -> tuple[list, list]:
+        cfg = self.module.config
+        return (
+            [params[DOUBLE.format(i)] for i in range(cfg.num_layers)],
+            [params[SINGLE.format(i)] for i in range(cfg.num_single_layers)],
+        )
+
+    def outer(self, params) -> dict:
+        cfg = self.module.config
+        names = {DOUBLE.format(i) for i in range(cfg.num_layers)}
+        names |= {SINGLE.format(i) for i in range(cfg.num_single_layers)}
+        return {k: v for k, v in params.items() if k not in names}
+
+    def zeros(self, batch: int, tokens: int, ctx):
+        return jnp.zeros((batch, tokens, self.width), self.dtype), jnp.zeros_like(ctx)
+
+    def _apply(self, ops, outer, method, *args, variables=None, mutable=()):
+        module = self.module.clone(ops=ops)
+        return module.apply({"params": outer, **(variables or {})}, *args, method=method,
+                            mutable=list(mutable) or False)  # fmt: skip
+
+    def context(self, outer, encoder_hidden_states, extras: dict):
+        """The step-invariant text tokens the text stream starts from."""
+        return self._apply(self.module.ops, outer, "context", encoder_hidden_states)
+
+    def time(self, outer, timesteps, extras: dict):
+        """(B, D): the timestep, guidance (dev) and pooled text embedded."""
+        g, pooled = extras.get("guidance"), extras["pooled_projections"]
+        run = lambda m, t, g, p: m.time(t, g, p, t.shape[0])  # noqa: E731
+        return self._apply(self.module.ops, outer, run, timesteps, g, pooled)
+
+    def embed(self, outer, ops, sample, variables=None, ctx=None):
+        """(B, h, W, C) latent rows -> (image tokens, the text tokens `ctx`)."""
+        nested = {k: {"pos_embed": v} for k, v in (variables or {}).items()}
+        img, _ = self._apply(ops, outer, "embed", sample, variables=nested)
+        return img, ctx
+
+    def block(self, outer, ops, block_params, h, ctx, temb, row, variables=None, mutable=(),
+              segment: int = 0):  # fmt: skip
+        """Block 0 of `segment` (0: double, 1: single) with `block_params` on the (image,
+        text) tokens -> (tokens, the `mutable` collections)."""
+        del ctx  # the text tokens travel in h
+        name = (DOUBLE if segment == 0 else SINGLE).format(0)
+        img, txt = h
+        rows = img.shape[1] // row
+
+        def run(m, img, txt, temb):
+            rope = m.pos_embed(rows, row)  # this slab's rows of the table
+            part = m.double if segment == 0 else m.single
+            return part(0, img, txt, temb, rope, row)
+
+        own = variables or {}
+        nested = {k: {name: v, "pos_embed": v.get(self.kv_name, {})} for k, v in own.items()}
+        out = self._apply(ops, {**outer, name: block_params}, run, img, txt, temb,
+                          variables=nested, mutable=mutable)  # fmt: skip
+        if not mutable:
+            return out, {}
+        y, mutated = out
+        return y, {k: v[name] for k, v in mutated.items()}
+
+    def head(self, outer, h, temb, rows: int, w: int):
+        """The image tokens of a rows x w latent slab -> (B, rows, w, C)."""
+        return self._apply(self.module.ops, outer, "head", h[0], temb, rows, w)
 
 
 @dataclass
@@ -293,6 +400,6 @@ def load_flux(path, dtype=jnp.float32, attention: AttentionSpec = AUTO):
 FAMILY = FluxFamily()
 
 __all__ = [
-    "FAMILY", "LOGICAL", "FluxConfig", "FluxFn", "FluxTransformer2DModel", "apply_rope",
-    "load_flux", "rope_table",
+    "FAMILY", "LOGICAL", "FluxConfig", "FluxFn", "FluxTransformer2DModel", "Stack",
+    "apply_rope", "load_flux", "rope_table",
 ]  # fmt: skip

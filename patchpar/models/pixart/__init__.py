@@ -164,13 +164,20 @@ class Stack:
     `embed`, one `block`, `head`), each applied on explicit parameters. `extras` are the
     conditioning's keyword inputs (the text mask, the micro-conditions); `variables` are
     extra Flax collections of the part (the site ops' state), `mutable` those a block
-    returns."""
+    returns. One segment of identical blocks (`segment_blocks`); the tokens between blocks
+    are one (B, T, D) array."""
 
     module: PixArtTransformer2DModel
+    kv_name = "attn1"  # the block's self-attention, whose K/V a stage keeps
 
     @property
     def num_layers(self) -> int:
         return self.module.config.num_layers
+
+    @property
+    def segment_layers(self) -> tuple[int, ...]:
+        """Blocks per segment of identical blocks."""
+        return (self.num_layers,)
 
     @property
     def patch_size(self) -> int:
@@ -188,6 +195,15 @@ class Stack:
     def blocks(self, params) -> list:
         """The blocks' parameters in layer order."""
         return [params[BLOCK.format(i)] for i in range(self.num_layers)]
+
+    def segment_blocks(self, params) -> tuple[list, ...]:
+        """The blocks' parameters per segment of identical blocks, in layer order: one."""
+        return (self.blocks(params),)
+
+    def zeros(self, batch: int, tokens: int, ctx):
+        """Zeros shaped as the tokens between blocks, for `tokens` image tokens."""
+        del ctx
+        return jnp.zeros((batch, tokens, self.width), self.dtype)
 
     def outer(self, params) -> dict:
         """Every parameter that is not a block's (input and output parts)."""
@@ -209,14 +225,18 @@ class Stack:
         args = (timesteps, extras.get("resolution"), extras.get("aspect_ratio"))
         return self._apply(self.module.ops, outer, "time", *args)
 
-    def embed(self, outer, ops: SiteOps, sample, variables=None) -> jax.Array:
+    def embed(self, outer, ops: SiteOps, sample, variables=None, ctx=None) -> jax.Array:
         """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions
-        (`ops.positions`); `variables` of the patch embedding."""
+        (`ops.positions`); `variables` of the patch embedding (`ctx`, the context, enters
+        every block by cross-attention instead)."""
+        del ctx
         nested = {k: {"pos_embed": v} for k, v in (variables or {}).items()}
         return self._apply(ops, outer, "embed", sample, variables=nested)
 
-    def block(self, outer, ops, block_params, x, ctx, temb, row, variables=None, mutable=()):
+    def block(self, outer, ops, block_params, x, ctx, temb, row, variables=None, mutable=(),
+              segment: int = 0):  # fmt: skip
         """One block on (B, T, D) tokens -> (tokens, the `mutable` collections)."""
+        del segment  # one segment
         name = BLOCK.format(0)  # every block is alike: the parameters given run as block 0
         nested = {k: {name: v} for k, v in (variables or {}).items()}
         params = {**outer, name: block_params}

@@ -75,12 +75,14 @@ class Hop(Site):
 
     kind: ClassVar[str] = "pipe"
 
-    def send(self, x: jax.Array, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
-        """Device `dst` of each (src, dst) pair receives device `src`'s `x`; the others zeros."""
-        if not pairs:
+    def send(self, x, pairs: tuple[tuple[int, int], ...]):
+        """Device `dst` of each (src, dst) pair receives device `src`'s `x` (an array or a
+        tuple of them: an MMDiT's image and text tokens, one permute each); the others
+        zeros."""
+        if not pairs or self.local:
             return x
-        if self.local:
-            return x
+        if isinstance(x, tuple):
+            return tuple(self.send(a, pairs) for a in x)
         note(self, shape=x.shape, itemsize=x.dtype.itemsize, pairs=tuple(pairs))
         with jax.named_scope(f"pp_{self.kind}"):
             return lax.ppermute(x, PATCH, perm=list(pairs))

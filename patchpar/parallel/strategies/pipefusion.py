@@ -3,8 +3,11 @@ DiT. The blocks are split into stages over the patch axis (1/S of the block weig
 the latent into M >= S row patches streamed through the stages; each stage attends over a
 full-image K/V buffer of its own layers, fresh for the patches it has computed this step and
 one step stale for the rest. Only activations hop between stages (one patch's tokens per slot),
-not every layer's K/V as in patch parallelism. Owns its program (`patchpar.parallel.pipeline`);
-the first `warmup_steps` steps are exact full-image passes (xDiT's `warmup_steps`)."""
+not every layer's K/V as in patch parallelism. An MMDiT (FLUX.1) runs its double- and
+single-stream blocks as two segments, each split over the stages, the second back from the
+last stage to the first; each patch carries its own text stream with its image tokens. Owns
+its program (`patchpar.parallel.pipeline`); the first `warmup_steps` steps are exact
+full-image passes (xDiT's `warmup_steps`)."""
 
 from dataclasses import dataclass
 
@@ -23,7 +26,9 @@ class PipeFusion(Strategy):
     num_patches: int | None = option(
         None,
         "M, the row patches streamed through the S stages (xDiT's num_pipeline_patch; default "
-        "M = S, the devices on the patch axis); M >= S.",
+        "M = S, the devices on the patch axis); M >= S. A model of two kinds of blocks (FLUX.1: "
+        "double-, then single-stream) runs them as two segments, the second back from stage "
+        "S-1 to 0, so M >= 2(S-1)+1 (default: the least such M that splits the token rows).",
     )
 
     def program(self):
@@ -31,9 +36,17 @@ class PipeFusion(Strategy):
 
         return PIPELINE
 
-    def patches(self, stages: int) -> int:
-        """M on `stages` devices."""
-        return stages if self.num_patches is None else self.num_patches
+    def patches(self, stages: int, segments: int = 1, token_rows: int | None = None) -> int:
+        """M on `stages` devices for a stack of `segments` segments: num_patches, or by
+        default the fewest that keep the pipeline full (segments x (S - 1) + 1: a patch's
+        new latent is back on device 0 that many slots after it left; S for one segment),
+        and with more segments the least of those that splits `token_rows`."""
+        if self.num_patches is not None:
+            return self.num_patches
+        least = segments * (stages - 1) + 1
+        if segments == 1 or token_rows is None:
+            return least
+        return next((m for m in range(least, token_rows + 1) if token_rows % m == 0), least)
 
     def warmup_phase_steps(self, steps: int) -> int:
         return min(steps, self.warmup_steps)
@@ -56,17 +69,28 @@ class PipeFusion(Strategy):
                 f"needed M slots after; use num_patches >= {patch} (default {patch})"
             )
 
-    def validate_layers(self, layers: int, rows: int, p: int, why: str, patch: int) -> None:
-        """`layers` blocks on `patch` stages, latent `rows` into num_patches patches of whole
-        tokens (rows a multiple of p, for `why`)."""
-        if layers < patch:
+    def validate_layers(
+        self, layers: tuple[int, ...], rows: int, p: int, why: str, patch: int
+    ) -> None:
+        """Segments of `layers` blocks each on `patch` stages, latent `rows` into num_patches
+        patches of whole tokens (rows a multiple of p, for `why`)."""
+        if min(layers) < patch:
             raise ValueError(
-                f"pipefusion: {layers} blocks cannot fill {patch} stages (every device needs at "
-                f"least one block); use at most {layers} devices on the patch axis"
+                f"pipefusion: {min(layers)} blocks cannot fill {patch} stages (every device "
+                f"needs at least one block of each kind: {list(layers)}); use at most "
+                f"{min(layers)} devices on the patch axis"
             )
-        m = self.patches(patch)
+        segments = len(layers)
+        m = self.patches(patch, segments, rows // p)
+        least = segments * (patch - 1) + 1
+        if m < least:
+            raise ValueError(
+                f"pipefusion: num_patches={m} on {patch} stages of a model with {segments} "
+                f"kinds of blocks: a patch comes back to the first stage {least - 1} slots "
+                f"after it left and is needed M slots after; use num_patches >= {least}"
+            )
         if rows % (m * p):
-            fits = [k for k in range(patch, rows // p + 1) if rows % (k * p) == 0]
+            fits = [k for k in range(least, rows // p + 1) if rows % (k * p) == 0]
             raise ValueError(
                 f"pipefusion: latent rows={rows} do not split into num_patches={m} patches of "
                 f"whole tokens ({why}: {m} x {p} = {m * p} rows); "
