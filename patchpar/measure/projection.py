@@ -168,7 +168,8 @@ def compute_workload(
     }
     if log is not None:
         log("lowering the text encoders and the VAE decoder (their FLOPs)")
-    encode, decode = _encode_decode_flops(model, resolution, batch, jdtype)
+    halves = unet.guidance_halves  # prompts encoded per image: with a negative one, or not
+    encode, decode = _encode_decode_flops(model, resolution, batch, jdtype, halves)
     return Workload(
         model=str(model),
         resolution=resolution,
@@ -177,7 +178,7 @@ def compute_workload(
         cfg=plan.cfg,
         batch=batch,
         dtype=dtype,
-        unet_batch=batch * (2 // plan.cfg),
+        unet_batch=batch * max(1, halves // plan.cfg),
         phases=phases,
         synchronous_sites={p: synchronous_sites(plan, p) for p in PHASES},
         stale_bytes_per_device=int(r["stale_bytes_per_device"]),
@@ -194,10 +195,12 @@ def compute_workload(
 
 
 @functools.lru_cache(maxsize=32)
-def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tuple[float, float]:
-    """FLOPs of the text encoders (2 x batch prompts, as many tokens as the family's pipeline
-    reads: 77 CLIP tokens, T5's 120 / 300 for PixArt-α / Σ; `Family.text_programs`) and of the
-    VAE decoder on the batch, from the lowered programs of the components' configs (a
+def _encode_decode_flops(
+    model: str, resolution: int, batch: int, dtype, halves: int = 2
+) -> tuple[float, float]:
+    """FLOPs of the text encoders (halves x batch prompts: the negative ones too with CFG; as
+    many tokens as the family's pipeline reads: 77 CLIP tokens, T5's 120 / 300 for PixArt-α /
+    Σ, FLUX's 512; `Family.text_programs`) and of the VAE decoder on the batch, from the lowered programs of the components' configs (a
     preset's, or a folder's); 0 for a model without a VAE."""
     import jax
 
@@ -205,7 +208,7 @@ def _encode_decode_flops(model: str, resolution: int, batch: int, dtype) -> tupl
     from patchpar.parallel.vae import VAEPlan, lowered_decode
 
     programs = model_family(model).text_programs(
-        lambda sub: component_config(model, sub), 2 * batch, dtype
+        lambda sub: component_config(model, sub), halves * batch, dtype
     )
     encode = 0.0
     for module, ids in programs:

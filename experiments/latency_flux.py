@@ -1,0 +1,156 @@
+"""FLUX.1-dev's published latencies (1024², 28 steps, 4 GPUs) against patchpar's projection of
+the same runs. No constant is fitted here: the compute constants are the ones
+experiments/latency_paper.py fitted on DistriFusion's SDXL points (a100-sxm; h100-sxm and l20
+take theirs as their profiles say); every row is a check, its error printed.
+
+    .venv/bin/python experiments/latency_flux.py                 # -> runs/latency_flux/
+    .venv/bin/python experiments/latency_flux.py --out results/flux/latency
+
+1. Workloads: FLUX.1-dev (bf16, abstract weights, 512 T5 tokens, one model call per step: the
+   guidance scale is an input) lowered on this CPU under single, ulysses, ring, distrifusion,
+   pipefusion and compact (2-bit and 1-bit K/V) on 4 devices; FLOPs and every collective per
+   device, cached in <out>/workloads.jsonl (resumable).
+2. Checks (../shared/ANCHORS.md): xDiT's 4 x H100 (compiled; docs/performance/flux.md) on
+   h100-sxm; CompactFusion's 4 x L20 PCIe (its repo's latency CSVs) on l20; diffusers' context
+   parallelism on 4 x L20 (ms per step, its distributed-inference docs) on l20, compared per
+   denoising step (the encoders and decode left out). -> <out>/flux.jsonl, <out>/flux.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODEL = "flux-dev"
+RESOLUTION = 1024
+STEPS = 28
+GPUS = 4
+# one synchronous warm-up step for the stale methods, as xDiT's --warmup_steps 1
+STRATEGIES = {
+    "single": ("single", {}),
+    "ulysses": ("ulysses", {}),
+    "ring": ("ring", {}),
+    "distrifusion": ("distrifusion", {"warmup_steps": 1}),
+    "pipefusion": ("pipefusion", {"warmup_steps": 1}),
+    "compact-2bit": ("compact", {"codec": "int2"}),
+    "compact-1bit": ("compact", {"codec": "sign1"}),
+}
+XDIT = "xDiT docs/performance/flux.md (compiled)"
+COMPACT = "CompactFusion compact_plot/latency_data (L20 PCIe)"
+DIFFUSERS = "diffusers distributed-inference docs (ms per step)"
+# (setup, hardware profile, method, published, unit, source): unit "s" = a whole generation,
+# "ms/step" = one denoising step
+PUBLISHED = [
+    ("1 x H100", "h100-sxm", "single", 4.30, "s", XDIT),
+    ("4 x H100", "h100-sxm", "ulysses", 1.63, "s", XDIT),
+    ("4 x H100", "h100-sxm", "ring", 1.98, "s", XDIT),
+    ("1 x L20", "l20", "single", 20.26, "s", COMPACT),
+    ("4 x L20 PCIe", "l20", "distrifusion", 6.86, "s", COMPACT),
+    ("4 x L20 PCIe", "l20", "ulysses", 6.70, "s", COMPACT),
+    ("4 x L20 PCIe", "l20", "ring", 7.54, "s", COMPACT),
+    ("4 x L20 PCIe", "l20", "pipefusion", 9.07, "s", COMPACT),
+    ("4 x L20 PCIe", "l20", "compact-1bit", 6.86, "s", COMPACT),
+    ("4 x L20 PCIe", "l20", "compact-2bit", 6.70, "s", COMPACT),
+    ("4 x L20", "l20", "ulysses", 281.0, "ms/step", DIFFUSERS),
+    ("4 x L20", "l20", "ring", 351.0, "ms/step", DIFFUSERS),
+]
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "latency_flux")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from patchpar import hardware
+    from patchpar.lab.config import build_plan
+    from patchpar.lab.results import provenance
+    from patchpar.measure.projection import WorkloadCache, project
+
+    args = parse(argv)
+    prov = provenance()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache = WorkloadCache(args.out / "workloads.jsonl")
+    t0 = time.time()
+    wl = {}
+    for method, (name, opts) in tqdm(STRATEGIES.items(), desc="workloads", unit="point"):
+        n = 1 if name == "single" else GPUS
+        wl[method] = cache.get(MODEL, RESOLUTION, build_plan(name, opts, n, 1), 1, "bfloat16")
+    print(f"workloads: {len(wl)} ({time.time() - t0:.0f} s)")
+
+    rows = []
+    for setup, profile, method, published, unit, source in PUBLISHED:
+        hw = hardware.load(profile)
+        p = project(wl[method], wl["single"], hw, STEPS)
+        per_step_ms = (p.latency_s - p.other_s) / STEPS * 1e3
+        projected = p.latency_s if unit == "s" else per_step_ms
+        rows.append(
+            {
+                "setup": setup,
+                "hardware": profile,
+                "method": method,
+                "strategy": wl[method].strategy,
+                "gpus": 1 if method == "single" else GPUS,
+                "unit": unit,
+                "published": published,
+                "projected": projected,
+                "error": projected / published - 1.0,
+                "compute_s": p.compute_s,
+                "exposed_comm_s": p.exposed_comm_s,
+                "other_s": p.other_s,
+                "speedup": p.speedup,
+                "source": source,
+                "model": MODEL,
+                "resolution": RESOLUTION,
+                "steps": STEPS,
+                "provenance": prov,
+            }
+        )
+    tmp = args.out / "flux.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(x, sort_keys=True, default=str) + "\n" for x in rows))
+    tmp.replace(args.out / "flux.jsonl")
+    errors = [abs(x["error"]) for x in rows]
+    lines = [
+        "# FLUX.1-dev latency: published figures vs patchpar's projection",
+        "",
+        f"`python experiments/latency_flux.py`; {RESOLUTION}², {STEPS} steps, bf16, 512 T5 "
+        f"tokens, one model call per step (guidance as an input); stale methods with one "
+        f"synchronous warm-up step. Nothing is fitted on these rows.",
+        "",
+        "| setup | hardware | method | published | projected | error | compute s | "
+        "exposed comm s | encoders + VAE s | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        unit = x["unit"]
+        lines.append(
+            f"| {x['setup']} | {x['hardware']} | {x['method']} | {x['published']:g} {unit} | "
+            f"{x['projected']:.2f} {unit} | {x['error'] * 100:+.1f}% | {x['compute_s']:.2f} | "
+            f"{x['exposed_comm_s']:.3f} | {x['other_s']:.3f} | {x['source']} |"
+        )
+    lines += [
+        "",
+        f"{len(errors)} points: median absolute error {np.median(errors) * 100:.1f}%, "
+        f"largest {np.max(errors) * 100:.1f}%.",
+        "",
+    ]
+    text = "\n".join(lines)
+    (args.out / "flux.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
