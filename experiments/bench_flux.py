@@ -62,6 +62,8 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("runs/bench_flux"))
     p.add_argument("--work", type=Path, default=Path(".bench_flux"))
+    p.add_argument("--attention", default="auto", help="patchpar's model.attention")
+    p.add_argument("--profile", action="store_true", help="patchpar's time per XLA op kind")
     p.add_argument("--child", choices=("torch", "jax"), help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -161,7 +163,8 @@ def child_jax(args, kind: str, size: int) -> dict:
     from patchpar.xla_flags import in_effect
 
     folder = transformer_folder(kind, args.work)
-    fn, params = load_flux(folder, jnp.float32)
+    spec = AttentionSpec(args.attention)
+    fn, params = load_flux(folder, jnp.float32, spec)
     config = json.loads((folder / "config.json").read_text())
     latent, ctx, pooled, t, g = inputs(config, kind, size)
     xs = jnp.asarray(latent.transpose(0, 2, 3, 1))
@@ -172,14 +175,21 @@ def child_jax(args, kind: str, size: int) -> dict:
     run = lambda: jax.block_until_ready(f(params, xs, jnp.asarray(t), jnp.asarray(ctx), **kw))  # noqa: E731
     med, first, times, out = _median_time(run, args.repeats)
     np.save(args.work / f"out_jax_{kind}_{size}.npy", np.asarray(out))
-    return {"seconds": med, "first_call_s": first, "times_s": times,
-            "attention": resolve(AttentionSpec(), jnp.float32).impl, "xla_flags": in_effect(),
-            "version": jax.__version__}  # fmt: skip
+    res = {"seconds": med, "first_call_s": first, "times_s": times,
+           "attention": resolve(spec, jnp.float32).impl, "xla_flags": in_effect(),
+           "version": jax.__version__}  # fmt: skip
+    if args.profile:
+        from bench_unet import profile
+
+        hlo = f.lower(params, xs, jnp.asarray(t), jnp.asarray(ctx), **kw).compile().as_text()
+        res["profile"] = profile(run, hlo)
+    return res
 
 
 def run_child(args, framework: str, row: str) -> dict:
     cmd = [sys.executable, __file__, "--child", framework, "--row", row,
-           "--repeats", str(args.repeats), "--work", str(args.work)]  # fmt: skip
+           "--repeats", str(args.repeats), "--work", str(args.work),
+           "--attention", args.attention] + ["--profile"] * args.profile  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}  # fmt: skip
     proc = subprocess.run(["taskset", "-c", "0", *cmd], capture_output=True, text=True, env=env,
@@ -214,6 +224,11 @@ def part_core(args, prov: dict) -> list[dict]:
             "patchpar_times_s": jax_r["times_s"], "torch": torch_r["version"],
             "jax": jax_r["version"], "cpu": platform.processor() or platform.machine(), **prov,
         }  # fmt: skip
+        if "profile" in jax_r:
+            lines = [f"# patchpar time per XLA op kind, {row} (ms per call, one core)", "",
+                     "| op kind | ms | count |", "|---|---|---|"]  # fmt: skip
+            lines += [f"| {k} | {ms} | {n} |" for k, ms, n in jax_r.pop("profile")]
+            (args.out / f"profile_{kind}_{size}.md").write_text("\n".join(lines) + "\n")
         append_record(args.out / "core.jsonl", rec)
         rows.append(rec)
         print(f"{row:10s} diffusers {rec['diffusers_s'] * 1e3:9.1f} ms  patchpar "

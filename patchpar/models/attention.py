@@ -175,10 +175,6 @@ def chunked_attention(q, k, v, heads: int, mask=None, block_q: int = 512, block_
     return blocks.update(k, v, mask, block_kv).finish(v.dtype)
 
 
-_BATCHED = (((3,), (3,)), ((0, 1), (0, 1)))  # contract D, batch (B, H)
-_PV = (((3,), (2,)), ((0, 1), (0, 1)))  # contract keys, batch (B, H)
-
-
 @dataclass(frozen=True)
 class OnlineSoftmax:
     """Flash attention's recurrence over any sequence of key/value chunks (the chunked kernel
@@ -238,24 +234,31 @@ class OnlineSoftmax:
         return _merge(out).astype(dtype)
 
 
+_KQ = (((3,), (3,)), ((0, 1), (0, 1)))  # k (B, H, bk, D) . q (B, H, bq, D) -> (B, H, bk, bq)
+_PTV = (((2,), (2,)), ((0, 1), (0, 1)))  # p (B, H, bk, bq) . v (B, H, bk, D+1) -> (B, H, bq, D+1)
+
+
 def _query_block(blk, kb, vb, keepb, scale):
     """One query block (B, H, bq, D) and its running (max, accumulator) against every key
-    block: flash attention's recurrence."""
+    block: flash attention's recurrence. The scores are laid out keys x queries, so the row
+    maxima reduce over the second-minor axis, element-wise across the queries: on XLA:CPU
+    that reduction and the exponential after it run several times faster than over the
+    minor axis (a block of 512 x 256: 1.0 against 6.8 ms for the max, one core)."""
     qi, m0, acc0 = blk
 
     def step(carry, blk):
-        m, acc = carry
+        m, acc = carry  # m (B, H, bq, 1)
         kk, vv, keep = blk
         # unscaled scores: the scale (> 0) commutes with the max and folds into the exp, which
-        # saves a pass over the (bq, bk) block
-        s = lax.dot_general(qi, kk, _BATCHED, preferred_element_type=jnp.float32)
-        if keep is not None:
-            s = jnp.where(keep, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1, keepdims=True))
+        # saves a pass over the (bk, bq) block
+        s = lax.dot_general(kk, qi, _KQ, preferred_element_type=jnp.float32)  # (B, H, bk, bq)
+        if keep is not None:  # keep (B|1, 1, 1, bk) -> (B|1, 1, bk, 1)
+            s = jnp.where(jnp.swapaxes(keep, -1, -2), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.swapaxes(s.max(-2, keepdims=True), -1, -2))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a block with no key at all
-        p = jnp.exp((s - m_safe) * scale)
+        p = jnp.exp((s - jnp.swapaxes(m_safe, -1, -2)) * scale)
         alpha = jnp.exp((m - m_safe) * scale)
-        pv = lax.dot_general(p.astype(vv.dtype), vv, _PV, preferred_element_type=jnp.float32)
+        pv = lax.dot_general(p.astype(vv.dtype), vv, _PTV, preferred_element_type=jnp.float32)
         return (m_new, alpha * acc + pv), None
 
     (m, acc), _ = lax.scan(step, (m0, acc0), (kb, vb, keepb))
