@@ -187,7 +187,13 @@ def tensor_parallel_markdown(records: list[dict], devices: int = 8) -> str:
     return "\n".join(lines) + "\n"
 
 
-XDIT_POINTS = (("pixart-alpha", 1024), ("pixart-alpha", 2048), ("sdxl", 1024))
+XDIT_POINTS = (
+    ("pixart-alpha", 1024),
+    ("pixart-alpha", 2048),
+    ("sdxl", 1024),
+    ("flux-dev", 1024),
+    ("flux-dev", 2048),
+)
 
 
 def xdit_cost_markdown(records: list[dict], points=XDIT_POINTS) -> str:
