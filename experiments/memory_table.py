@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 STRATEGIES = ("single", "sync_patch", "distrifusion", "pcpp", "pipefusion")  # pipefusion: DiTs only
+OTHERS = ("ring", "ulysses", "tensor")  # on request (--strategies): exact, no stale buffers
 GIB = 2**30
 H200_GB = 141e9  # one H200's HBM (bytes, decimal as NVIDIA quotes it)
 
@@ -48,9 +49,9 @@ def parse(argv):
         help="parallel points with the weights sharded over the devices, gathered per layer",
     )
     a = p.parse_args(argv)
-    bad = [s for s in a.strategies if s not in STRATEGIES]
+    bad = [s for s in a.strategies if s not in STRATEGIES + OTHERS]
     if bad:
-        p.error(f"--strategies {bad}: known {list(STRATEGIES)}")
+        p.error(f"--strategies {bad}: known {list(STRATEGIES + OTHERS)}")
     return a
 
 
@@ -143,7 +144,8 @@ def write_table(records: list[dict], out: Path) -> None:
     """Per resolution and kernel: GiB per device, bf16 estimate, per strategy x devices."""
     latest = {key(r): r for r in records}
     model = records[-1]["model"]
-    cols = [("single", 1)] + [(s, n) for s in STRATEGIES[1:] for n in (2, 4, 8)]
+    shown = [s for s in STRATEGIES[1:] + OTHERS if any(r["strategy"] == s for r in records)]
+    cols = [("single", 1)] + [(s, n) for s in shown for n in (2, 4, 8)]
     lines = [
         f"Memory per device, {model} denoising step (CFG batch 2), bf16 estimate in GiB from the "
         "compiled float32 program (experiments/memory_table.py). `-`: not compiled.",
