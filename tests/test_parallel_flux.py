@@ -294,29 +294,7 @@ def _displaced_reference(warmup: int, patches: int) -> np.ndarray:
     each step's patches in order through the whole model (each with its own text stream from
     the context), every joint attention's image K/V a whole-image buffer in which the earlier
     patches are this step's and the later ones last step's."""
-    from dataclasses import dataclass, field
-
-    from patchpar.models.sites import SiteOps
-
-    @dataclass(frozen=True)
-    class SequentialKV(SiteOps):
-        patches: int = 1
-        at: int = 0
-        buffers: dict = field(default_factory=dict, compare=False, hash=False)
-
-        def self_attn_kv(self, mod, k, v, row=None):
-            tokens, key = k.shape[1], mod.scope.path
-            if self.patches == 1:
-                self.buffers[key] = (k, v)
-            else:
-                span = slice(self.at * tokens, (self.at + 1) * tokens)
-                kb, vb = self.buffers[key]
-                self.buffers[key] = (kb.at[:, span].set(k), vb.at[:, span].set(v))
-            return *self.buffers[key], None
-
-        def positions(self, mod, table, rows, cols):
-            whole = np.asarray(table(rows * self.patches, cols))
-            return jnp.asarray(whole[self.at * rows * cols : (self.at + 1) * rows * cols])
+    from test_pipefusion import SequentialKV  # the whole-image K/V buffer per layer
 
     def call(n, at, x_in, t, buffers):
         ops = SequentialKV(n, at, dict(buffers))

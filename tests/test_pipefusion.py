@@ -15,7 +15,6 @@ from test_parallel_dit import GUIDANCE, MICRO, inputs, max_diff
 from torch_refs import rel_err
 
 from patchpar.models.api import PixArtFn
-from patchpar.models.attention import attend
 from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
 from patchpar.models.sites import SiteOps
 from patchpar.parallel.engine import Plan, denoise, weight_bytes
@@ -103,7 +102,9 @@ class SequentialKV(SiteOps):
     at: int = 0
     buffers: dict = field(default_factory=dict, compare=False, hash=False)
 
-    def self_attention(self, mod, q, k, v, heads, spec, row=None):
+    def self_attn_kv(self, mod, k, v, row=None):
+        """The layer's whole-image K/V with this patch's written in (what both a DiT's
+        self-attention and an MMDiT's joint attention attend to)."""
         tokens, key = k.shape[1], mod.scope.path
         if self.patches == 1:
             self.buffers[key] = (k, v)
@@ -111,7 +112,7 @@ class SequentialKV(SiteOps):
             span = slice(self.at * tokens, (self.at + 1) * tokens)
             kb, vb = self.buffers[key]
             self.buffers[key] = (kb.at[:, span].set(k), vb.at[:, span].set(v))
-        return attend(spec, q, *self.buffers[key], heads, None)
+        return *self.buffers[key], None
 
     def positions(self, mod, table, rows, cols):
         whole = np.asarray(table(rows * self.patches, cols))

@@ -17,7 +17,9 @@ def comm_markdown(records: list[dict]) -> str:
         "Made by `experiments/comm_table.py` from `runs.jsonl`; bf16, CFG pair in the model's "
         "batch (batch 2), 77 text tokens (UNets; PixArt's T5: 120); pre-optimisation HLO, "
         "checked against the analytic model. A DiT (pixart-alpha) has one site, "
-        "self-attention K/V: no halos, no GroupNorm.",
+        "self-attention K/V: no halos, no GroupNorm. An MMDiT (flux-dev) has one too, each "
+        "joint attention's image K/V (the text K/V stays on every device); its guidance scale "
+        "is an input, so its model batch is 1, with 512 T5 tokens.",
         "",
         '"steady GB" and "warm-up GB" are patchpar\'s traffic, counted in the compiled program '
         "(halos to neighbours only, GroupNorm statistics all-reduced, the latent kept sharded). "
