@@ -147,8 +147,9 @@ def write_table(records: list[dict], out: Path) -> None:
     shown = [s for s in STRATEGIES[1:] + OTHERS if any(r["strategy"] == s for r in records)]
     cols = [("single", 1)] + [(s, n) for s in shown for n in (2, 4, 8)]
     lines = [
-        f"Memory per device, {model} denoising step (CFG batch 2), bf16 estimate in GiB from the "
-        "compiled float32 program (experiments/memory_table.py). `-`: not compiled.",
+        f"Memory per device, {model} denoising step (one image: its guidance halves), bf16 "
+        "estimate in GiB from the compiled float32 program (experiments/memory_table.py). "
+        "`-`: not compiled.",
         "",
         "| resolution | attention | " + " | ".join(f"{s} {n}" for s, n in cols) + " |",
         "|---|---|" + "---|" * len(cols),
