@@ -67,7 +67,7 @@ def test_unet_config_missing_keys_and_inpainting():
 @pytest.mark.parametrize(
     "cls, what",
     [
-        ("StableDiffusion3Pipeline", "unsupported: StableDiffusion3Pipeline is SD3"),
+        ("SanaPipeline", "unsupported: SanaPipeline is Sana"),
         ("QwenImagePipeline", "unsupported: QwenImagePipeline is Qwen-Image"),
         ("WanPipeline", "unsupported: WanPipeline is Wan"),
         ("StableDiffusionInpaintPipeline", "is inpainting"),
@@ -76,7 +76,7 @@ def test_unet_config_missing_keys_and_inpainting():
 def test_unsupported_pipeline_class_is_named(model, cls, what):
     index = json.loads((model / "model_index.json").read_text())
     (model / "model_index.json").write_text(json.dumps({**index, "_class_name": cls}))
-    shutil.rmtree(model / "unet")  # an SD3/Qwen-Image folder has no unet/: say what it is instead
+    shutil.rmtree(model / "unet")  # a Sana/Qwen-Image folder has no unet/: say what it is instead
     with pytest.raises(CheckpointError, match=what):
         load_pipeline(model)
 

@@ -224,7 +224,10 @@ def test_older_transformer2d_folders_load_and_other_dits_are_named(tmp_path):
     path.write_text(json.dumps({**cfg, "_class_name": "Transformer2DModel"}))
     fn, _ = load_pixart(tmp_path)
     assert fn.config.num_layers == 2
-    for name, family in (("SD3Transformer2DModel", "SD3"), ("QwenImageTransformer2DModel", "Qwen")):
+    for name, family in (
+        ("SanaTransformer2DModel", "Sana"),
+        ("QwenImageTransformer2DModel", "Qwen"),
+    ):
         path.write_text(json.dumps({**cfg, "_class_name": name}))
         with pytest.raises(ValueError, match=f"{family}.*not supported yet"):
             load_pixart(tmp_path)

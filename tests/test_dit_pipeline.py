@@ -131,7 +131,7 @@ def test_bad_dit_folders_are_named(alpha_folder, tmp_path):
     with pytest.raises(CheckpointError, match="needs tokenizer/"):
         load_pipeline(broken)
     index = json.loads((path / "model_index.json").read_text())
-    for name, what in (("StableDiffusion3Pipeline", "SD3"), ("SanaPipeline", "Sana")):
+    for name, what in (("QwenImagePipeline", "Qwen-Image"), ("SanaPipeline", "Sana")):
         (broken / "model_index.json").write_text(json.dumps({**index, "_class_name": name}))
         with pytest.raises(CheckpointError, match=f"unsupported: {name} is {what}"):
             load_pipeline(broken)

@@ -21,7 +21,7 @@ def test_every_preset_belongs_to_one_family_and_gives_a_denoiser():
         fam = model_family(name)
         fn = abstract_denoiser(name)
         assert isinstance(fn, Denoiser) and fn.family == fam.name, name
-    assert sorted(registry.families()) == ["flux", "pixart", "unet"]
+    assert sorted(registry.families()) == ["flux", "pixart", "sd3", "unet"]
 
 
 @pytest.mark.parametrize(
@@ -32,6 +32,8 @@ def test_every_preset_belongs_to_one_family_and_gives_a_denoiser():
         ("FluxPipeline", "flux"),
         ("UNet2DConditionModel", "unet"),
         ("FluxTransformer2DModel", "flux"),
+        ("StableDiffusion3Pipeline", "sd3"),
+        ("SD3Transformer2DModel", "sd3"),
     ],
 )
 def test_folders_are_recognised_by_class(cls, family, tmp_path):
@@ -46,15 +48,15 @@ def test_folders_are_recognised_by_class(cls, family, tmp_path):
         ("QwenImagePipeline", "Qwen-Image"),
         ("WanPipeline", "Wan"),
         ("HunyuanVideoPipeline", "HunyuanVideo"),
-        ("StableDiffusion3Pipeline", "SD3"),
+        ("HunyuanDiTPipeline", "HunyuanDiT"),
     ],
 )
 def test_unsupported_families_are_named_with_the_supported(cls, what, tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": cls}))
     with pytest.raises(CheckpointError, match=f"unsupported: {cls} is {what}.*unet: .*flux: "):
         registry.of_folder(tmp_path)
-    with pytest.raises(ValueError, match=r"unknown model family 'sd3'; known: \['unet'"):
-        registry.named("sd3")
+    with pytest.raises(ValueError, match=r"unknown model family 'wan'; known: \['unet'"):
+        registry.named("wan")
 
 
 def test_no_family_name_branches_outside_a_family_package():

@@ -32,13 +32,11 @@ if TYPE_CHECKING:
     from patchpar.sampling.guidance import Conditioning
 
 # The family packages under patchpar/models/, in the order folders are matched.
-PACKAGES = ("unet", "pixart", "flux")
+PACKAGES = ("unet", "pixart", "flux", "sd3")
 
 # What people point patchpar at that no family runs: a pipeline's or a denoiser's
 # `_class_name` (a substring of it) -> what it is.
 UNSUPPORTED = {
-    "StableDiffusion3": "SD3 (an MMDiT transformer, not supported yet)",
-    "SD3Transformer2DModel": "SD3 (MMDiT)",
     "QwenImage": "Qwen-Image (an MMDiT transformer, not supported yet)",
     "Wan": "Wan (a video DiT, not supported yet)",
     "HunyuanVideo": "HunyuanVideo (a video DiT, not supported yet)",
@@ -143,6 +141,8 @@ class Family:
     weighted: ClassVar[tuple[str, ...]] = ()  # presets written with random weights on first use
     default_guidance: ClassVar[float] = 7.5  # its pipelines' default guidance scale
     default_sampler: ClassVar[str] = "ddim"  # the sampler a run takes unless told
+    # a flow-matching pipeline's sigmas before the shift (`SchedulerConfig.flow_sigmas`)
+    flow_sigmas: ClassVar[str] = "linspace"
 
     # ---------------------------------------------------------------- the denoiser
 

@@ -1,5 +1,5 @@
-"""Building blocks shared by the UNet and the VAE, named as in diffusers so that checkpoints
-map onto them key by key (`down_blocks.0.resnets.1.conv1.weight` ->
+"""Building blocks shared by the UNet, the VAE and the transformers, named as in diffusers so
+that checkpoints map onto them key by key (`down_blocks.0.resnets.1.conv1.weight` ->
 `down_blocks_0/resnets_1/conv1/kernel`). Images are NHWC; the spatial sites go through `ops`.
 """
 
@@ -279,3 +279,68 @@ class _Proj(nn.Module):  # diffusers' GELU module: a linear `proj`, then the act
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         return dense(self.features, "proj", self.dtype)(x)
+
+
+# ---------------------------------------------------------------- MMDiT (FLUX, SD3) parts
+
+
+class RMSNorm(nn.Module):
+    """torch.nn.RMSNorm over the last axis with a learned `scale` (diffusers' `weight`)."""
+
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm over the last axis without affine parameters, float32 statistics."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+class Modulation(nn.Module):
+    """AdaLayerNormZero(Single/X)'s `linear` on SiLU(temb): (B, D) -> (B, parts, D), the parts
+    in diffusers' chunk order."""
+
+    parts: int
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, temb):
+        m = dense(self.parts * self.dim, "linear", self.dtype)(nn.silu(temb))
+        return m.reshape(m.shape[0], self.parts, self.dim)
+
+
+class SiluProjection(nn.Module):
+    """PixArtAlphaTextProjection with act_fn silu: linear_1, SiLU, linear_2."""
+
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = dense(self.dim, "linear_1", self.dtype)(x.astype(self.dtype))
+        return dense(self.dim, "linear_2", self.dtype)(nn.silu(x))
+
+
+class AdaNormContinuous(nn.Module):
+    """AdaLayerNormContinuous (no affine): `linear` of SiLU(temb) -> scale, shift (in that
+    order), applied to the LayerNorm of x (B, T, D)."""
+
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, temb):
+        m = dense(2 * self.dim, "linear", self.dtype)(nn.silu(temb))
+        scale, shift = m[:, None, : self.dim], m[:, None, self.dim :]
+        return layer_norm(x) * (1 + scale) + shift

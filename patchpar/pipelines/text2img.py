@@ -523,6 +523,7 @@ def load_pipeline(
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
+    sched = replace(sched, flow_sigmas=fam.flow_sigmas)
     return Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler)
 
 

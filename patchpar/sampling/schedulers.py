@@ -50,6 +50,11 @@ class SchedulerConfig:
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
     image_seq_len: int | None = None  # the image's tokens (set per size: `at_tokens`)
+    # where a flow sampler's n sigmas come from, before the shift: "linspace" = linspace(1, 1/n)
+    # (what FluxPipeline passes the scheduler), "scheduler" = linspace from the scheduler's
+    # sigma_max to its (shifted) sigma_min (StableDiffusion3Pipeline passes none); the family's
+    # pipeline decides (`Family.flow_sigmas`)
+    flow_sigmas: str = "linspace"
 
     def at_tokens(self, tokens: int) -> SchedulerConfig:
         """This config for an image of `tokens` tokens (what dynamic shifting reads)."""
@@ -106,7 +111,7 @@ class SchedulerConfig:
         # An in-memory diffusers config lists the keys it left at the class default; like
         # `Scheduler.from_config`, treat those as unset so each sampler takes its own default.
         unset = set(cfg.get("_use_default_values", ()))
-        fields = set(cls.__dataclass_fields__) - {"flow", "image_seq_len"}
+        fields = set(cls.__dataclass_fields__) - {"flow", "image_seq_len", "flow_sigmas"}
         return cls(**{k: v for k, v in cfg.items() if k in fields and k not in unset}, flow=flow)
 
     def alphas_cumprod(
@@ -293,8 +298,10 @@ def dpmpp_2m_step(s: Schedule, i, x, out, carry):
 
 
 def flow_euler_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
-    """Sigmas linspace(1, 1/n) shifted (exponentially by mu with dynamic shifting, else by
-    `shift`) in float32 as diffusers' FluxPipeline and FlowMatchEulerDiscreteScheduler, then 0;
+    """Sigmas linspace(1, 1/n) in float32 (FluxPipeline), or from the scheduler's sigma_max to
+    its sigma_min in float64 (StableDiffusion3Pipeline; `cfg.flow_sigmas`), shifted
+    (exponentially by mu with dynamic shifting, else by `shift`) as diffusers'
+    FlowMatchEulerDiscreteScheduler, then 0;
     the model's timestep input is sigma (diffusers passes timesteps / 1000 = sigma x 1000 /
     1000, reproduced in float32)."""
     _check_steps(cfg, n)
@@ -303,13 +310,16 @@ def flow_euler_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
             "sampler 'flow_euler' needs a flow-matching model (FlowMatchEulerDiscreteScheduler); "
             "this model's scheduler is DDPM-style: use ddim, euler or dpmpp_2m"
         )
-    sig = np.linspace(1.0, 1.0 / n, n).astype(np.float32)
-    if cfg.use_dynamic_shifting:
-        e = np.float32(np.exp(cfg.mu()))
-        sig = (e / (e + (np.float32(1) / sig - np.float32(1)))).astype(np.float32)
+    if cfg.flow_sigmas == "scheduler":  # SD3: in float64 from the scheduler's float32 ends
+        big = np.float32(cfg.num_train_timesteps)
+        lo = np.float32(1) / big  # the scheduler's last training sigma, shifted in float32
+        lo = lo if cfg.use_dynamic_shifting else _shifted(cfg, np.float32(cfg.shift), lo)
+        sig = np.linspace(1.0 * float(big), float(lo) * float(big), n) / float(big)
+        sig = _shifted(cfg, cfg.shift, sig).astype(np.float32)
+    elif cfg.flow_sigmas == "linspace":
+        sig = _shifted(cfg, np.float32(cfg.shift), np.linspace(1.0, 1.0 / n, n).astype(np.float32))
     else:
-        shift = np.float32(cfg.shift)
-        sig = (shift * sig / (np.float32(1) + (shift - np.float32(1)) * sig)).astype(np.float32)
+        raise ValueError(f"flow_sigmas={cfg.flow_sigmas!r}; known: 'linspace', 'scheduler'")
     t = (sig * np.float32(cfg.num_train_timesteps)).astype(np.float32)
     t = (t / np.float32(1000)).astype(np.float32)
     sigmas = np.concatenate([sig, np.zeros(1, np.float32)])
@@ -319,6 +329,17 @@ def flow_euler_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
         jnp.asarray(z, jnp.float32), jnp.asarray(1.0, jnp.float32), jnp.asarray(0.0, jnp.float32),
         False,
     )  # fmt: skip
+
+
+def _shifted(cfg: SchedulerConfig, shift, sig: np.ndarray) -> np.ndarray:
+    """Sigmas shifted as FlowMatchEulerDiscreteScheduler does, in sig's precision: by mu from
+    the image's tokens (dynamic shifting: exp(mu) / (exp(mu) + 1/sigma - 1)) or by `shift`."""
+    one = sig.dtype.type(1)
+    if cfg.use_dynamic_shifting:
+        e = sig.dtype.type(np.exp(cfg.mu()))
+        return (e / (e + (one / sig - one))).astype(sig.dtype)
+    shift = sig.dtype.type(shift)
+    return (shift * sig / (one + (shift - one) * sig)).astype(sig.dtype)
 
 
 def flow_euler_step(s: Schedule, i, x, out, carry):

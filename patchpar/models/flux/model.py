@@ -31,7 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from patchpar.models.attention import AUTO, AttentionSpec
-from patchpar.models.layers import GeluFeedForward, TimestepEmbedding, dense, timestep_embedding
+from patchpar.models.layers import (
+    AdaNormContinuous,
+    GeluFeedForward,
+    Modulation,
+    RMSNorm,
+    SiluProjection,
+    TimestepEmbedding,
+    dense,
+    layer_norm,
+    timestep_embedding,
+)
 from patchpar.models.sites import IDENTITY, SiteOps
 
 CLASS_NAMES = ("FluxTransformer2DModel",)
@@ -162,27 +172,6 @@ def apply_rope(x: jax.Array, rope: jax.Array) -> jax.Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    """torch.nn.RMSNorm over the last axis with a learned `scale` (diffusers' `weight`)."""
-
-    eps: float = 1e-6
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def _layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:  # no affine, float32 statistics
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
 class JointAttention(nn.Module):
     """diffusers FluxAttention: Q/K/V of the image tokens (to_q/k/v) and, in a double block, of
     the text tokens (add_q/k/v_proj), RMSNorm per head on Q and K, RoPE on the image tokens,
@@ -236,17 +225,6 @@ class JointAttention(nn.Module):
         return img_out, txt_out
 
 
-class _Modulation(nn.Module):  # AdaLayerNormZero(Single)'s `linear` on SiLU(temb): (B, k, D)
-    parts: int
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, temb):
-        m = dense(self.parts * self.dim, "linear", self.dtype)(nn.silu(temb))
-        return m.reshape(m.shape[0], self.parts, self.dim)
-
-
 class DoubleBlock(nn.Module):
     """FluxTransformerBlock: image and text streams each with adaLN-Zero (norm1,
     norm1_context), the joint attention, and each its own feed-forward (ff, ff_context)."""
@@ -259,20 +237,20 @@ class DoubleBlock(nn.Module):
     @nn.compact
     def __call__(self, img, txt, temb, rope, row: int):
         cfg, dt, d = self.config, self.dtype, self.config.inner_dim
-        mi = _Modulation(6, d, dt, name="norm1")(temb)[:, :, None]  # (B, 6, 1, D)
-        mt = _Modulation(6, d, dt, name="norm1_context")(temb)[:, :, None]
-        hi = _layer_norm(img) * (1 + mi[:, 1]) + mi[:, 0]
-        ht = _layer_norm(txt) * (1 + mt[:, 1]) + mt[:, 0]
+        mi = Modulation(6, d, dt, name="norm1")(temb)[:, :, None]  # (B, 6, 1, D)
+        mt = Modulation(6, d, dt, name="norm1_context")(temb)[:, :, None]
+        hi = layer_norm(img) * (1 + mi[:, 1]) + mi[:, 0]
+        ht = layer_norm(txt) * (1 + mt[:, 1]) + mt[:, 0]
         attn = JointAttention(
             cfg.num_attention_heads, cfg.attention_head_dim, d, False, dt, self.ops, self.attn,
             name="attn",
         )  # fmt: skip
         ai, at = attn(hi, ht, rope, row)
         img = img + mi[:, 2] * ai
-        h = _layer_norm(img) * (1 + mi[:, 4]) + mi[:, 3]
+        h = layer_norm(img) * (1 + mi[:, 4]) + mi[:, 3]
         img = img + mi[:, 5] * GeluFeedForward(d, dt, self.ops, name="ff")(h)
         txt = txt + mt[:, 2] * at
-        h = _layer_norm(txt) * (1 + mt[:, 4]) + mt[:, 3]
+        h = layer_norm(txt) * (1 + mt[:, 4]) + mt[:, 3]
         txt = txt + mt[:, 5] * GeluFeedForward(d, dt, self.ops, name="ff_context")(h)
         return img, txt
 
@@ -291,8 +269,8 @@ class SingleBlock(nn.Module):
         cfg, dt, d = self.config, self.dtype, self.config.inner_dim
         s = txt.shape[1]
         x = jnp.concatenate([txt, img], axis=1)
-        m = _Modulation(3, d, dt, name="norm")(temb)[:, :, None]
-        h = _layer_norm(x) * (1 + m[:, 1]) + m[:, 0]
+        m = Modulation(3, d, dt, name="norm")(temb)[:, :, None]
+        h = layer_norm(x) * (1 + m[:, 1]) + m[:, 0]
         mlp = nn.gelu(dense(4 * d // self.ops.model_degree(), "proj_mlp", dt)(h), approximate=True)
         a = JointAttention(
             cfg.num_attention_heads, cfg.attention_head_dim, d, True, dt, self.ops, self.attn,
@@ -340,7 +318,7 @@ class FluxTransformer2DModel(nn.Module):
         self.single_transformer_blocks = [
             layer(SingleBlock)(cfg, dt, ops, self.attn) for _ in range(cfg.num_single_layers)
         ]
-        self.norm_out = layer(_NormOut)(d, dt)
+        self.norm_out = layer(AdaNormContinuous)(d, dt)
         self.proj_out = layer(nn.Dense)(cfg.out_channels, dtype=dt, param_dtype=dt)
 
     def __call__(
@@ -421,28 +399,4 @@ class _TimeText(nn.Module):  # the parameter layout of CombinedTimestep(Guidance
             emb = emb + TimestepEmbedding(cfg.inner_dim, dt, name="guidance_embedder")(
                 timestep_embedding(guidance.astype(dt) * 1000, 256, True, 0.0)
             )
-        return emb + _SiluProjection(cfg.inner_dim, dt, name="text_embedder")(pooled)
-
-
-class _SiluProjection(nn.Module):  # PixArtAlphaTextProjection with act_fn silu
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        x = dense(self.dim, "linear_1", self.dtype)(x.astype(self.dtype))
-        return dense(self.dim, "linear_2", self.dtype)(nn.silu(x))
-
-
-class _NormOut(nn.Module):
-    """AdaLayerNormContinuous (no affine): `linear` of SiLU(temb) -> scale, shift (in that
-    order)."""
-
-    dim: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, temb):
-        m = dense(2 * self.dim, "linear", self.dtype)(nn.silu(temb))
-        scale, shift = m[:, None, : self.dim], m[:, None, self.dim :]
-        return _layer_norm(x) * (1 + scale) + shift
+        return emb + SiluProjection(cfg.inner_dim, dt, name="text_embedder")(pooled)

@@ -37,7 +37,6 @@ from patchpar.models.sites import IDENTITY, SiteOps
 CLASS_NAMES = ("PixArtTransformer2DModel", "Transformer2DModel")
 # Diffusion-transformer families whose folders patchpar recognises but cannot run yet.
 UNSUPPORTED = {
-    "SD3Transformer2DModel": "SD3 (MMDiT)",
     "QwenImageTransformer2DModel": "Qwen-Image (MMDiT)",
     "SanaTransformer2DModel": "Sana",
     "HunyuanDiT2DModel": "HunyuanDiT",

@@ -1,0 +1,448 @@
+"""The SD3 family (Stable Diffusion 3 and 3.5): `SD3Transformer2DModel` in Flax (`model`), its
+presets (`presets`), the denoiser `SD3Fn` and its layer `Stack`, the three-encoder conditioning
+of `StableDiffusion3Pipeline`, and `FAMILY`, what the rest of patchpar asks of it
+(`patchpar.models.family`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from patchpar.models.attention import AUTO, AttentionSpec, resolve
+from patchpar.models.components import abstract_init, random_params
+from patchpar.models.family import Family
+from patchpar.models.loading import CheckpointError, read_config
+from patchpar.models.sd3 import presets as _presets
+from patchpar.models.sd3.model import (
+    BLOCK,
+    CLASS_NAMES,
+    LOGICAL,
+    JointBlock,
+    SD3Config,
+    SD3Transformer2DModel,
+    position_table,
+    sincos_grid,
+)
+from patchpar.models.sites import SiteOps
+
+MAX_SEQUENCE_LENGTH = 512  # the most T5 tokens StableDiffusion3Pipeline takes
+POS_EMBED_KEY = "pos_embed.pos_embed"  # the position table diffusers keeps in the checkpoint
+
+
+@dataclass(frozen=True)
+class SD3Fn:
+    """`sd3_apply(params, sample (B, H, W, C), timesteps (B,), encoder_hidden_states (B, S, Dt),
+    pooled_projections=(B, Dp))` -> (B, H, W, C): the timesteps as every flow-matching denoiser
+    of patchpar takes them (sigma in [0, 1]; the model embeds sigma x 1000, what diffusers' SD3
+    pipeline passes its transformer), diffusers' names for the rest."""
+
+    module: SD3Transformer2DModel
+    family = "sd3"
+    logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
+    splits_columns = False  # its positions and tokens are cut by rows only
+    text_tokens = 77 + 256  # CLIP's 77 and T5's 256 (the pipeline's default) join every block
+    text_stream = True  # every device computes the text stream (`parallel.sites.text`)
+    guidance_halves = 2  # classifier-free guidance
+    no_stack = ""  # it has one (`stack`)
+
+    @property
+    def stack(self) -> Stack:
+        """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
+        return Stack(self.module)
+
+    @property
+    def config(self) -> SD3Config:
+        return self.module.config
+
+    @property
+    def row_multiple(self) -> int:
+        """Latent rows of one patch must be a multiple of the patch size p: a row slab is then
+        a contiguous run of whole tokens."""
+        return self.config.patch_size
+
+    @property
+    def row_multiple_reason(self) -> str:
+        return f"patch size {self.config.patch_size}"
+
+    def prediction(self, out: jax.Array) -> jax.Array:
+        """The sampler's model output from the network's: all of it (the flow's velocity)."""
+        return out
+
+    def image_tokens(self, h: int, w: int) -> int:
+        """Tokens of an h x w latent (what a resolution-dependent shift reads)."""
+        p = self.config.patch_size
+        return (h // p) * (w // p)
+
+    def check_split(self, model: int) -> None:
+        """Tensor parallel over `model` devices: the feed-forward's inner width divides (heads
+        need not: they are padded with zero heads)."""
+        inner = 4 * self.config.inner_dim
+        if model > 1 and inner % model:
+            fits = [d for d in range(2, 9) if inner % d == 0]
+            raise ValueError(
+                f"tensor parallel over model={model}: SD3's feed-forward width {inner} is not "
+                f"divisible by {model}; degrees that divide it: {fits}"
+            )
+
+    def __call__(self, params, sample, timesteps, encoder_hidden_states, pooled_projections=None):
+        if pooled_projections is None:
+            raise ValueError(
+                "an SD3 transformer needs pooled_projections (the CLIP pooled outputs)"
+            )
+        return self.module.apply(
+            {"params": params}, sample, timesteps, encoder_hidden_states, pooled_projections
+        )
+
+    def with_ops(self, ops: SiteOps) -> SD3Fn:
+        return replace(self, module=self.module.clone(ops=ops))
+
+    def with_attention(self, spec: AttentionSpec) -> SD3Fn:
+        return replace(self, module=self.module.clone(attn=spec))
+
+    def example_inputs(
+        self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 333
+    ):
+        """Abstract inputs of the right shapes (latent size = sample_size unless given):
+        (sample, timesteps, encoder_hidden_states) and the pooled text as a keyword input."""
+        cfg, dt = self.config, self.module.dtype
+        h, w = height or cfg.sample_size, width or cfg.sample_size
+        sds = jax.ShapeDtypeStruct
+        args = (
+            sds((batch, h, w, cfg.in_channels), dt),
+            sds((batch,), jnp.float32),
+            sds((batch, seq, cfg.joint_attention_dim), dt),
+        )
+        return args, {"pooled_projections": sds((batch, cfg.pooled_projection_dim), dt)}
+
+    def abstract_params(self):
+        p = self.config.patch_size
+        args, added = self.example_inputs(1, p, p, seq=4)
+        return abstract_init(self.module, *args, **added)
+
+    def init(self, seed: int = 0):
+        return random_params(self.abstract_params(), seed)
+
+
+def _kinds(config: SD3Config) -> list[tuple[bool, bool]]:
+    """Each block's (dual attention, context_pre_only)."""
+    last = config.num_layers - 1
+    return [(i in config.dual_attention_layers, i == last) for i in range(config.num_layers)]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The transformer's forward as a layer-splitting strategy (PipeFusion,
+    `patchpar.parallel.pipeline`) consumes it: the model's own parts on explicit parameters.
+    The segments are the runs of identical blocks (SD3.5-medium: 13 dual-attention blocks, 10
+    plain ones, the context_pre_only last one); the tokens between blocks are the pair (image
+    tokens (B, T, D), text tokens (B, S, D)), the last block passing its text tokens on
+    unchanged (nothing reads them)."""
+
+    module: SD3Transformer2DModel
+    kv_name = "attn"  # the block's joint attention, whose image K/V a stage keeps
+
+    @property
+    def _runs(self) -> list[tuple[tuple[bool, bool], list[int]]]:
+        runs = itertools.groupby(range(self.module.config.num_layers),
+                                 key=lambda i: _kinds(self.module.config)[i])  # fmt: skip
+        return [(kind, list(ids)) for kind, ids in runs]
+
+    @property
+    def num_layers(self) -> int:
+        return self.module.config.num_layers
+
+    @property
+    def segment_layers(self) -> tuple[int, ...]:
+        return tuple(len(ids) for _, ids in self._runs)
+
+    @property
+    def patch_size(self) -> int:
+        return self.module.config.patch_size
+
+    @property
+    def width(self) -> int:
+        return self.module.config.inner_dim
+
+    @property
+    def dtype(self):
+        return self.module.dtype
+
+    def check(self) -> None:
+        """ValueError where a block keeps two K/V buffers (SD3.5's dual attention)."""
+        if self.module.config.dual_attention_layers:
+            raise ValueError(
+                "PipeFusion on SD3.5's dual-attention blocks (dual_attention_layers="
+                f"{list(self.module.config.dual_attention_layers)}) is not supported: each "
+                "keeps two image K/V buffers; use an SD3 or SD3.5-large config, or another "
+                "strategy"
+            )
+
+    def segment_blocks(self, params) -> tuple[list, ...]:
+        return tuple([params[BLOCK.format(i)] for i in ids] for _, ids in self._runs)
+
+    def outer(self, params) -> dict:
+        names = {BLOCK.format(i) for i in range(self.module.config.num_layers)}
+        return {k: v for k, v in params.items() if k not in names}
+
+    def zeros(self, batch: int, tokens: int, ctx):
+        return jnp.zeros((batch, tokens, self.width), self.dtype), jnp.zeros_like(ctx)
+
+    def _apply(self, ops, outer, method, *args):
+        module = self.module.clone(ops=ops)
+        return module.apply({"params": outer}, *args, method=method)
+
+    def context(self, outer, encoder_hidden_states, extras: dict):
+        """The step-invariant text tokens the text stream starts from."""
+        return self._apply(self.module.ops, outer, "context", encoder_hidden_states)
+
+    def time(self, outer, timesteps, extras: dict):
+        """(B, D): the timestep (sigma) and the pooled text embedded."""
+        run = lambda m, t, p: m.time(t, p, t.shape[0])  # noqa: E731
+        return self._apply(self.module.ops, outer, run, timesteps, extras["pooled_projections"])
+
+    def embed(self, outer, ops, sample, variables=None, ctx=None):
+        """(B, h, W, C) latent rows -> (image tokens, the text tokens `ctx`)."""
+        nested = {k: {"pos_embed": v} for k, v in (variables or {}).items()}
+        module = self.module.clone(ops=ops)
+        img = module.apply({"params": outer, **nested}, sample, method="embed")
+        return img, ctx
+
+    def block(self, outer, ops, block_params, h, ctx, temb, row, variables=None, mutable=(),
+              segment: int = 0):  # fmt: skip
+        """A block of `segment` with `block_params` on the (image, text) tokens -> (tokens,
+        the `mutable` collections)."""
+        del outer, ctx  # the text tokens travel in h
+        (dual, pre_only), _ = self._runs[segment]
+        cfg, m = self.module.config, self.module
+        block = JointBlock(cfg, pre_only, dual, m.dtype, ops, m.attn)
+        img, txt = h
+        out = block.apply({"params": block_params, **(variables or {})}, img, txt, temb, row,
+                          mutable=list(mutable) or False)  # fmt: skip
+        (img2, txt2), mutated = out if mutable else (out, {})
+        return (img2, txt if txt2 is None else txt2), mutated
+
+    def head(self, outer, h, temb, rows: int, w: int):
+        """The image tokens of a rows x w latent slab -> (B, rows, w, C)."""
+        return self._apply(self.module.ops, outer, "head", h[0], temb, rows, w)
+
+
+@dataclass
+class SD3Conditioning:
+    """StableDiffusion3Pipeline's text: CLIP-L's and CLIP-G's penultimate hidden states side by
+    side (77 tokens), zero-padded to T5's width, then T5's last hidden states (`tokens`, no
+    mask); the pooled output is both CLIPs' projected pooled outputs side by side. Without T5
+    (text_encoder_3 left out, as diffusers allows) its tokens are zeros. Classifier-free
+    guidance: [negative, positive], the negative prompt ("" if none) encoded like the prompt."""
+
+    encoders: list  # [CLIP-L, CLIP-G, T5 or None]
+    tokenizers: list
+    tokens: int = 256  # T5 tokens (the pipeline's max_sequence_length)
+    joint_dim: int = 4096  # the transformer's joint_attention_dim (T5's width)
+
+    def __post_init__(self):
+        if not 1 <= self.tokens <= MAX_SEQUENCE_LENGTH:
+            raise ValueError(
+                f"max_sequence_length={self.tokens}: SD3 reads 1 to {MAX_SEQUENCE_LENGTH} T5 "
+                f"tokens (StableDiffusion3Pipeline's limit; default 256)"
+            )
+
+    def loop_scale(self, guidance_scale: float) -> float:
+        return guidance_scale  # classifier-free guidance
+
+    def __call__(self, denoiser, prompts, negative, guidance_scale, height, width, empty_negative):
+        from patchpar.sampling.guidance import Conditioning
+
+        del denoiser, height, width, empty_negative
+        cfg = guidance_scale > 1.0
+        texts = list(negative) + list(prompts) if cfg else list(prompts)
+        g, b = 2 if cfg else 1, len(prompts)
+        ctx, pooled = self.embed(texts)
+        return Conditioning(
+            ctx.reshape((g, b) + ctx.shape[1:]), {"pooled_projections": pooled.reshape(g, b, -1)}
+        )
+
+    def embed(self, texts: list[str]) -> tuple[jax.Array, jax.Array]:
+        """(B, 77 + tokens, joint_dim) text states and (B, pooled) pooled outputs."""
+        from patchpar.models.components import encode_text
+
+        states, pooled = [], []
+        for (fn, params), tok in zip(self.encoders[:2], self.tokenizers[:2], strict=True):
+            out = encode_text(fn, params, jnp.asarray(tok(texts)))
+            states.append(out["hidden_states"][-2])
+            pooled.append(out.get("text_embeds", out["pooler_output"]))
+        clip = jnp.concatenate(states, axis=-1)
+        clip = jnp.pad(clip, ((0, 0), (0, 0), (0, self.joint_dim - clip.shape[-1])))
+        if self.encoders[2] is None:
+            t5 = jnp.zeros((len(texts), self.tokens, self.joint_dim), clip.dtype)
+        else:
+            (fn, params), tok = self.encoders[2], self.tokenizers[2]
+            ids, _ = tok(texts, self.tokens)
+            t5 = encode_text(fn, params, jnp.asarray(ids))["last_hidden_state"]
+        return jnp.concatenate([clip, t5.astype(clip.dtype)], axis=1), jnp.concatenate(pooled, -1)
+
+
+class SD3Family(Family):
+    name = "sd3"
+    denoiser_folder = "transformer"
+    denoiser_classes = CLASS_NAMES
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    presets = _presets.PRESETS
+    full_size = _presets.FULL_SIZE
+    weighted = _presets.WEIGHTED
+    default_guidance = 7.0  # diffusers' StableDiffusion3Pipeline
+    default_sampler = "flow_euler"  # flow matching: FlowMatchEulerDiscreteScheduler
+    flow_sigmas = "scheduler"  # the pipeline passes no sigmas: the scheduler's own range
+
+    def denoiser(self, config, where, dtype=jnp.float32, attention=None) -> SD3Fn:
+        attn = attention if attention is not None else AttentionSpec()
+        return SD3Fn(SD3Transformer2DModel(SD3Config.from_diffusers(config, where), dtype,
+                                           attn=attn))  # fmt: skip
+
+    def load_denoiser(self, path: Path, dtype, attention: AttentionSpec):
+        """(fn, params); the position table the checkpoint keeps is the one the model computes
+        (checked against it), so it is not a parameter."""
+        from patchpar.models.loading import read_state_dict, state_dict_to_params
+
+        fn = self.denoiser(read_config(path), f"{path}/config.json", dtype, attention)
+        state = read_state_dict(path)
+        table = state.pop(POS_EMBED_KEY, None)
+        if table is not None:
+            cfg = fn.config
+            want = sincos_grid(cfg.inner_dim, cfg.pos_embed_max_size,
+                               cfg.sample_size // cfg.patch_size)  # fmt: skip
+            if table.size != want.size or not np.allclose(
+                np.asarray(table, np.float32).reshape(want.shape), want, atol=1e-3
+            ):
+                raise CheckpointError(
+                    f"{path}: {POS_EMBED_KEY} is not the 2-D sin-cos table of its config "
+                    f"(pos_embed_max_size={cfg.pos_embed_max_size}, sample_size="
+                    f"{cfg.sample_size}, patch_size={cfg.patch_size}): a learned or resized "
+                    f"position table is not supported"
+                )
+        return fn, state_dict_to_params(state, fn.abstract_params(), str(path), dtype=dtype)
+
+    def is_large(self, config: dict) -> bool:
+        return config.get("num_attention_heads", 24) * config.get("attention_head_dim", 64) >= 1024
+
+    def load_text(self, folder: Path, index: dict, dtype) -> SD3Conditioning:
+        from patchpar.models.components import load_t5_encoder, load_text_encoder
+        from patchpar.models.tokenizer import T5Tokenizer, load_tokenizer
+
+        for enc, tok, what in (("text_encoder", "tokenizer", "CLIP-L"),
+                               ("text_encoder_2", "tokenizer_2", "CLIP-G")):  # fmt: skip
+            for sub in (enc, tok):
+                if not (folder / sub).is_dir():
+                    raise CheckpointError(
+                        f"{str(folder)!r}: an SD3 pipeline needs {sub}/ ({what}); it is missing. "
+                        f"Both CLIP encoders are required; only T5 (text_encoder_3/) may be left "
+                        f"out, as diffusers allows"
+                    )
+        encoders = [load_text_encoder(folder / "text_encoder", dtype),
+                    load_text_encoder(folder / "text_encoder_2", dtype, "text_encoder_2")]  # fmt: skip
+        tokenizers = [load_tokenizer(folder / "tokenizer"), load_tokenizer(folder / "tokenizer_2")]
+        if (folder / "text_encoder_3").is_dir():
+            if not (folder / "tokenizer_3").is_dir():
+                raise CheckpointError(
+                    f"{str(folder)!r}: text_encoder_3/ (T5) is there but tokenizer_3/ is missing"
+                )
+            encoders.append(load_t5_encoder(folder / "text_encoder_3", dtype, "text_encoder_3"))
+            tokenizers.append(T5Tokenizer(folder / "tokenizer_3", lower=False))
+        else:
+            warnings.warn(
+                f"{folder}: no text_encoder_3/ (T5): the pipeline runs without it, its tokens "
+                "zeros (as diffusers' StableDiffusion3Pipeline with text_encoder_3=None); "
+                "prompt adherence is weaker",
+                stacklevel=3,
+            )
+            encoders.append(None)
+            tokenizers.append(None)
+        cfg = read_config(folder / "transformer")
+        return SD3Conditioning(encoders, tokenizers, int(index.get("max_sequence_length", 256)),
+                               int(cfg.get("joint_attention_dim", 4096)))  # fmt: skip
+
+    def text_programs(self, component, batch: int, dtype):
+        from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
+        from patchpar.models.t5 import T5Config, T5EncoderModel
+
+        out = []
+        for sub in ("text_encoder", "text_encoder_2"):
+            if (cfg := component(sub)) is not None:
+                module = CLIPTextModel(CLIPTextConfig.from_transformers(cfg, sub), dtype)
+                out.append((module, jax.ShapeDtypeStruct((batch, 77), jnp.int32)))
+        if (cfg := component("text_encoder_3")) is not None:
+            module = T5EncoderModel(T5Config.from_transformers(cfg, "text_encoder_3"), dtype)
+            tokens = (component("pipeline") or {}).get("max_sequence_length", 256)
+            out.append((module, jax.ShapeDtypeStruct((batch, tokens), jnp.int32)))
+        return out
+
+    def write_random_folder(self, folder: Path, preset: dict, seed: int) -> None:
+        """An SD3 pipeline folder: transformer/ (with diffusers' position table), vae/, CLIP-L
+        and CLIP-G text_encoder(_2)/ and tokenizer(_2)/, a T5 text_encoder_3/ and its
+        sentencepiece tokenizer_3/ (trained here on a few captions), scheduler/,
+        model_index.json."""
+        from safetensors.numpy import save_file
+
+        from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
+        from patchpar.models.components import T5EncoderFn, TextEncoderFn, VAEFn
+        from patchpar.models.configs import TOKENIZER_TEXT
+        from patchpar.models.loading import params_to_state_dict, write_component, write_scheduler
+        from patchpar.models.t5 import T5Config, T5EncoderModel
+        from patchpar.models.tokenizer import write_clip_tokenizer, write_t5_tokenizer
+        from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+        folder = Path(folder)
+        fn = self.denoiser(preset["transformer"], "transformer")
+        params = fn.init(seed)
+        write_component(folder / "transformer", preset["transformer"], params)
+        cfg = fn.config
+        state = params_to_state_dict(params)  # and the position table diffusers loads
+        grid = sincos_grid(cfg.inner_dim, cfg.pos_embed_max_size, cfg.sample_size // cfg.patch_size)
+        state[POS_EMBED_KEY] = grid.reshape(1, -1, cfg.inner_dim)
+        save_file(state, str(folder / "transformer" / "diffusion_pytorch_model.safetensors"),
+                  metadata={"format": "pt"})  # fmt: skip
+        vae = VAEFn(AutoencoderKL(VAEConfig.from_diffusers(preset["vae"]), jnp.float32))
+        write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
+        index = {"_class_name": preset["pipeline"]["_class_name"],
+                 "transformer": ["diffusers", "SD3Transformer2DModel"],
+                 "vae": ["diffusers", "AutoencoderKL"]}  # fmt: skip
+        for k, sub in enumerate(("text_encoder", "text_encoder_2")):
+            te = TextEncoderFn(CLIPTextModel(CLIPTextConfig.from_transformers(preset[sub])))
+            write_component(folder / sub, preset[sub], te.init(seed + 2 + k))
+            tok = sub.replace("text_encoder", "tokenizer")
+            write_clip_tokenizer(folder / tok)
+            index[sub] = ["transformers", "CLIPTextModelWithProjection"]
+            index[tok] = ["transformers", "CLIPTokenizer"]
+        t5_cfg = preset["text_encoder_3"]
+        t5 = T5EncoderFn(T5EncoderModel(T5Config.from_transformers(t5_cfg)))
+        write_component(folder / "text_encoder_3", t5_cfg, t5.init(seed + 4))
+        write_t5_tokenizer(folder / "tokenizer_3", TOKENIZER_TEXT, vocab_size=t5_cfg["vocab_size"])
+        index["text_encoder_3"] = ["transformers", "T5EncoderModel"]
+        index["tokenizer_3"] = ["transformers", "T5TokenizerFast"]
+        write_scheduler(folder, preset["scheduler"])
+        index["scheduler"] = ["diffusers", preset["scheduler"]["_class_name"]]
+        if "max_sequence_length" in preset["pipeline"]:
+            index["max_sequence_length"] = preset["pipeline"]["max_sequence_length"]
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def load_sd3(path, dtype=jnp.float32, attention: AttentionSpec = AUTO):
+    """SD3 transformer from a diffusers folder (`.../transformer` or a pipeline folder holding
+    `transformer/`)."""
+    from patchpar.models.components import component
+
+    return FAMILY.load_denoiser(component(path, "transformer"), dtype, resolve(attention, dtype))
+
+
+FAMILY = SD3Family()
+
+__all__ = [
+    "FAMILY", "LOGICAL", "MAX_SEQUENCE_LENGTH", "SD3Conditioning", "SD3Config", "SD3Fn",
+    "SD3Transformer2DModel", "Stack", "load_sd3", "position_table",
+]  # fmt: skip
