@@ -5,7 +5,6 @@ of `StableDiffusion3Pipeline`, and `FAMILY`, what the rest of patchpar asks of i
 
 from __future__ import annotations
 
-import itertools
 import json
 import warnings
 from dataclasses import dataclass, replace
@@ -50,12 +49,23 @@ class SD3Fn:
     text_tokens = 77 + 256  # CLIP's 77 and T5's 256 (the pipeline's default) join every block
     text_stream = True  # every device computes the text stream (`parallel.sites.text`)
     guidance_halves = 2  # classifier-free guidance
-    no_stack = ""  # it has one (`stack`)
 
     @property
-    def stack(self) -> Stack:
-        """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
-        return Stack(self.module)
+    def stack(self) -> Stack | None:
+        """The forward's parts, for a strategy that splits the layers (PipeFusion); none with
+        dual-attention blocks (`no_stack`)."""
+        return None if self.config.dual_attention_layers else Stack(self.module)
+
+    @property
+    def no_stack(self) -> str:
+        """Why there is no `stack` ("" where there is one)."""
+        if not self.config.dual_attention_layers:
+            return ""
+        return (
+            f"SD3.5's dual-attention blocks (dual_attention_layers="
+            f"{list(self.config.dual_attention_layers)}) each keep two image K/V buffers, which "
+            f"a pipeline stage does not hold yet; an SD3 or SD3.5-large config has none"
+        )
 
     @property
     def config(self) -> SD3Config:
@@ -130,37 +140,44 @@ class SD3Fn:
         return random_params(self.abstract_params(), seed)
 
 
-def _kinds(config: SD3Config) -> list[tuple[bool, bool]]:
-    """Each block's (dual attention, context_pre_only)."""
-    last = config.num_layers - 1
-    return [(i in config.dual_attention_layers, i == last) for i in range(config.num_layers)]
+def _lifted(block: dict, dim: int) -> dict:
+    """A context_pre_only block's parameters as a plain joint block's that gives the same
+    image tokens: its text norm's (scale, shift) become the first two of six modulation parts
+    (the others zero), and the text output layers it lacks are zeros (its text tokens, which
+    nothing reads, are then its input's)."""
+    z = jnp.zeros
+    norm = block["norm1_context"]["linear"]
+    kernel, bias = norm["kernel"], norm["bias"]
+    k6 = z((kernel.shape[0], 6 * dim), kernel.dtype).at[:, :dim].set(kernel[:, dim:])
+    k6 = k6.at[:, dim : 2 * dim].set(kernel[:, :dim])
+    b6 = z((6 * dim,), bias.dtype).at[:dim].set(bias[dim:]).at[dim : 2 * dim].set(bias[:dim])
+    dt = kernel.dtype
+    ff = {"net_0": {"proj": {"kernel": z((dim, 4 * dim), dt), "bias": z((4 * dim,), dt)}},
+          "net_2": {"kernel": z((4 * dim, dim), dt), "bias": z((dim,), dt)}}  # fmt: skip
+    attn = {**block["attn"], "to_add_out": {"kernel": z((dim, dim), dt), "bias": z((dim,), dt)}}
+    return {**block, "norm1_context": {"linear": {"kernel": k6, "bias": b6}}, "attn": attn,
+            "ff_context": ff}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Stack:
     """The transformer's forward as a layer-splitting strategy (PipeFusion,
-    `patchpar.parallel.pipeline`) consumes it: the model's own parts on explicit parameters.
-    The segments are the runs of identical blocks (SD3.5-medium: 13 dual-attention blocks, 10
-    plain ones, the context_pre_only last one); the tokens between blocks are the pair (image
-    tokens (B, T, D), text tokens (B, S, D)), the last block passing its text tokens on
-    unchanged (nothing reads them)."""
+    `patchpar.parallel.pipeline`) consumes it: the model's own parts on explicit parameters,
+    one segment of identical joint blocks (the context_pre_only last block lifted to a plain
+    one that gives the same image tokens, `_lifted`); the tokens between blocks are the pair
+    (image tokens (B, T, D), text tokens (B, S, D)). A model with dual-attention blocks
+    (SD3.5-medium) has none (`SD3Fn.no_stack`): each such block keeps two image K/V buffers."""
 
     module: SD3Transformer2DModel
     kv_name = "attn"  # the block's joint attention, whose image K/V a stage keeps
-
-    @property
-    def _runs(self) -> list[tuple[tuple[bool, bool], list[int]]]:
-        runs = itertools.groupby(range(self.module.config.num_layers),
-                                 key=lambda i: _kinds(self.module.config)[i])  # fmt: skip
-        return [(kind, list(ids)) for kind, ids in runs]
 
     @property
     def num_layers(self) -> int:
         return self.module.config.num_layers
 
     @property
-    def segment_layers(self) -> tuple[int, ...]:
-        return tuple(len(ids) for _, ids in self._runs)
+    def segment_layers(self) -> tuple[int]:
+        return (self.module.config.num_layers,)
 
     @property
     def patch_size(self) -> int:
@@ -174,18 +191,15 @@ class Stack:
     def dtype(self):
         return self.module.dtype
 
-    def check(self) -> None:
-        """ValueError where a block keeps two K/V buffers (SD3.5's dual attention)."""
-        if self.module.config.dual_attention_layers:
-            raise ValueError(
-                "PipeFusion on SD3.5's dual-attention blocks (dual_attention_layers="
-                f"{list(self.module.config.dual_attention_layers)}) is not supported: each "
-                "keeps two image K/V buffers; use an SD3 or SD3.5-large config, or another "
-                "strategy"
-            )
-
-    def segment_blocks(self, params) -> tuple[list, ...]:
-        return tuple([params[BLOCK.format(i)] for i in ids] for _, ids in self._runs)
+    def segment_blocks(self, params) -> tuple[list]:
+        n = self.module.config.num_layers
+        blocks = [params[BLOCK.format(i)] for i in range(n)]
+        last = blocks[-1]
+        if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(last)):
+            lifted = jax.eval_shape(lambda b: _lifted(b, self.width), last)  # abstract
+        else:
+            lifted = _lifted(last, self.width)
+        return (blocks[:-1] + [lifted],)
 
     def outer(self, params) -> dict:
         names = {BLOCK.format(i) for i in range(self.module.config.num_layers)}
@@ -216,17 +230,14 @@ class Stack:
 
     def block(self, outer, ops, block_params, h, ctx, temb, row, variables=None, mutable=(),
               segment: int = 0):  # fmt: skip
-        """A block of `segment` with `block_params` on the (image, text) tokens -> (tokens,
+        """A plain joint block with `block_params` on the (image, text) tokens -> (tokens,
         the `mutable` collections)."""
-        del outer, ctx  # the text tokens travel in h
-        (dual, pre_only), _ = self._runs[segment]
-        cfg, m = self.module.config, self.module
-        block = JointBlock(cfg, pre_only, dual, m.dtype, ops, m.attn)
-        img, txt = h
-        out = block.apply({"params": block_params, **(variables or {})}, img, txt, temb, row,
+        del outer, ctx, segment  # the text tokens travel in h; one segment
+        m = self.module
+        block = JointBlock(m.config, False, False, m.dtype, ops, m.attn)
+        out = block.apply({"params": block_params, **(variables or {})}, *h, temb, row,
                           mutable=list(mutable) or False)  # fmt: skip
-        (img2, txt2), mutated = out if mutable else (out, {})
-        return (img2, txt if txt2 is None else txt2), mutated
+        return out if mutable else (out, {})
 
     def head(self, outer, h, temb, rows: int, w: int):
         """The image tokens of a rows x w latent slab -> (B, rows, w, C)."""
