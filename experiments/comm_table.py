@@ -6,7 +6,8 @@ bf16 parameters (no weights): DistriFusion Table 2's setting, xDiT's cost table,
 Writes runs/comm/runs.jsonl (resumable: points already recorded are skipped) and
 runs/comm/table.md (`--out results/comm`: the published). One model call with the CFG pair in
 its batch (cfg=1, batch 1 -> model batch 2), 77 text tokens (PixArt: 120 T5 tokens), bfloat16.
-FLUX.1-dev: one guidance half (its scale is an input: model batch 1), 512 T5 tokens.
+FLUX.1-dev: one guidance half (its scale is an input: model batch 1), 512 T5 tokens. SD3.5:
+the CFG pair, 77 CLIP + 256 T5 tokens.
 `--models pixart-alpha` runs one model's points only (`--models flux-dev --out results/flux/comm`
 for the FLUX report).
 """
@@ -34,6 +35,8 @@ GRID = {
     "sd15": (512, 1024, 2048),
     "pixart-alpha": (1024, 2048),
     "flux-dev": (1024, 2048),
+    "sd3.5-medium": (1024,),
+    "sd3.5-large": (1024,),
 }
 DEVICES = (2, 4, 8)
 STRATEGIES = (
@@ -62,6 +65,8 @@ FAMILY_STRATEGIES = {
         ("pipefusion", {}),  # two segments: M = the least >= 2(S-1)+1 that splits the rows
     ),
 }
+# SD3 / SD3.5: the same (PipeFusion: one segment on SD3.5-large; none on medium's dual blocks)
+FAMILY_STRATEGIES["sd3"] = FAMILY_STRATEGIES["flux"]
 
 
 def key(r: dict) -> tuple:
