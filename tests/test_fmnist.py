@@ -225,3 +225,49 @@ def test_dit_train_script_exports_resumes_and_refuses_another_recipe(tmp_path, c
     assert "resumed at step 2" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
         train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
+
+
+@pytest.mark.slow  # trains both phases, exports and resumes in miniature
+def test_flux_train_script_exports_resumes_and_refuses_another_recipe(
+    tmp_path, capsys, monkeypatch
+):
+    """experiments/train_fmnist_flux.py in miniature (64 images, two VAE and two transformer
+    steps): a FluxPipeline folder (transformer, VAE with its latents' shift and scale, CLIP and
+    T5 with their tokenizers) the pipeline loads and runs with true CFG on row patches, a
+    resume, and a changed recipe refused."""
+    import importlib.util
+    import json
+
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+    from patchpar.pipelines import load_pipeline
+
+    experiments = Path(__file__).resolve().parent.parent / "experiments"
+    monkeypatch.syspath_prepend(str(experiments))
+    spec = importlib.util.spec_from_file_location(
+        "train_fmnist_flux", experiments / "train_fmnist_flux.py"
+    )
+    train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_fmnist_flux", train)
+    spec.loader.exec_module(train)
+    cfg = train.TrainConfig(vae_steps=2, max_steps=2, images=64, work=tmp_path / "work",
+                            out=tmp_path / "out", plots=tmp_path / "plots")  # fmt: skip
+    train.main(cfg)
+    info = json.loads((cfg.out / "training.json").read_text())
+    assert info["trained_steps"] == 2 and info["recipe"]["images"] == 64
+    vae = json.loads((cfg.out / "vae" / "config.json").read_text())
+    assert vae["shift_factor"] != 0 and vae["scaling_factor"] > 0
+    pipe = load_pipeline(cfg.out).with_true_cfg(2.0)
+    assert pipe.family == "flux" and pipe.vae.config.downsample_factor == 2
+    one = pipe(["a photo of a bag"], steps=2, seed=0, guidance_scale=1.0)
+    two = pipe(["a photo of a bag"], steps=2, seed=0, guidance_scale=1.0,
+               plan=Plan(make_strategy("sync_patch"), 2))  # fmt: skip
+    assert one.images.shape == (1, 32, 32, 3) and one.latents.shape == (1, 16, 16, 4)
+    np.testing.assert_allclose(two.latents, one.latents, atol=1e-4, rtol=0)
+    train.main(train.TrainConfig(**{**vars(cfg), "max_steps": 3}))
+    assert "resumed at step 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
+        train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
+    with pytest.raises(SystemExit, match="different recipe"):  # another script's work folder
+        (cfg.work / "recipe.json").write_text(json.dumps({"transformer": {}}))
+        train.main(cfg)

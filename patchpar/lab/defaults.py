@@ -9,7 +9,14 @@ from pathlib import Path
 # Classifier-free guidance each trained preset was tuned at (fmnist: on held-out seeds 100-104,
 # fmnist-dit: 100-149 with its TUNED_SAMPLER; paper_repro.md "The fmnist model" and "The
 # fmnist-dit model"); other models take their family's pipelines' default (SD 7.5, PixArt 4.5).
-TUNED_GUIDANCE = {"fmnist": 2.0, "fmnist-dit": 2.0}
+# fmnist-flux is guidance-free (no guidance input): 1 keeps its pipeline from warning that a
+# scale goes unused; it guides by true CFG (TUNED_TRUE_CFG).
+TUNED_GUIDANCE = {"fmnist": 2.0, "fmnist-dit": 2.0, "fmnist-flux": 1.0}
+
+# True classifier-free guidance (FLUX.1 pipelines' true_cfg_scale) of a guidance-free trained
+# preset, tuned with its step count on held-out seeds 100-149 (results/fmnist_flux_sampler;
+# paper_repro.md "The fmnist-flux model").
+TUNED_TRUE_CFG: dict[str, float] = {}
 
 # The solver each trained preset was tuned with, where it is not 20-step DDIM (fmnist-dit: on
 # held-out seeds 100-149, results/fmnist_dit_sampler; PixArt's pipelines' DPM-Solver++ too).
@@ -21,9 +28,11 @@ DEFAULT_CLIP = {
     "fmnist": "fmnist-clip",
     "fmnist-random": "fmnist-clip",
     "fmnist-dit": "fmnist-clip",
+    "fmnist-flux": "fmnist-clip",
 }
-# fmnist-random and fmnist-dit make images in fmnist's frame: fmnist's classifier scores them.
-CLASSIFIER_OF = {"fmnist-random": "fmnist", "fmnist-dit": "fmnist"}
+# fmnist-random, fmnist-dit and fmnist-flux make images in fmnist's frame: fmnist's classifier
+# scores them.
+CLASSIFIER_OF = {"fmnist-random": "fmnist", "fmnist-dit": "fmnist", "fmnist-flux": "fmnist"}
 
 
 def default_sampler(model: str | Path) -> str:
@@ -45,3 +54,8 @@ def default_guidance(model: str | Path) -> float:
     if name in TUNED_GUIDANCE:
         return TUNED_GUIDANCE[name]
     return model_family(name).default_guidance
+
+
+def default_true_cfg(model: str | Path) -> float:
+    """The tuned true-CFG scale of a trained preset, else 1 (off)."""
+    return TUNED_TRUE_CFG.get(str(model), 1.0)

@@ -30,9 +30,10 @@ class GenerateConfig(DecodeFlags):
     """ddim, euler or dpmpp_2m (default: the preset's tuned solver, dpmpp_2m for fmnist-dit; else ddim)."""
     guidance_scale: float | None = None
     """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2 for fmnist; 4.5 for PixArt; else 7.5)."""
-    true_cfg_scale: float = 1.0
-    """True classifier-free guidance over a guidance-distilled model (FLUX.1; diffusers'
-    true_cfg_scale): > 1 adds the negative prompt as a second guidance half; <= 1: off."""
+    true_cfg_scale: float | None = None
+    """True classifier-free guidance over a FLUX.1 model (diffusers' true_cfg_scale): > 1 adds
+    the negative prompt as a second guidance half; <= 1: off (default: the preset's tuned value,
+    fmnist-flux's; else off)."""
     height: int | None = None
     """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
     width: int | None = None
@@ -55,7 +56,7 @@ class GenerateConfig(DecodeFlags):
 def check(config: GenerateConfig) -> list[str]:
     """Every check of the flags that needs no model, before any work or launch (ValueError
     naming the value and what fits); returns the options given that have no effect here."""
-    from patchpar.lab.defaults import default_guidance
+    from patchpar.lab.defaults import default_guidance, default_true_cfg
     from patchpar.pipelines.text2img import check_guidance, check_seed
 
     if config.dtype not in DTYPES:
@@ -80,7 +81,7 @@ def check(config: GenerateConfig) -> list[str]:
     guidance = (
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
-    t = config.true_cfg_scale
+    t = default_true_cfg(config.model) if config.true_cfg_scale is None else config.true_cfg_scale
     if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
         raise ValueError(f"true_cfg_scale={t!r}: must be a finite number >= 0 (<= 1: off)")
     check_guidance(guidance, None if t > 1 else [config.negative_prompt])
@@ -101,7 +102,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     import jax.numpy as jnp
     from PIL import Image
 
-    from patchpar.lab.defaults import default_guidance, default_sampler
+    from patchpar.lab.defaults import default_guidance, default_sampler, default_true_cfg
     from patchpar.lab.results import check_writable
     from patchpar.models.attention import AttentionSpec, resolve
     from patchpar.models.presets import resolve_dtype
@@ -112,6 +113,9 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
     sampler = default_sampler(config.model) if config.sampler is None else config.sampler
+    true_cfg = (
+        default_true_cfg(config.model) if config.true_cfg_scale is None else config.true_cfg_scale
+    )
     check_writable(config.out, "out")  # before any work, not after generating
     plan = config.plan()
     vae_plan = config.vae_plan()
@@ -121,7 +125,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         config.model,
         getattr(jnp, resolve_dtype(config.dtype, config.model)),
         resolve(AttentionSpec(config.attention)),
-    ).with_true_cfg(config.true_cfg_scale)
+    ).with_true_cfg(true_cfg)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     negative = [config.negative_prompt] * len(config.prompt) if config.negative_prompt else None

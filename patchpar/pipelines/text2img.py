@@ -311,13 +311,13 @@ class Pipeline:
         """Final latent -> (B, H, W, 3) uint8, as diffusers' pipelines post-process. `vae_plan`:
         the decoder on one device (None, `off`), on row patches (`rows`, exact) or as
         distributed tiles (`tiles`); with a parallel plan every process must call this."""
-        if self.vae is None:  # pixel space; grey images become RGB
+        if self.vae is None:  # pixel space
             img = latents.astype(jnp.float32)
-            img = jnp.repeat(img, 3, axis=-1) if img.shape[-1] == 1 else img
         else:
             z = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
             img = to_local(vae_decode(self.vae, self.vae_params, z, vae_plan or VAEPlan()))
         img = np.asarray(img, np.float32)
+        img = np.repeat(img, 3, axis=-1) if img.shape[-1] == 1 else img  # grey becomes RGB
         if not np.isfinite(img).all():
             where = "the latent" if self.vae is None else "the VAE decode"
             raise NonFiniteError(
