@@ -1,5 +1,5 @@
-"""The SD3 family's presets: the diffusers configs of Stable Diffusion 3.5 medium and large (full
-shapes, for abstract lowering without weights) and `tiny-sd3` (an SD3.5-medium-like test size:
+"""The SD3 family's presets: the diffusers configs of Stable Diffusion 3 medium and 3.5 medium
+and large (full shapes, for abstract lowering without weights) and `tiny-sd3` (an SD3.5-medium-like test size:
 a dual-attention block, QK RMSNorm, the context_pre_only last block; written with random
 weights on first use)."""
 
@@ -19,6 +19,14 @@ _SD35 = {
     "joint_attention_dim": 4096,
     "pooled_projection_dim": 2048,
     "qk_norm": "rms_norm",
+}
+_SD3_MEDIUM = {  # Stable Diffusion 3 medium (2B): no QK norm, no dual attention
+    **_SD35,
+    "num_layers": 24,
+    "num_attention_heads": 24,
+    "caption_projection_dim": 1536,
+    "pos_embed_max_size": 192,
+    "qk_norm": None,
 }
 _MEDIUM = {
     **_SD35,
@@ -70,7 +78,11 @@ PRESETS: dict[str, dict[str, dict]] = {
         "text_encoder_3": T5_XXL,
         "scheduler": _SCHED,
     }
-    for name, transformer in (("sd3.5-medium", _MEDIUM), ("sd3.5-large", _LARGE))
+    for name, transformer in (
+        ("sd3-medium", _SD3_MEDIUM),
+        ("sd3.5-medium", _MEDIUM),
+        ("sd3.5-large", _LARGE),
+    )
 }
 _TINY_CLIP = {**TINY_CLIP, "architectures": ["CLIPTextModelWithProjection"], "projection_dim": 16}
 PRESETS["tiny-sd3"] = {  # SD3.5-medium-like: block 0 dual, QK RMSNorm, 3 blocks
@@ -99,5 +111,5 @@ PRESETS["tiny-sd3"] = {  # SD3.5-medium-like: block 0 dual, QK RMSNorm, 3 blocks
     "text_encoder_3": {**TINY_T5, "d_model": 64},
     "scheduler": _SCHED,
 }
-FULL_SIZE = ("sd3.5-medium", "sd3.5-large")
+FULL_SIZE = ("sd3-medium", "sd3.5-medium", "sd3.5-large")
 WEIGHTED = ("tiny-sd3",)
