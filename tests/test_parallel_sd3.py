@@ -27,12 +27,18 @@ MICRO = dict(
     pooled_projection_dim=10, pos_embed_max_size=16, qk_norm="rms_norm",
     dual_attention_layers=[0],
 )  # fmt: skip
-PLAIN = {**MICRO, "dual_attention_layers": [], "num_layers": 4}
+# for PipeFusion (each segment of identical blocks fills the stages): no dual blocks (one
+# segment), and two dual blocks then two plain ones (two segments)
+KINDS = {
+    "dual": MICRO,
+    "plain": {**MICRO, "dual_attention_layers": [], "num_layers": 4},
+    "dual2": {**MICRO, "dual_attention_layers": [0, 1], "num_layers": 4},
+}
 
 
 @cache
-def micro_sd3(dual: bool = True) -> tuple[SD3Fn, dict]:
-    fn = SD3Fn(SD3Transformer2DModel(SD3Config.from_diffusers(MICRO if dual else PLAIN)))
+def micro_sd3(kind: str = "dual") -> tuple[SD3Fn, dict]:
+    fn = SD3Fn(SD3Transformer2DModel(SD3Config.from_diffusers(KINDS[kind])))
     params = fn.init(seed=3)
     rng = np.random.RandomState(0)
     # every parameter non-trivial (random_params leaves biases at 0 and norm scales at 1)
@@ -57,8 +63,8 @@ def max_diff(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
-def one_call(name, devices, dual=True, **options):
-    fn, params = micro_sd3(dual)
+def one_call(name, devices, **options):
+    fn, params = micro_sd3()
     x, t, cond = inputs()
     plan = Plan(make_strategy(name, **options.pop("strategy", {})), devices, **options)
     plan.validate(fn, x.shape[1:3], 10, GUIDANCE)
@@ -95,8 +101,8 @@ def test_exact_strategies_on_sd3_equal_single(name, devices, options):
 
 
 @cache
-def _sample(name: str, patch: int, dual: bool = True, **options):
-    fn, params = micro_sd3(dual)
+def _sample(name: str, patch: int, kind: str = "dual", **options):
+    fn, params = micro_sd3(kind)
     x, _, cond = inputs()
     smp = get_sampler("euler")
     sched = smp.schedule(SchedulerConfig(), 4)
@@ -157,14 +163,14 @@ def test_hlo_bytes_equal_the_model_on_sd3(name, devices, options):
     assert warm["all"]["max"] == 4 * 2 * 2 * 2 * tokens * 24 * 4, warm
 
 
-def test_the_sd3_stack_composes_to_the_model():
-    """Input part, the joint blocks (the context_pre_only last one lifted to a plain block
-    whose image tokens are the same) and the output part are the model's call: what PipeFusion
-    splits over stages. With dual-attention blocks there is no stack, and PipeFusion says why
-    in one line."""
+@pytest.mark.parametrize("kind, segments", [("plain", (4,)), ("dual2", (2, 2))])
+def test_the_sd3_stack_composes_to_the_model(kind, segments):
+    """Input part, the joint blocks as runs of one kind (dual-attention blocks, then plain
+    ones; the context_pre_only last block lifted to its run's kind with the same image tokens)
+    and the output part are the model's call: what PipeFusion splits over stages."""
     from patchpar.models.sites import IDENTITY
 
-    fn, params = micro_sd3(dual=False)
+    fn, params = micro_sd3(kind)
     x, t, cond = inputs()
     extras = {k: v[0] for k, v in cond.extras.items()}
     ts = jnp.broadcast_to(t, (x.shape[0],))
@@ -177,29 +183,27 @@ def test_the_sd3_stack_composes_to_the_model():
             h, _ = stack.block(outer, IDENTITY, block, h, ctx, temb, x.shape[2] // 2, segment=k)
     got = stack.head(outer, h, temb, *x.shape[1:3])
     want = fn(params, x, ts, cond.context[0], **extras)
-    assert stack.segment_layers == (4,) and max_diff(got, want) <= 1e-5
-    dual, _ = micro_sd3()
-    with pytest.raises(ValueError, match=r"dual-attention blocks \(dual_attention_layers=\[0\]\)"):
-        Plan(make_strategy("pipefusion"), 2).validate(dual, (16, 12), 4, GUIDANCE)
+    assert stack.segment_layers == segments and max_diff(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_pipefusion_on_sd3(stages):
-    """PipeFusion over the joint blocks (one segment; a token pair hops between stages).
-    Warm-up over every step equals single; after one exact step the displaced patches differ
-    from it, by less than naive patches do; the HLO bytes equal the analytic model."""
+@pytest.mark.parametrize("kind, stages", [("plain", 1), ("plain", 2), ("dual2", 2)])
+def test_pipefusion_on_sd3(kind, stages):
+    """PipeFusion over the joint blocks (a token pair hops between stages; a dual block's
+    stage keeps both attentions' image K/V). Warm-up over every step equals single; after one
+    exact step the displaced patches differ from it, by less than naive patches do; the HLO
+    bytes equal the analytic model."""
     from patchpar.measure.cost import measure
 
-    single, _ = _sample("single", 1, dual=False)
-    warm, _ = _sample("pipefusion", stages, dual=False, warmup_steps=4)
+    single, _ = _sample("single", 1, kind)
+    warm, _ = _sample("pipefusion", stages, kind, warmup_steps=4)
     assert max_diff(warm, single) <= 1e-4
-    piped, _ = _sample("pipefusion", stages, dual=False, warmup_steps=1)
-    naive, _ = _sample("naive_patch", 2, dual=False)
+    piped, state = _sample("pipefusion", stages, kind, warmup_steps=1)
+    naive, _ = _sample("naive_patch", 2, kind)
     if stages > 1:
         assert 1e-4 < max_diff(piped, single) < max_diff(naive, single)
     else:
         assert max_diff(piped, single) <= 1e-4
-    fn, _ = micro_sd3(dual=False)
+    fn, _ = micro_sd3(kind)
     x, _, _ = inputs()
     plan = Plan(make_strategy("pipefusion", warmup_steps=1), stages)
     rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
@@ -208,6 +212,8 @@ def test_pipefusion_on_sd3(stages):
 
 def test_sd3_bad_splits_are_one_line_errors():
     fn, _ = micro_sd3()
+    with pytest.raises(ValueError, match=r"1 blocks cannot fill 2 stages .* \[1, 2\]"):
+        Plan(make_strategy("pipefusion"), 2).validate(fn, (16, 12), 4, GUIDANCE)
     with pytest.raises(ValueError, match="split by rows only"):
         Plan(make_strategy("naive_patch", split="col"), 2).validate(fn, (16, 12), 4, GUIDANCE)
     with pytest.raises(ValueError, match=r"rows=14 not divisible by patch=4 x patch size 2 = 8"):

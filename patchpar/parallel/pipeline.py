@@ -230,15 +230,18 @@ def _local(
 
     dt, d = jnp.dtype(stack.dtype), stack.width
     tokens = (rows * patches // p) * row  # the whole image's
+    # the attentions of a segment's blocks whose image K/V a stage keeps (SD3.5's dual
+    # blocks: two), each a whole-image buffer per block
+    names = stack.segment_kv_names
     if kv is None:  # the first full pass writes the buffers whole
         kv = []
-        for r in real:
+        for k, r in enumerate(real):
             zeros = [jnp.zeros((g * b, tokens, d), dt) for _ in range(r.shape[0])]
-            kv.append({"k": zeros, "v": list(zeros)})  # per block: updated in place in the loop
+            # per attention, per block: updated in place in the loop
+            kv.append({n: {"k": list(zeros), "v": list(zeros)} for n in names[k]})
     kv = list(kv)
     last = stages - 1
     final = last if segments % 2 else 0  # the device of the last segment's last stage
-    name = stack.kv_name
 
     def temb_at(i):
         ts = jnp.broadcast_to(schedule.timesteps[i], (g * b,))
@@ -252,20 +255,21 @@ def _local(
         never read."""
         ops = PipeKV(patches=n_patch)
         at = jnp.asarray(m, jnp.int32)
-        ks, vs = [], []
+        new = {n: {"k": [], "v": []} for n in names[k]}
         for l in range(real[k].shape[0]):
             live = jnp.logical_and(active, real[k][l])
             variables = {
-                SLOT: {name: {"at": at, "live": live}},
-                STALE: {name: {"k": kv_k["k"][l], "v": kv_k["v"][l]}},
+                SLOT: {n: {"at": at, "live": live} for n in names[k]},
+                STALE: {n: {"k": kv_k[n]["k"][l], "v": kv_k[n]["v"][l]} for n in names[k]},
             }
             params_l = jax.tree.map(lambda a: a[l], blocks[k])  # noqa: B023
             out, mut = stack.block(outer, ops, params_l, h, ctx, temb, row, variables, [STALE],
                                    segment=k)  # fmt: skip
             h = _where(real[k][l], out, h)  # a padding block passes its input on
-            ks.append(mut[STALE][name]["k"])
-            vs.append(mut[STALE][name]["v"])
-        return h, {"k": ks, "v": vs}
+            for n in names[k]:
+                new[n]["k"].append(mut[STALE][n]["k"])
+                new[n]["v"].append(mut[STALE][n]["v"])
+        return h, new
 
     def guide(pred):  # outside any cond: the cfg gather is a collective
         if plan.cfg == 2:

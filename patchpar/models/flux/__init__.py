@@ -148,6 +148,7 @@ class Stack:
 
     module: FluxTransformer2DModel
     kv_name = "attn"  # the block's joint attention, whose image K/V a stage keeps
+    segment_kv_names = (("attn",), ("attn",))  # per segment: double, single blocks
 
     @property
     def num_layers(self) -> int:

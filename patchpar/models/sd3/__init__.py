@@ -50,22 +50,12 @@ class SD3Fn:
     text_stream = True  # every device computes the text stream (`parallel.sites.text`)
     guidance_halves = 2  # classifier-free guidance
 
-    @property
-    def stack(self) -> Stack | None:
-        """The forward's parts, for a strategy that splits the layers (PipeFusion); none with
-        dual-attention blocks (`no_stack`)."""
-        return None if self.config.dual_attention_layers else Stack(self.module)
+    no_stack = ""  # it has one (`stack`)
 
     @property
-    def no_stack(self) -> str:
-        """Why there is no `stack` ("" where there is one)."""
-        if not self.config.dual_attention_layers:
-            return ""
-        return (
-            f"SD3.5's dual-attention blocks (dual_attention_layers="
-            f"{list(self.config.dual_attention_layers)}) each keep two image K/V buffers, which "
-            f"a pipeline stage does not hold yet; an SD3 or SD3.5-large config has none"
-        )
+    def stack(self) -> Stack:
+        """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
+        return Stack(self.module)
 
     @property
     def config(self) -> SD3Config:
@@ -159,14 +149,27 @@ def _lifted(block: dict, dim: int) -> dict:
             "ff_context": ff}  # fmt: skip
 
 
+def _runs(config: SD3Config) -> list[tuple[bool, list[int]]]:
+    """The blocks as runs of one kind: (dual attention, the block indices)."""
+    runs: list[tuple[bool, list[int]]] = []
+    for i in range(config.num_layers):
+        dual = i in config.dual_attention_layers
+        if runs and runs[-1][0] == dual:
+            runs[-1][1].append(i)
+        else:
+            runs.append((dual, [i]))
+    return runs
+
+
 @dataclass(frozen=True)
 class Stack:
     """The transformer's forward as a layer-splitting strategy (PipeFusion,
-    `patchpar.parallel.pipeline`) consumes it: the model's own parts on explicit parameters,
-    one segment of identical joint blocks (the context_pre_only last block lifted to a plain
-    one that gives the same image tokens, `_lifted`); the tokens between blocks are the pair
-    (image tokens (B, T, D), text tokens (B, S, D)). A model with dual-attention blocks
-    (SD3.5-medium) has none (`SD3Fn.no_stack`): each such block keeps two image K/V buffers."""
+    `patchpar.parallel.pipeline`) consumes it: the model's own parts on explicit parameters.
+    The segments are the runs of identical joint blocks (SD3 and SD3.5-large: one;
+    SD3.5-medium: its 13 dual-attention blocks, then the others), the context_pre_only last
+    block lifted to one of its run's kind that gives the same image tokens (`_lifted`). The
+    tokens between blocks are the pair (image tokens (B, T, D), text tokens (B, S, D)); a stage
+    keeps the image K/V of each block's joint attention, and of a dual block's second one."""
 
     module: SD3Transformer2DModel
     kv_name = "attn"  # the block's joint attention, whose image K/V a stage keeps
@@ -176,8 +179,12 @@ class Stack:
         return self.module.config.num_layers
 
     @property
-    def segment_layers(self) -> tuple[int]:
-        return (self.module.config.num_layers,)
+    def segment_layers(self) -> tuple[int, ...]:
+        return tuple(len(ids) for _, ids in _runs(self.module.config))
+
+    @property
+    def segment_kv_names(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(("attn", "attn2") if d else ("attn",) for d, _ in _runs(self.module.config))
 
     @property
     def patch_size(self) -> int:
@@ -191,15 +198,18 @@ class Stack:
     def dtype(self):
         return self.module.dtype
 
-    def segment_blocks(self, params) -> tuple[list]:
-        n = self.module.config.num_layers
-        blocks = [params[BLOCK.format(i)] for i in range(n)]
-        last = blocks[-1]
-        if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(last)):
-            lifted = jax.eval_shape(lambda b: _lifted(b, self.width), last)  # abstract
-        else:
-            lifted = _lifted(last, self.width)
-        return (blocks[:-1] + [lifted],)
+    def segment_blocks(self, params) -> tuple[list, ...]:
+        last = self.module.config.num_layers - 1
+
+        def block(i):
+            b = params[BLOCK.format(i)]
+            if i != last:
+                return b
+            if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(b)):
+                return jax.eval_shape(lambda x: _lifted(x, self.width), b)  # abstract
+            return _lifted(b, self.width)
+
+        return tuple([block(i) for i in ids] for _, ids in _runs(self.module.config))
 
     def outer(self, params) -> dict:
         names = {BLOCK.format(i) for i in range(self.module.config.num_layers)}
@@ -230,11 +240,12 @@ class Stack:
 
     def block(self, outer, ops, block_params, h, ctx, temb, row, variables=None, mutable=(),
               segment: int = 0):  # fmt: skip
-        """A plain joint block with `block_params` on the (image, text) tokens -> (tokens,
-        the `mutable` collections)."""
-        del outer, ctx, segment  # the text tokens travel in h; one segment
+        """A joint block of `segment`'s kind with `block_params` on the (image, text) tokens
+        -> (tokens, the `mutable` collections)."""
+        del outer, ctx  # the text tokens travel in h
         m = self.module
-        block = JointBlock(m.config, False, False, m.dtype, ops, m.attn)
+        dual = _runs(m.config)[segment][0]
+        block = JointBlock(m.config, False, dual, m.dtype, ops, m.attn)
         out = block.apply({"params": block_params, **(variables or {})}, *h, temb, row,
                           mutable=list(mutable) or False)  # fmt: skip
         return out if mutable else (out, {})
