@@ -232,19 +232,26 @@ def recipe(cfg: TrainConfig) -> dict:
 
 
 def check_recipe(cfg: TrainConfig) -> None:
-    path = cfg.work / "recipe.json"
-    want = json.loads(json.dumps(recipe(cfg)))
+    check_work(cfg.work, recipe(cfg))
+
+
+def check_work(work: Path, recipe: dict) -> None:
+    """Refuse a work folder whose checkpoints were made by another recipe (another script's,
+    or this one's with other settings): resuming would mix two models. A new folder gets
+    recipe.json."""
+    path = work / "recipe.json"
+    want = json.loads(json.dumps(recipe))
     if path.is_file():
         have = json.loads(path.read_text())
         if have != want:
             diff = sorted(k for k in {*have, *want} if have.get(k) != want.get(k))
             raise SystemExit(
-                f"{cfg.work} holds a checkpoint of a different recipe (differs in {diff}); "
+                f"{work} holds a checkpoint of a different recipe (differs in {diff}); "
                 f"pass a fresh --work folder or restore those settings"
             )
-    elif (cfg.work / "checkpoint.msgpack").is_file():
+    elif any(work.glob("*.msgpack")):
         raise SystemExit(
-            f"{cfg.work} holds a checkpoint without recipe.json (an older version of this "
+            f"{work} holds a checkpoint without recipe.json (an older version of this "
             f"script); pass a fresh --work folder"
         )
     else:

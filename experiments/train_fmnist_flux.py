@@ -51,7 +51,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_fmnist import TEMPLATES, padded_train_images, plot_losses  # noqa: E402
+from train_fmnist import TEMPLATES, check_work, padded_train_images, plot_losses  # noqa: E402
 from train_fmnist import TEXT as CLIP_TEXT  # noqa: E402
 
 from patchpar.measure.classifier import FASHION_MNIST_CLASSES  # noqa: E402
@@ -171,18 +171,7 @@ def recipe(cfg: TrainConfig) -> dict:
 
 
 def check_recipe(cfg: TrainConfig) -> None:
-    path = cfg.work / "recipe.json"
-    want = json.loads(json.dumps(recipe(cfg)))
-    if path.is_file():
-        have = json.loads(path.read_text())
-        if have != want:
-            diff = sorted(k for k in {*have, *want} if have.get(k) != want.get(k))
-            raise SystemExit(
-                f"{cfg.work} holds checkpoints of a different recipe (differs in {diff}); "
-                f"pass a fresh --work folder or restore those settings"
-            )
-    else:
-        path.write_text(json.dumps(want, indent=2))
+    check_work(cfg.work, recipe(cfg))
 
 
 def save_atomic(path: Path, data: bytes) -> None:
