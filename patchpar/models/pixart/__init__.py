@@ -168,7 +168,6 @@ class Stack:
     are one (B, T, D) array."""
 
     module: PixArtTransformer2DModel
-    kv_name = "attn1"  # the block's self-attention, whose K/V a stage keeps
     segment_kv_names = (("attn1",),)  # per segment, the attentions whose K/V a stage keeps
 
     @property

@@ -172,7 +172,6 @@ class Stack:
     keeps the image K/V of each block's joint attention, and of a dual block's second one."""
 
     module: SD3Transformer2DModel
-    kv_name = "attn"  # the block's joint attention, whose image K/V a stage keeps
 
     @property
     def num_layers(self) -> int:
