@@ -1,6 +1,7 @@
 """The paper-artefact notebooks (experiments/notebooks/table1_quality, table2_communication,
-ablations) execute with nbclient on the committed records, read records only, and draw their
-figures; they run on a copy of the records so the committed figures stay as they are."""
+ablations, flux_study) execute with nbclient on the committed records, read records only, and
+draw their figures; they run on a copy of the records so the committed figures stay as they
+are."""
 
 import shutil
 from pathlib import Path
@@ -65,3 +66,32 @@ def test_ablations_notebook(tmp_path, monkeypatch, run_notebook):
             assert png.stat().st_size > 0
         else:
             assert f"{name}: no records" in text and not png.exists()
+
+
+@pytest.mark.skipif(
+    not (RESULTS / "fmnist_flux_quality" / "runs.jsonl").is_file(),
+    reason="no fmnist_flux_quality records",
+)
+def test_flux_study_notebook(tmp_path, monkeypatch, run_notebook):
+    """The MMDiT study: its table, the three-model figure (UNet, DiT, MMDiT), the ablations'
+    figures where their records exist."""
+    found = copy_records(
+        tmp_path,
+        "fmnist_flux_quality",
+        "fmnist_flux_ablations",
+        "fmnist_quality",
+        "fmnist_dit_quality",
+    )
+    monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
+    text, _ = run_notebook(NOTEBOOKS / "flux_study.ipynb")
+    assert (
+        "| single | 1 | ∞ (identical) |" in text
+        and "| fmnist-flux (MMDiT) | distrifusion |" in text
+    )
+    assert (tmp_path / "fmnist_flux_quality" / "plots" / "three_models.png").stat().st_size > 0
+    for name in ("warmup_steps", "text_codecs"):
+        png = tmp_path / "fmnist_flux_ablations" / "plots" / f"{name}.png"
+        if "fmnist_flux_ablations" in found:
+            assert png.stat().st_size > 0
+        else:
+            assert "fmnist_flux_ablations: no records" in text and not png.exists()
