@@ -116,6 +116,16 @@ def test_a_folder_patchpar_writes_is_diffusers_own(tmp_path):
         sincos_grid(cfg.inner_dim, cfg.pos_embed_max_size, cfg.sample_size // cfg.patch_size),
         atol=1e-6,
     )
+    # the positions a grid takes are the whole table's centre crop, bit for bit (computed
+    # without the whole table)
+    from patchpar.models.sd3.model import position_table
+
+    m = cfg.pos_embed_max_size
+    whole = sincos_grid(cfg.inner_dim, m, cfg.sample_size // cfg.patch_size)
+    for rows, cols in ((m, m), (2, m), (3, 1)):
+        top, left = (m - rows) // 2, (m - cols) // 2
+        crop = whole[top : top + rows, left : left + cols].reshape(rows * cols, -1)
+        np.testing.assert_array_equal(position_table(cfg, rows, cols), crop)
     del SD3Transformer2DModel
 
 

@@ -22,6 +22,7 @@ every device computes the whole text stream.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import flax.linen as nn
 import jax
@@ -131,12 +132,17 @@ class SD3Config:
         )
 
 
-def sincos_grid(dim: int, grid: int, base: int) -> np.ndarray:
+def sincos_grid(
+    dim: int, grid: int, base: int, window: tuple[int, int, int, int] | None = None
+) -> np.ndarray:
     """(grid, grid, dim) float32: diffusers' get_2d_sincos_pos_embed of a grid x grid table at
     base size `base` (interpolation scale 1): coordinates scaled to the base grid in float32,
-    frequencies in float64, the x (width) coordinate's half first."""
+    frequencies in float64, the x (width) coordinate's half first. `window` = (top, left,
+    rows, cols): only that (rows, cols, dim) part of it, the same values (each entry depends
+    on its own coordinates only) without the whole table (SD3.5-large's is 192 x 192 x 2432)."""
     pos = np.arange(grid, dtype=np.float32) / np.float32(grid / base)
-    xx, yy = np.meshgrid(pos, pos)  # token (i, j) has x = pos[j], y = pos[i]
+    top, left, rows, cols = (0, 0, grid, grid) if window is None else window
+    xx, yy = np.meshgrid(pos[left : left + cols], pos[top : top + rows])  # x = col, y = row
 
     def one_axis(p):  # (N,) -> (N, dim / 2)
         omega = 1.0 / 10000 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4.0))
@@ -144,7 +150,7 @@ def sincos_grid(dim: int, grid: int, base: int) -> np.ndarray:
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
 
     table = np.concatenate([one_axis(xx), one_axis(yy)], axis=1).astype(np.float32)
-    return table.reshape(grid, grid, dim)
+    return table.reshape(rows, cols, dim)
 
 
 def position_table(config: SD3Config, rows: int, cols: int) -> np.ndarray:
@@ -157,9 +163,17 @@ def position_table(config: SD3Config, rows: int, cols: int) -> np.ndarray:
             f"a {rows} x {cols} token grid is larger than the model's positions "
             f"(pos_embed_max_size={m} tokens a side, {m * config.patch_size} latent pixels)"
         )
-    table = sincos_grid(config.inner_dim, m, config.sample_size // config.patch_size)
-    top, left = (m - rows) // 2, (m - cols) // 2
-    return table[top : top + rows, left : left + cols].reshape(rows * cols, -1)
+    base = config.sample_size // config.patch_size
+    return _crop(config.inner_dim, m, base, (m - rows) // 2, (m - cols) // 2, rows, cols)
+
+
+@lru_cache(maxsize=8)
+def _crop(dim: int, m: int, base: int, top: int, left: int, rows: int, cols: int) -> np.ndarray:
+    """The crop, computed once per shape: a program traces the embedding several times
+    (shapes, warm-up, steady)."""
+    table = sincos_grid(dim, m, base, (top, left, rows, cols)).reshape(rows * cols, dim)
+    table.flags.writeable = False
+    return table
 
 
 class JointAttention(nn.Module):
