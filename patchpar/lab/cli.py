@@ -8,13 +8,16 @@ patchpar generate ...                                 images from prompts, no re
 patchpar comm ...                                     bytes and FLOPs of one UNet call
 patchpar project ...                                  latency projected on hardware profiles
 
-`--debug` anywhere on the line shows a failure's traceback instead of its one-line message.
+`--debug` anywhere on the line shows a failure's traceback instead of its one-line message;
+`--no-compile-cache` runs without the persistent compilation cache (`patchpar.compile_cache`:
+on by default for run, sweep and generate, in $PATCHPAR_HOME/compile-cache).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -163,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch.setup_worker()  # a launched worker: pinned to its core, one thread, before JAX starts
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
-    args = [a for a in args if a != "--debug"]
+    if "--no-compile-cache" in args:  # an environment variable: launched workers inherit it
+        from patchpar.compile_cache import ENV
+
+        os.environ[ENV] = "off"
+    args = [a for a in args if a not in ("--debug", "--no-compile-cache")]
     try:
         args, cluster = launch.pop_cluster_flags(args)
         with _one_line_usage_errors():

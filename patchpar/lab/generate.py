@@ -102,6 +102,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     import jax.numpy as jnp
     from PIL import Image
 
+    from patchpar import compile_cache
     from patchpar.lab.defaults import default_guidance, default_sampler, default_true_cfg
     from patchpar.lab.results import check_writable
     from patchpar.models.attention import AttentionSpec, resolve
@@ -117,6 +118,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         default_true_cfg(config.model) if config.true_cfg_scale is None else config.true_cfg_scale
     )
     check_writable(config.out, "out")  # before any work, not after generating
+    compile_cache.enable(warn=lambda msg: log(f"patchpar: warning: {msg}"))
     plan = config.plan()
     vae_plan = config.vae_plan()
     t0 = time.perf_counter()

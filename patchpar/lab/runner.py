@@ -96,6 +96,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     Returns (final latent, timing metrics)."""
     import jax
 
+    from patchpar import compile_cache
     from patchpar.measure.cost import check_fits, count_lowered, memory_per_device
     from patchpar.measure.timing import time_phases
     from patchpar.parallel.engine import guided_slab, stale_bytes_per_device
@@ -103,6 +104,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     from patchpar.pipelines.text2img import outputs_abstract
 
     s, m = config.sampler, config.measure
+    hits = compile_cache.hits()
     t0 = time.perf_counter()
     programs, args = pipe.denoise_phases(cond, x0, s.name, s.steps, s.guidance_scale, plan)
     compiled, lowered, memory, x, loop = [], {}, {}, args[3], None
@@ -116,7 +118,9 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         compiled.append((phase, n, c))
         lowered[phase] = (low, calls)
     compile_s = time.perf_counter() - t0
-    log(f"  compiled in {compile_s:.1f} s; timing {m.repeats} run(s)")
+    hits = compile_cache.hits() - hits  # programs read from the persistent cache meanwhile
+    cached = f" ({hits} program(s) read from the compile cache)" if hits else ""
+    log(f"  compiled in {compile_s:.1f} s{cached}; timing {m.repeats} run(s)")
     (final, (_, state)), t = time_phases(
         [(phase, c) for phase, _, c in compiled], args, m.warmup_runs, m.repeats
     )
@@ -124,6 +128,7 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     steps = {phase: n for phase, n, _ in compiled}
     out = {
         "compile_s": compile_s,
+        "compile_cache_hits": hits,
         "batch": b,
         "denoise_s_median": t["median"],
         "denoise_s_min": t["min"],
@@ -346,6 +351,8 @@ def run(
     (patchpar.lab.launch); process 0 writes the record."""
     import jax
 
+    from patchpar import compile_cache
+
     # where the record goes, before any work (a record that cannot be written loses the run)
     check_writable(runs_path(config).parent, "results")
     try:
@@ -384,6 +391,7 @@ def run(
         log(f"{tag}run {run_id}: {config.strategy.label()} in {config.mesh.processes} launched "
             f"process(es)")  # fmt: skip
         return _launched(config, record, log, raise_errors)
+    compile_cache.enable(warn=lambda msg: log(f"patchpar: warning: {msg}"))  # on unless off
     writer = jax.process_index() == 0  # with several processes, process 0 alone writes
     log(f"{tag}run {run_id}: {config.strategy.label()} on {config.mesh.devices} device(s)")
     try:
