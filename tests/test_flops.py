@@ -65,3 +65,19 @@ def test_chunked_attention_flops_equal_xla(model, strategy, latent):
         flops[impl] = [r["phases"][p]["flops_per_device"] for p in ("warmup", "steady")]
     for x, c in zip(flops["xla"], flops["chunked"], strict=True):
         assert c == pytest.approx(x, rel=0.01)
+
+
+def test_pcpp_on_2_devices_attends_to_its_one_neighbour_band_alone():
+    """On a patch axis of 2 each patch has one neighbour: its keys are own + that band (L +
+    band), not own + two bands with the missing one masked (L + 2 band, 1.5x at portion 1).
+    At portion 1 the steady step's work is DistriFusion's."""
+    unet = abstract_denoiser("tiny-dit", jnp.float32, AttentionSpec("xla"))
+
+    def steady(strategy, **options):
+        r = measure(unet, build_plan(strategy, options, 2, 1), (32, 32), batch=1)
+        return r["phases"]["steady"]["flops_per_device"]
+
+    df = steady("distrifusion")
+    assert steady("pcpp", portion=1.0, send="band") == pytest.approx(df, rel=0.005)
+    assert steady("pcpp", portion=1.0, send="full") == pytest.approx(df, rel=0.005)
+    assert steady("pcpp", portion=0.25, send="band") < 0.95 * df

@@ -5,7 +5,9 @@ Modes: `all` (every patch's fresh K/V, all-gathered every step), `local` (own on
 (own fresh + every other patch's as at step t-1: DistriFusion; buffer `kv`, (2, B, n*L, D),
 or on a patch axis of 2 the other patch's alone, (2, B, L, D)),
 `band` (own fresh + the last `portion` of the patch above and the first `portion` of the patch
-below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each). During
+below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each; on a patch
+axis of 2 each patch attends to its one neighbour's band alone, where the missing band would be
+masked keys costing compute: L + 2 x band keys for L + band, 1.5x at portion 1). During
 warm-up `stale` and `band` gather exactly and write their buffers. `send=full` sends the whole
 neighbour K/V and crops at the receiver (PCPP's code); `send=band` only the rows used. The band
 is `portion` of the patch's tokens (`align=tokens`, PCPP's code) or of its image rows, rounded
@@ -159,9 +161,17 @@ class KV(PatchSite):
         shape = kv.shape[:2] + (band,) + kv.shape[3:]
         above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
         below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
-        keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
         if self.exchange:
             self.send(mod, self._band_sends(kv, band, row))
+        if self.n == 2:  # one neighbour each: its band alone beside the own K/V, nothing masked
+            first = lax.axis_index(PATCH) == 0
+            keys = jnp.where(
+                first,
+                jnp.concatenate([kv, below.value], axis=2),
+                jnp.concatenate([above.value, kv], axis=2),
+            )  # (2, B, L+band, D)
+            return keys[0], keys[1], None
+        keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
         return keys[0], keys[1], self._band_mask(band, length)
 
     def _band_sends(self, kv, band: int, row) -> dict:
