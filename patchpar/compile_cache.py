@@ -138,6 +138,28 @@ def _install(folder: Path) -> None:
     with cc._cache_initialized_mutex:
         cc._cache = AtomicFileCache(folder)
         cc._cache_initialized = True
+    if jax.process_index() != 0:
+        _write_from_every_process()
+
+
+def _write_from_every_process() -> None:
+    """JAX writes entries from process 0 alone, but a program's key differs per process (its
+    devices are part of it): the other processes of a launched run would compile every time.
+    Each writes its own entries here (distinct keys: no two processes write one file)."""
+    from jax._src import compilation_cache as cc
+    from jax._src import compiler
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if host_callbacks:  # baked into the program: never cached (JAX's rule)
+            return
+        try:
+            cc.put_executable_and_time(
+                cache_key, module_name, executable, backend, int(compile_time_secs)
+            )
+        except Exception as e:
+            _warn(f"compile cache entry for {module_name!r} not written ({type(e).__name__}: {e})")
+
+    compiler._cache_write = write
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

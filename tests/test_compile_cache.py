@@ -144,3 +144,56 @@ def test_cli_flag_turns_it_off_for_workers_too(monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["--no-compile-cache", "--help"])
     assert os.environ[ENV] == "off"  # inherited by launched workers
+
+
+_MP_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp
+from pathlib import Path
+jax.distributed.initialize(sys.argv[3], 2, int(sys.argv[1]))
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from patchpar import compile_cache
+compile_cache.enable(Path(sys.argv[2]))
+mesh = Mesh(jax.devices(), ("x",))
+a = jax.make_array_from_callback((8, 8), NamedSharding(mesh, P("x")), lambda i: jnp.ones((8, 8))[i])
+f = jax.jit(lambda a: jnp.tanh(a) @ a.T, out_shardings=NamedSharding(mesh, P()))
+f(a).block_until_ready()
+print("hits", compile_cache.hits())
+"""
+
+
+def _two_processes(where) -> list[int]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, "XLA_FLAGS")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MP_SCRIPT, str(rank), str(where), f"127.0.0.1:{port}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, out[-2000:]
+        outs.append(int(out.strip().splitlines()[-1].split()[1]))
+    return outs
+
+
+def test_every_process_of_a_launched_run_reads_back_its_programs(tmp_path):
+    """A program's key differs per process (its devices are in it) and JAX writes from process
+    0 alone: without each process writing its own entries, process 1 compiled every time."""
+    assert _two_processes(tmp_path) == [0, 0]
+    assert all(h >= 1 for h in _two_processes(tmp_path))
