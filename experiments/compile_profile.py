@@ -16,6 +16,11 @@ A point's total is what its run waits for before timing starts. The programs a p
 with an earlier one (same HLO) hit JAX's in-process caches only when they are the same
 function; this profile makes every point's functions anew, as a fresh `patchpar run` does.
 `--compile-cache DIR` turns on the persistent compilation cache in DIR (run twice: cold, warm).
+
+`--full-size MODEL` (e.g. sdxl) instead lowers and compiles one model call per phase of MODEL
+with abstract weights (nothing loaded) at `--resolution` (1024) on `--devices` (8) fake devices,
+float32 (the CPU compiler has no bf16 dots), for `--strategies` (sync_patch distrifusion): the
+step programs `patchpar comm` counts, without the denoising loop around them.
 Writes profile.jsonl (one row per point and phase, appended, tagged with --label) and prints a
 table.
 """
@@ -100,6 +105,59 @@ def profile_point(cfg, log) -> list[dict]:
     return rows
 
 
+def profile_full_size(model, strategy, resolution, devices, log) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from patchpar.lab.config import build_plan
+    from patchpar.models.attention import AttentionSpec
+    from patchpar.models.presets import abstract_denoiser
+    from patchpar.parallel.engine import abstract_inputs, make_step
+
+    unet = abstract_denoiser(model, jnp.float32, AttentionSpec("chunked"))
+    plan = build_plan(strategy, {}, devices, 1)
+    f = resolution // 8
+    gs = 5.0 if unet.guidance_halves > 1 else 1.0
+    plan.validate(unet, (f, f), 1_000_000, gs, 1)
+    params = unet.abstract_params()
+    x, t, cond = abstract_inputs(unet, (f, f), 1)
+    mesh, axis = plan.mesh(), plan.strategy.patch_axis(0)
+    phases = ["warmup"] + (["steady"] if plan.strategy.warmup_phase_steps(50) < 50 else [])
+    state, rows = None, []
+    for phase in phases:
+        step = make_step(unet, plan, phase, axis, gs, mesh)
+        t0 = time.perf_counter()
+        traced = jax.jit(step).trace(params, x, t, cond, state if phase == "steady" else None)
+        t1 = time.perf_counter()
+        low = traced.lower()
+        t2 = time.perf_counter()
+        c = low.compile()
+        t3 = time.perf_counter()
+        if phase == "warmup":
+            _, state = jax.eval_shape(step, params, x, t, cond, None)
+        rows.append(
+            {
+                "label": strategy,
+                "devices": devices,
+                "model": f"{model} {resolution}px (abstract, one model call)",
+                "phase": phase,
+                "steps": 1,
+                "trace_s": t1 - t0,
+                "lower_s": t2 - t1,
+                "compile_s": t3 - t2,
+                "stablehlo_ops": stablehlo_ops(low.as_text()),
+                "hlo_instructions": hlo_instructions(c.as_text()),
+            }
+        )
+        r = rows[-1]
+        log(
+            f"  {model} {strategy} on {devices}: {phase} trace {r['trace_s']:.1f} s, lower "
+            f"{r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s; {r['stablehlo_ops']} ops -> "
+            f"{r['hlo_instructions']} HLO instructions"
+        )
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     points: dict = {}
     for r in rows:
@@ -126,6 +184,10 @@ def main() -> None:
     ap.add_argument("--label", default="", help="tag of this profile's rows (e.g. cold, warm)")
     ap.add_argument("--compile-cache", default=None, help="persistent compilation cache folder")
     ap.add_argument("--only", nargs="*", default=None, help="labels of the points to profile")
+    ap.add_argument("--full-size", default=None, help="a preset profiled abstractly (e.g. sdxl)")
+    ap.add_argument("--resolution", type=int, default=1024)
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--strategies", nargs="+", default=["sync_patch", "distrifusion"])
     a = ap.parse_args()
 
     from patchpar.lab.results import provenance
@@ -135,18 +197,35 @@ def main() -> None:
         from patchpar.compile_cache import enable
 
         enable(Path(a.compile_cache))
-    points = load_sweep(a.sweep)
-    if a.only:
-        points = [p for p in points if point_name(p) in a.only]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     t0 = time.perf_counter()
-    for cfg in points:
-        for r in profile_point(cfg, print):
-            r.update(tag=a.label, sweep=a.sweep, commit=provenance().get("commit"))
-            rows.append(r)
-    print(f"{len(points)} points in {time.perf_counter() - t0:.1f} s")
+    if a.full_size:
+        for strategy in a.strategies:
+            for r in profile_full_size(a.full_size, strategy, a.resolution, a.devices, print):
+                r.update(
+                    tag=a.label,
+                    sweep=None,
+                    commit=provenance().get("git_commit"),
+                    dirty=provenance().get("git_dirty"),
+                )
+                rows.append(r)
+        print(f"{len(a.strategies)} points in {time.perf_counter() - t0:.1f} s")
+    else:
+        points = load_sweep(a.sweep)
+        if a.only:
+            points = [p for p in points if point_name(p) in a.only]
+        for cfg in points:
+            for r in profile_point(cfg, print):
+                r.update(
+                    tag=a.label,
+                    sweep=a.sweep,
+                    commit=provenance().get("git_commit"),
+                    dirty=provenance().get("git_dirty"),
+                )
+                rows.append(r)
+        print(f"{len(points)} points in {time.perf_counter() - t0:.1f} s")
     with open(out / "profile.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r, sort_keys=True) + "\n")

@@ -197,3 +197,43 @@ def test_every_process_of_a_launched_run_reads_back_its_programs(tmp_path):
     0 alone: without each process writing its own entries, process 1 compiled every time."""
     assert _two_processes(tmp_path) == [0, 0]
     assert all(h >= 1 for h in _two_processes(tmp_path))
+
+
+def test_a_second_run_reads_its_programs_back(tmp_path, micro_folder):
+    """`patchpar run` twice on one point (DistriFusion: two phase programs), each a fresh
+    process: the second reads its programs from the cache, records how many, and gives the
+    same latents bit for bit (the same program)."""
+    import yaml
+
+    from patchpar.lab.results import read_records
+
+    cfg = {
+        "experiment": "cached",
+        "model": {"name": str(micro_folder)},
+        "sampler": {"steps": 3, "height": 32, "width": 32, "guidance_scale": 5.0},
+        "prompts": {"prompts": ["a red bag"], "seeds": [0]},
+        "strategy": {"name": "distrifusion", "warmup_steps": 0},
+        "mesh": {"devices": 2},
+        "measure": {"warmup_runs": 0, "repeats": 1, "quality": ["psnr"]},
+        "results": str(tmp_path / "results"),
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env["PATCHPAR_HOME"] = str(tmp_path / "home")
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-m", "patchpar.lab.cli", "run", str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+    first, second = read_records(tmp_path / "results" / "cached" / "runs.jsonl")
+    assert first["metrics"]["compile_cache_hits"] == 0
+    assert second["metrics"]["compile_cache_hits"] >= 2  # both phase programs
+    assert "read from the compile cache" in out.stderr
+    for r in (first, second):
+        assert r["metrics"]["latent_max_abs_diff"] == first["metrics"]["latent_max_abs_diff"]
+    assert list((tmp_path / "home" / "compile-cache").iterdir())
