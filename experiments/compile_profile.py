@@ -52,6 +52,30 @@ def stablehlo_ops(text: str) -> int:
     return len(_OP.findall(text))
 
 
+def _row(label, devices, model, phase, steps, times, low, compiled, log) -> dict:
+    """One phase's profile row (times: perf_counter before tracing, after it, after lowering,
+    after compiling), said on `log` too."""
+    t0, t1, t2, t3 = times
+    r = {
+        "label": label,
+        "devices": devices,
+        "model": model,
+        "phase": phase,
+        "steps": steps,
+        "trace_s": t1 - t0,
+        "lower_s": t2 - t1,
+        "compile_s": t3 - t2,
+        "stablehlo_ops": stablehlo_ops(low.as_text()),
+        "hlo_instructions": hlo_instructions(compiled.as_text()),
+    }
+    log(
+        f"  {model} {label} on {devices}: {phase} trace {r['trace_s']:.2f} s, lower "
+        f"{r['lower_s']:.2f} s, compile {r['compile_s']:.2f} s; {r['stablehlo_ops']} ops -> "
+        f"{r['hlo_instructions']} HLO instructions"
+    )
+    return r
+
+
 def point_name(cfg) -> str:
     extra = (f" data={cfg.mesh.data}" if cfg.mesh.data > 1 else "") + (
         " fsdp" if cfg.mesh.fsdp else ""
@@ -82,26 +106,8 @@ def profile_point(cfg, log) -> list[dict]:
         c = low.compile()
         t3 = time.perf_counter()
         x, loop = outputs_abstract(c)
-        rows.append(
-            {
-                "label": point_name(cfg),
-                "devices": cfg.mesh.devices,
-                "model": cfg.model.name,
-                "phase": phase,
-                "steps": n,
-                "trace_s": t1 - t0,
-                "lower_s": t2 - t1,
-                "compile_s": t3 - t2,
-                "stablehlo_ops": stablehlo_ops(low.as_text()),
-                "hlo_instructions": hlo_instructions(c.as_text()),
-            }
-        )
-        r = rows[-1]
-        log(
-            f"  {r['label']} on {r['devices']}: {phase} trace {r['trace_s']:.2f} s, lower "
-            f"{r['lower_s']:.2f} s, compile {r['compile_s']:.2f} s; {r['stablehlo_ops']} ops -> "
-            f"{r['hlo_instructions']} HLO instructions"
-        )
+        rows.append(_row(point_name(cfg), cfg.mesh.devices, cfg.model.name, phase, n,
+                         (t0, t1, t2, t3), low, c, log))  # fmt: skip
     return rows
 
 
@@ -135,26 +141,8 @@ def profile_full_size(model, strategy, resolution, devices, log) -> list[dict]:
         t3 = time.perf_counter()
         if phase == "warmup":
             _, state = jax.eval_shape(step, params, x, t, cond, None)
-        rows.append(
-            {
-                "label": strategy,
-                "devices": devices,
-                "model": f"{model} {resolution}px (abstract, one model call)",
-                "phase": phase,
-                "steps": 1,
-                "trace_s": t1 - t0,
-                "lower_s": t2 - t1,
-                "compile_s": t3 - t2,
-                "stablehlo_ops": stablehlo_ops(low.as_text()),
-                "hlo_instructions": hlo_instructions(c.as_text()),
-            }
-        )
-        r = rows[-1]
-        log(
-            f"  {model} {strategy} on {devices}: {phase} trace {r['trace_s']:.1f} s, lower "
-            f"{r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s; {r['stablehlo_ops']} ops -> "
-            f"{r['hlo_instructions']} HLO instructions"
-        )
+        model_name = f"{model} {resolution}px (abstract, one model call)"
+        rows.append(_row(strategy, devices, model_name, phase, 1, (t0, t1, t2, t3), low, c, log))
     return rows
 
 

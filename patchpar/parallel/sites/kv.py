@@ -161,8 +161,6 @@ class KV(PatchSite):
         shape = kv.shape[:2] + (band,) + kv.shape[3:]
         above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
         below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
-        if self.exchange:
-            self.send(mod, self._band_sends(kv, band, row))
         if self.n == 2:  # one neighbour each: its band alone beside the own K/V, nothing masked
             first = lax.axis_index(PATCH) == 0
             keys = jnp.where(
@@ -170,9 +168,13 @@ class KV(PatchSite):
                 jnp.concatenate([kv, below.value], axis=2),
                 jnp.concatenate([above.value, kv], axis=2),
             )  # (2, B, L+band, D)
-            return keys[0], keys[1], None
-        keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, band+L+band, D)
-        return keys[0], keys[1], self._band_mask(band, length)
+            mask = None
+        else:
+            keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, L+2band, D)
+            mask = self._band_mask(band, length)
+        if self.exchange:  # after the reads: an unpacked send refreshes the buffers at once
+            self.send(mod, self._band_sends(kv, band, row))
+        return keys[0], keys[1], mask
 
     def _band_sends(self, kv, band: int, row) -> dict:
         """What a device sends its neighbours for their bands: down to the patch below, up to
