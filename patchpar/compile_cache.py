@@ -17,6 +17,7 @@ cannot be written is a warning, and the run goes on uncached.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -44,8 +45,9 @@ def root() -> Path:
     given = os.environ.get(ENV, "").strip()
     if given and given.lower() not in OFF:
         return Path(given).expanduser()
-    home = os.environ.get("PATCHPAR_HOME", Path.home() / ".cache" / "patchpar")
-    return Path(home).expanduser() / "compile-cache"
+    from patchpar.models.presets import home
+
+    return home().expanduser() / "compile-cache"
 
 
 def code_hash() -> str:
@@ -169,17 +171,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 class AtomicFileCache:
@@ -228,5 +222,5 @@ class AtomicFileCache:
 
     def clear(self) -> None:
         for path in self._path.glob(f"*{self.SUFFIX}"):
-            with _suppress():
+            with contextlib.suppress(OSError):
                 path.unlink()

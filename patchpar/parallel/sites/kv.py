@@ -163,11 +163,7 @@ class KV(PatchSite):
         below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
         if self.n == 2:  # one neighbour each: its band alone beside the own K/V, nothing masked
             first = lax.axis_index(PATCH) == 0
-            keys = jnp.where(
-                first,
-                jnp.concatenate([kv, below.value], axis=2),
-                jnp.concatenate([above.value, kv], axis=2),
-            )  # (2, B, L+band, D)
+            keys = _pair(kv, jnp.where(first, below.value, above.value))  # (2, B, L+band, D)
             mask = None
         else:
             keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, L+2band, D)
