@@ -10,8 +10,8 @@
 # the next part runs. Results go to $DEST/<part>/ (default results/device/); when the device tool
 # runs it ($OUT set), they also come back as $OUT/run_all.tgz (unpack into results/device/).
 #
-#   device run: bash experiments/device/run_all.sh      (carry .whl and .devcarry, as
-#                                                        speedup_cores.sh says)
+#   device run: bash experiments/device/run_all.sh      (carry .whl, as speedup_cores.sh
+#                                                        says)
 #   here, in miniature: MINI=1 DEST=/tmp/device bash experiments/device/run_all.sh
 #   (MODEL= and RES= choose the miniature's model and resolution: default tiny, 128)
 set -uo pipefail

@@ -4,9 +4,10 @@
 # gloo collective benchmark at 8 processes, on the CPUs of the lent device machine (the GPU is
 # not used: JAX_PLATFORMS=cpu). Records land in $OUT (default results/speedup_cpu_cores).
 #
-# Here, once: pip download tyro, docstring-parser, typeguard wheels into .whl/ and copy the
-# `tiny` preset folder ($PATCHPAR_HOME/models/tiny-seed*) into .devcarry/home/models/; then
-#   device run: bash experiments/device/speedup_cores.sh   (carry .whl and .devcarry)
+# Here, once: pip download --no-deps the tyro, docstring-parser, typeguard and open-clip-torch
+# (its BPE vocabulary builds the `tiny` preset there) wheels into .whl/; then
+#   device run: bash experiments/device/speedup_cores.sh   (carry .whl)
+# (or copy the `tiny` preset folder into .devcarry/home/models/ and carry that as well)
 # In miniature on this machine: MINI=1 bash experiments/device/speedup_cores.sh
 set -euo pipefail
 OUT=${OUT:-results/speedup_cpu_cores}
@@ -34,7 +35,7 @@ if [ -n "${MINI:-}" ]; then  # a few seconds' version of the same path, for the 
 fi
 RES=$(mktemp -d)
 # copy the records out as they come, so a run stopped at its time limit keeps its finished points
-(while sleep 15; do cp "$RES"/speedup_cpu_cores/runs.jsonl "$OUT/runs.jsonl" 2>/dev/null; done) &
+(while sleep 15; do cp "$RES"/speedup_cpu_cores/runs.jsonl "$OUT/runs.jsonl" 2>/dev/null || true; done) &
 $PY -m patchpar.lab.cli sweep "$SWEEP" --results "$RES" 2>&1 | grep -v Gloo | tee "$OUT/sweep.log" || true
 cp "$RES"/speedup_cpu_cores/runs.jsonl "$OUT/runs.jsonl" || true
 $PY experiments/bench_collectives.py --processes 8 --out "$RES/bench" "${EXTRA[@]}" 2>&1 \
