@@ -62,6 +62,7 @@ class Denoiser(Protocol):
     text_tokens: int  # the text tokens abstract lowering assumes (`engine.abstract_inputs`)
     guidance_halves: int  # halves of a guided model call: 2 with classifier-free guidance, 1
     text_stream: bool  # whether every device computes a text stream (an MMDiT's joint blocks)
+    caches: tuple[str, ...]  # the step caches it has (`sampling.cache`): its forward in parts
 
     @property
     def module(self) -> Any: ...

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models.family import Denoiser
 from patchpar.models.sites import IDENTITY
-from patchpar.parallel.exchange import check_groups, exchange_packed, merged
+from patchpar.parallel.exchange import check_groups, exchange_packed, merged, pending_sends
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
 from patchpar.parallel.program import Program
 from patchpar.parallel.rules import (
@@ -40,6 +40,7 @@ from patchpar.parallel.rules import (
 )
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
 from patchpar.parallel.strategies import Strategy
+from patchpar.sampling.cache import CACHE, StepCache, first_block_step
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
@@ -64,6 +65,9 @@ class Plan:
     """Shard every weight's `embed` dimension over the devices that run the same weights
     (data x cfg x patch) and gather it per layer as the layer runs (ZeRO-3 / FSDP): weight
     memory per device / that degree, for an all-gather of every layer per UNet call."""
+    cache: StepCache | None = None
+    """A step cache (`patchpar.sampling.cache`): reuse across steps, inside each device's
+    program; None: every step runs every block."""
 
     @property
     def model(self) -> int:
@@ -151,6 +155,16 @@ class Plan:
                 f"guidance_scale={guidance_scale} turns guidance off; use cfg=1 or guidance_scale > 1"
             )
         self.program.validate(self, unet, tuple(latent_hw), build_mesh)
+        if self.cache is not None:
+            self.cache.validate(unet, steps)
+            if self.program is not STEP:
+                raise ValueError(
+                    f"cache {self.cache.name!r} with strategy {s.name!r}: not defined; the cache "
+                    f"decides per step on the whole image's first-block residual, and "
+                    f"{s.name}'s program ({self.program.name}) streams patches through stages, "
+                    f"so no step has that residual at one point; use it with the one-call "
+                    f"strategies (single, sync_patch, distrifusion, pcpp, compact, ...)"
+                )
 
 
 class StepProgram(Program):
@@ -266,23 +280,45 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
     module = unet.module.clone(ops=ops)
     rules = plan.rules()
     cfg = plan.cfg
-    reads_state = phase == "steady"
+    cache = plan.cache
+    # a cache carries its state through every phase; a skipped step keeps the stale buffers
+    # it read, so with a cache the warm-up reads them too (its sites only write them)
+    reads_state = phase == "steady" or cache is not None
     groups = plan.strategy.packed_groups() if plan.strategy.packs(phase) else None
+
+    def reduce_sum(v):  # over every device that holds other rows, halves or images
+        return lax.psum(v, (DATA, CFG, PATCH)) if plan.comm else v  # stand-ins: this one's
 
     def local(params, x, t, cond, state):
         # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
         variables = {
             "params": unplaced(params, unet.logical, rules)
         }  # this device's share of each weight
-        if reads_state:
-            variables[STALE] = jax.tree.map(lambda a: a[0, 0, 0, 0], state)  # drop device axes
+        state = jax.tree.map(lambda a: a[0, 0, 0, 0], state or {})  # drop device axes
+        cache_state = state.pop(CACHE, None)
+        if reads_state and state:
+            variables[STALE] = state
         mutable = [STALE, SEND] if groups else [STALE]
-        apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=mutable)  # noqa: E731
-        out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+
+        def exchanged(mutated, n_groups=groups):  # the stale buffers after the call's sends
+            stale = mutated.get(STALE, {})
+            if not n_groups:
+                return stale
+            sends = mutated.get(SEND, {})
+            n_groups = min(n_groups, max(1, sum(1 for _ in pending_sends(sends))))
+            return merged(stale, exchange_packed(sends, ops, n_groups, stale))
+
+        if cache is None:
+            apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=mutable)  # noqa: E731
+            out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+            stale = exchanged(mutated)
+        else:
+            out, stale, cache_state = cached_call(
+                cache, module, variables, mutable, exchanged, x, t, cond, cache_state, reduce_sum
+            )
         out = unet.prediction(out)  # the sampler's model output (a learned-sigma DiT: half)
-        stale = mutated.get(STALE, {})
-        if groups:  # the steady phase's stale sends, exchanged together
-            stale = merged(stale, exchange_packed(mutated.get(SEND, {}), ops, groups, stale))
+        if cache is not None:
+            stale = {**stale, CACHE: cache_state}
         if cfg == 2 and not plan.comm:
             out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below
         elif cfg == 2:
@@ -317,6 +353,36 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
     return step
 
 
+def cached_call(cache, module, variables, mutable, exchanged, x, t, cond, state, reduce_sum):
+    """One model call under a step cache, inside one device's program: (output (G, B, h, W,
+    C), the stale buffers after the call, the cache's new state). The model runs as its parts
+    (`prologue`, `blocks`, `epilogue`), the stale collection threaded through them; the
+    skip decision's two sums are all-reduced over every device (`sampling.cache`)."""
+
+    def part(method, variables, *args, **kw):
+        return module.apply(variables, *args, method=method, mutable=mutable, **kw)
+
+    def run(xs, ts, ctx, **added):
+        def head():
+            (hs0, aux), mut = part("prologue", variables, xs, ts, ctx, **added)
+            hs1, mut = part("blocks", {**variables, **mut}, 0, 1, hs0, aux)
+            return hs0, hs1, (aux, mut)
+
+        def tail(hs1, carry):
+            aux, mut = carry
+            last, mut = part("blocks", {**variables, **mut}, 1, module.num_blocks, hs1, aux)
+            return last, exchanged(mut)
+
+        def skip(carry):  # the skipped blocks' buffers as they were; the first block's sent
+            return exchanged(carry[1])
+
+        last, stale, new, (aux, _) = first_block_step(cache, state, head, tail, skip, reduce_sum)
+        out, _ = part("epilogue", variables, last, aux)
+        return out, stale, new
+
+    return call_on_stack(run, x, t, cond)
+
+
 @cache
 def _param_shapes(unet: Denoiser):
     """The whole parameters' shapes (for checks up front), traced once per module."""
@@ -336,9 +402,15 @@ def _local_param_shapes(unet: Denoiser):
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):
     """Zeros shaped like the stale buffers (global, with the mesh's device axes), from the
     warm-up phase."""
-    warm = make_step(unet, plan, "warmup", plan.strategy.patch_axis(0), guidance_scale, mesh)
+    axis = plan.strategy.patch_axis(0)
+    t = jnp.zeros((), jnp.float32)
+    state = None
+    if plan.cache is not None:  # the buffers first: a cached step reads them (a skip keeps them)
+        state = state_template(unet, replace(plan, cache=None), guidance_scale, mesh, params, x,
+                               cond)  # fmt: skip
+    warm = make_step(unet, plan, "warmup", axis, guidance_scale, mesh)
     with shapes_only():  # a shape trace: its site calls are not the program's
-        _, shapes = jax.eval_shape(warm, params, x, jnp.zeros((), jnp.float32), cond, None)
+        _, shapes = jax.eval_shape(warm, params, x, t, cond, state)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -364,6 +436,7 @@ def abstract_inputs(
 def stale_sites(unet: Denoiser, plan: Plan, latent_hw: tuple[int, int]) -> int:
     """How many sites send stale activations in the steady phase (what `comm_groups` splits):
     the modules whose warm-up writes a buffer, none under no_sync. Traced abstractly."""
+    plan = replace(plan, cache=None)  # the same sites send; the cache only skips some steps
     names = plan.strategy.ops("steady", plan.patch).stale_buffers()
     if not plan.strategy.packs("steady") or not names:
         return 0
@@ -387,8 +460,11 @@ def stale_sites(unet: Denoiser, plan: Plan, latent_hw: tuple[int, int]) -> int:
 
 
 def stale_bytes_per_device(state) -> int:
-    """Stale-buffer memory one device holds (the global arrays carry the mesh's device grid)."""
+    """Stale-buffer memory one device holds (the global arrays carry the mesh's device grid);
+    a step cache's state is not counted."""
     total = 0
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if k != CACHE}
     for leaf in jax.tree.leaves(state):
         per = leaf.size // math.prod(leaf.shape[: len(AXES)])
         total += per * leaf.dtype.itemsize

@@ -25,6 +25,7 @@ from patchpar.models.loading import read_config
 from patchpar.models.presets import PRESETS, SHIPPED, check_model, model_family, preset_folder
 from patchpar.parallel.engine import (
     Plan,
+    cached_call,
     denoise_phase,
     phase_steps,
     placed_params,
@@ -32,8 +33,10 @@ from patchpar.parallel.engine import (
 )
 from patchpar.parallel.engine import denoise as denoise_parallel
 from patchpar.parallel.mesh import to_local
+from patchpar.parallel.sites import STALE
 from patchpar.parallel.vae import VAEPlan
 from patchpar.parallel.vae import decode as vae_decode
+from patchpar.sampling.cache import CACHE
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
@@ -189,7 +192,7 @@ class Pipeline:
         if plan is not None:
             plan.validate(self.unet, x.shape[1:3], steps, gs, x.shape[0])
         if plan is None or not plan.strategy.parallel:
-            fn, static = _denoise_single, (self.unet, smp, None)
+            fn, static = _denoise_single, (self.unet, smp, None if plan is None else plan.cache)
             params = self.unet_params
         else:
             fn, static = denoise_parallel, (self.unet, plan, smp)
@@ -473,33 +476,48 @@ def check_guidance(guidance_scale, negative_prompts: list[str] | None = None) ->
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 7))
-def _denoise_single(unet, smp, _plan, params, cond, schedule, x, guidance_scale):
-    """All steps on one device; returns (final latent, empty stale state)."""
+def _denoise_single(unet, smp, cache, params, cond, schedule, x, guidance_scale):
+    """All steps on one device; returns (final latent, state: empty, or the step cache's)."""
+    model_fn, state = _single_model_fn(unet, cache, params, cond, guidance_scale, x)
+    n = schedule.timesteps.shape[0]
+    x, _, state = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), state, 0, n)
+    return x, ({} if cache is None else {CACHE: state})
+
+
+def _single_model_fn(unet, cache, params, cond, guidance_scale, x):
+    """(the run loop's model_fn on one device, its initial state) without or with a step
+    cache (`sampling.cache`, the engine's `cached_call` without devices)."""
+    if cache is None:
+
+        def model_fn(x_in, t, i, state):
+            return guided(unet_on_stack(unet, params, x_in, t, cond), guidance_scale), state
+
+        return model_fn, ()
 
     def model_fn(x_in, t, i, state):
-        return guided(unet_on_stack(unet, params, x_in, t, cond), guidance_scale), state
+        out, _, state = cached_call(cache, unet.module, {"params": params}, [STALE],
+                                    lambda m: {}, x_in, t, cond, state, lambda v: v)  # fmt: skip
+        return guided(unet.prediction(out), guidance_scale), state
 
-    n = schedule.timesteps.shape[0]
-    x, _, _ = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), (), 0, n)
-    return x, {}
+    t0 = jnp.zeros((), jnp.float32)
+    shapes = jax.eval_shape(lambda: model_fn(x, t0, 0, None)[1])
+    return model_fn, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 9), static_argnames=("guidance_scale", "watch"))
 def _single_phase(
-    unet, smp, _plan, _phase, params, cond, schedule, x, loop, guidance_scale, watch=False
+    unet, smp, cache, _phase, params, cond, schedule, x, loop, guidance_scale, watch=False
 ):
     """`_denoise_single` with the phase programs' signature: (x, loop) -> (x, loop); `watch`:
     also the first step that left a NaN or Inf in x (-1: none)."""
     if not watch:
-        x, state = _denoise_single(unet, smp, None, params, cond, schedule, x, guidance_scale)
+        x, state = _denoise_single(unet, smp, cache, params, cond, schedule, x, guidance_scale)
         return x, ((), state)
-
-    def model_fn(x_in, t, i, state):
-        return guided(unet_on_stack(unet, params, x_in, t, cond), guidance_scale), state
-
+    model_fn, state = _single_model_fn(unet, cache, params, cond, guidance_scale, x)
     n = schedule.timesteps.shape[0]
-    x, _, _, first = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), (), 0, n, True)
-    return x, ((), {}), first
+    x, _, state, first = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), state, 0, n,
+                                   True)  # fmt: skip
+    return x, ((), {} if cache is None else {CACHE: state}), first
 
 
 def load_pipeline(

@@ -329,17 +329,38 @@ class FluxTransformer2DModel(nn.Module):
         pooled_projections: jax.Array,  # (B, pooled_projection_dim): CLIP's pooled output
         guidance: jax.Array | None = None,  # (B,) the guidance scale (dev), None (schnell)
     ) -> jax.Array:  # (B, h, W, C)
+        hs, aux = self.prologue(sample, timesteps, encoder_hidden_states, pooled_projections,
+                                guidance)  # fmt: skip
+        return self.epilogue(self.blocks(0, self.num_blocks, hs, aux), aux)
+
+    # The forward as prologue, blocks [lo, hi) (the double blocks, then the single ones),
+    # epilogue: what a step cache runs apart (`patchpar.sampling.cache`).
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_layers + self.config.num_single_layers
+
+    def prologue(self, sample, timesteps, encoder_hidden_states, pooled_projections,
+                 guidance=None):  # fmt: skip
+        """-> ((image tokens, text tokens), aux)."""
         b, h, w, _ = sample.shape
         img, rope = self.embed(sample)
         temb = self.time(timesteps, guidance, pooled_projections, b)
         txt = self.context(encoder_hidden_states)
-        last = (self.config.num_layers + self.config.num_single_layers) - 1
-        for i in range(self.config.num_layers):
-            img, txt = self.double(i, img, txt, temb, rope, w // 2, i < last)
-        for i in range(self.config.num_single_layers):
-            j = self.config.num_layers + i
-            img, txt = self.single(i, img, txt, temb, rope, w // 2, j < last)
-        return self.head(img, temb, h, w)
+        return (img, txt), (temb, rope, (h, w))
+
+    def blocks(self, lo: int, hi: int, hs, aux):
+        """Blocks lo..hi-1 of the double-then-single order on (image, text) tokens."""
+        (img, txt), (temb, rope, (_, w)) = hs, aux
+        n, last = self.config.num_layers, self.num_blocks - 1
+        for j in range(lo, hi):
+            run = self.double if j < n else self.single
+            img, txt = run(j if j < n else j - n, img, txt, temb, rope, w // 2, j < last)
+        return img, txt
+
+    def epilogue(self, hs, aux) -> jax.Array:
+        temb, _, (h, w) = aux
+        return self.head(hs[0], temb, h, w)
 
     def embed(self, sample: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(B, h, W, C) latent rows -> ((B, h/2 * W/2, D) image tokens, their RoPE table)."""

@@ -346,14 +346,38 @@ class PixArtTransformer2DModel(nn.Module):
         resolution: jax.Array | None = None,  # (B, 2) image height, width (micro-condition)
         aspect_ratio: jax.Array | None = None,  # (B, 1) height / width (micro-condition)
     ) -> jax.Array:  # (B, h, W, Cout)
+        hs, aux = self.prologue(sample, timesteps, encoder_hidden_states, encoder_attention_mask,
+                                resolution, aspect_ratio)  # fmt: skip
+        return self.epilogue(self.blocks(0, self.num_blocks, hs, aux), aux)
+
+    # The forward as prologue, blocks [lo, hi), epilogue: what a step cache runs apart
+    # (`patchpar.sampling.cache`). `hs` is what travels between blocks as a tuple whose first
+    # element is the image tokens (here the only one); `aux` the rest the blocks read.
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_layers
+
+    def prologue(self, sample, timesteps, encoder_hidden_states, encoder_attention_mask=None,
+                 resolution=None, aspect_ratio=None):  # fmt: skip
+        """-> ((tokens (B, T, D),), aux)."""
         b, h, w, _ = sample.shape
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (b,))
         x = self.embed(sample)  # (B, T, D)
         temb = self.time(timesteps, resolution, aspect_ratio)
         ctx = self.context(encoder_hidden_states, encoder_attention_mask)
-        for i in range(self.config.num_layers):
+        return (x,), (temb, ctx, (h, w))
+
+    def blocks(self, lo: int, hi: int, hs, aux):
+        """Blocks lo..hi-1 on `hs`."""
+        (x,), (temb, ctx, (_, w)) = hs, aux
+        for i in range(lo, hi):
             x = self.block(i, x, ctx, temb, w // self.config.patch_size)
-        return self.head(x, temb, h, w)
+        return (x,)
+
+    def epilogue(self, hs, aux) -> jax.Array:
+        temb, _, (h, w) = aux
+        return self.head(hs[0], temb, h, w)
 
     def embed(self, sample: jax.Array) -> jax.Array:
         """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions."""

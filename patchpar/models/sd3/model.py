@@ -351,14 +351,34 @@ class SD3Transformer2DModel(nn.Module):
         encoder_hidden_states: jax.Array,  # (B, S, joint_attention_dim): CLIP-L|G and T5
         pooled_projections: jax.Array,  # (B, pooled_projection_dim): CLIP-L|G pooled
     ) -> jax.Array:  # (B, h, W, C)
+        hs, aux = self.prologue(sample, timesteps, encoder_hidden_states, pooled_projections)
+        return self.epilogue(self.blocks(0, self.num_blocks, hs, aux), aux)
+
+    # The forward as prologue, blocks [lo, hi), epilogue: what a step cache runs apart
+    # (`patchpar.sampling.cache`). After the last block the text tokens are None.
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_layers
+
+    def prologue(self, sample, timesteps, encoder_hidden_states, pooled_projections):
+        """-> ((image tokens, text tokens), aux)."""
         b, h, w, _ = sample.shape
         img = self.embed(sample)
         temb = self.time(timesteps, pooled_projections, b)
         txt = self.context(encoder_hidden_states)
-        row = w // self.config.patch_size
-        for i in range(self.config.num_layers):
-            img, txt = self.block(i, img, txt, temb, row)
-        return self.head(img, temb, h, w)
+        return (img, txt), (temb, (h, w))
+
+    def blocks(self, lo: int, hi: int, hs, aux):
+        """Joint blocks lo..hi-1 on (image, text) tokens."""
+        (img, txt), (temb, (_, w)) = hs, aux
+        for i in range(lo, hi):
+            img, txt = self.block(i, img, txt, temb, w // self.config.patch_size)
+        return img, txt
+
+    def epilogue(self, hs, aux) -> jax.Array:
+        temb, (h, w) = aux
+        return self.head(hs[0], temb, h, w)
 
     def embed(self, sample: jax.Array) -> jax.Array:
         """(B, h, W, C) latent rows -> (B, h/p * W/p, D) image tokens with their positions."""

@@ -85,14 +85,14 @@ class Link:
         for c, x in sends.items():
             self.codec.check(x.shape, self.lead, f"the {kind} site")
             base = got[c]
-            mod.variable("stale", self._name(kind, c, "base"), lambda b=base: b)
+            mod.put_variable("stale", self._name(kind, c, "base"), base)
             if not self.codec.exact and self.residual != "none":
-                mod.variable("stale", self._name(kind, c, "sent"), lambda x=x: x)
+                mod.put_variable("stale", self._name(kind, c, "sent"), x)
             if self.extrapolate:
-                mod.variable("stale", self._name(kind, c, "prev"), lambda b=base: b)
+                mod.put_variable("stale", self._name(kind, c, "prev"), base)
             if self.codec.name == "lowrank":
                 q0 = self.codec.init_state(x.shape, self.lead)
-                mod.variable("stale", self._name(kind, c, "q"), lambda q=q0: q)
+                mod.put_variable("stale", self._name(kind, c, "q"), q0)
 
     # ---------------------------------------------------------------- steady: compressed
 

@@ -43,8 +43,8 @@ class GroupStats(PatchSite):
         if self.warmup or self.mode == "sync":
             glob = exchange(self.kind, [{"mean": fresh}], self.n, self.local)[0]["mean"]
             if stale_mode:
-                mod.variable(STALE, "gn_global", lambda: glob)
-                mod.variable(STALE, "gn_local", lambda: fresh)
+                mod.put_variable(STALE, "gn_global", glob)
+                mod.put_variable(STALE, "gn_local", fresh)
             return glob[0], glob[1]
         g = mod.variable(STALE, "gn_global", jnp.zeros, fresh.shape, fresh.dtype)
         loc = mod.variable(STALE, "gn_local", jnp.zeros, fresh.shape, fresh.dtype)

@@ -51,7 +51,7 @@ class Halo(PatchSite):
         if self.warmup or self.mode == "fresh":
             buf = self.receive(self.exchange_now(mod, sends))["halo"]
             if self.mode == "stale":  # warm-up: the buffer the steady phase reads first
-                mod.variable(STALE, "halo", lambda: buf)
+                mod.put_variable(STALE, "halo", buf)
         else:
             shape = (x.shape[0], top + bottom) + x.shape[2:]
             buf = mod.variable(STALE, "halo", jnp.zeros, shape, x.dtype).value

@@ -103,11 +103,11 @@ class KV(PatchSite):
                 got = self.exchange_now(mod, sends)
             full = self._full(kv, got)  # (2, B, n*L, D)
             if self.mode == "stale":
-                mod.variable(STALE, "kv", lambda: self.receive(got)["kv"])
+                mod.put_variable(STALE, "kv", self.receive(got)["kv"])
             elif self.mode == "band":
                 above, below = self._bands_from_full(full, kv.shape[2], row)
-                mod.variable(STALE, "kv_above", lambda: above)
-                mod.variable(STALE, "kv_below", lambda: below)
+                mod.put_variable(STALE, "kv_above", above)
+                mod.put_variable(STALE, "kv_below", below)
                 if self.link is not None:
                     self._start_band(mod, kv, full, row)
             return full[0], full[1], None

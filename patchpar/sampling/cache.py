@@ -1,0 +1,167 @@
+"""Step caches: reuse across denoising steps (docs/design.md §3c).
+
+A step cache decides, step by step, whether the denoiser's blocks run or their effect is
+reused from an earlier step. It is orthogonal to the strategy (`Plan.cache`): the engine runs
+it inside each device's program, a single device without one.
+
+`fbcache` (first-block cache; ParaAttention, diffusers' `apply_first_block_cache`): every step
+runs the transformer's first block; when the mean absolute change of that block's residual
+(its output minus its input, image tokens) since the last step that ran every block, relative
+to that residual's mean absolute value, is at most `threshold`, the other blocks are skipped
+and their residuals of that step (image and text tokens) are added to the first block's output.
+The first step always runs every block. Under patch parallelism the two means are sums over
+every device's rows (and guidance halves and images: diffusers' mean is over the whole batch),
+one all-reduce of two scalars, so every device takes the same branch and the decision is the
+one device's. A skipped step runs the first block as the strategy says (its exchange
+included) and its skipped blocks exchange nothing: their stale buffers (DistriFusion, PCPP)
+keep what the last computed step sent, so a stale site's next read is from the last step that
+ran it, not from the step before.
+
+The model's side is its forward in three parts (`prologue`, `blocks(lo, hi)`, `epilogue`, with
+`num_blocks`) that its `__call__` chains; a denoiser names the caches it has (`caches`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+CACHE = "step_cache"  # the cache's state beside the stale buffers in the engine's loop state
+
+
+class StepCache:
+    """A step cache: options as dataclass fields, `validate`, `describe`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    def validate(self, denoiser, steps: int) -> None:
+        if self.name not in denoiser.caches:
+            have = ", ".join(denoiser.caches) or "none"
+            raise ValueError(
+                f"cache {self.name!r} does not exist for a {denoiser.family} denoiser ({self.summary}); "
+                f"caches for it: {have}"
+            )
+
+    def describe(self) -> str:
+        opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"{self.name}({opts})"
+
+    def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
+        """The fraction of the denoiser's block calls that ran."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FirstBlockCache(StepCache):
+    threshold: float = 0.05
+    """Skip the other blocks while the first block's residual changed by at most this
+    (relative mean absolute change since the last computed step); diffusers' default 0.05."""
+
+    name: ClassVar[str] = "fbcache"
+    summary: ClassVar[str] = "it skips a transformer's blocks after the first"
+
+    def __post_init__(self):
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+            raise ValueError(
+                f"fbcache threshold={t!r}: must be a finite number > 0 (diffusers' default "
+                f"0.05; larger skips more steps)"
+            )
+
+    def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
+        return (steps + computed_steps * (num_blocks - 1)) / (steps * num_blocks)
+
+
+CACHES: dict[str, type[StepCache]] = {c.name: c for c in (FirstBlockCache,)}
+
+
+def make_cache(name: str | None, **options) -> StepCache | None:
+    """The cache `name` with its options (None or "none": no cache); ValueError naming what
+    fits."""
+    if name in (None, "none"):
+        if options:
+            raise ValueError(f"cache options {sorted(options)} given without a cache")
+        return None
+    if name not in CACHES:
+        raise ValueError(f"cache={name!r}; known: none, {', '.join(CACHES)}")
+    cls = CACHES[name]
+    known = {f.name for f in fields(cls)}
+    if unknown := sorted(set(options) - known):
+        raise ValueError(f"cache {name!r} has no option {unknown}; its options: {sorted(known)}")
+    return cls(**options)
+
+
+def _sub(a, b):  # per part of `hs`; a part a block no longer returns (SD3's text) is None
+    return tuple(None if x is None else x - y for x, y in zip(a, b, strict=True))
+
+
+def _add(a, r):
+    return tuple(None if y is None else x + y for x, y in zip(a, r, strict=True))
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def first_block_step(
+    cache: FirstBlockCache,
+    state: dict | None,
+    head: Callable,
+    tail: Callable,
+    skip: Callable,
+    reduce_sum: Callable = lambda x: x,
+):
+    """One step of the first-block cache.
+
+    head() -> (hs before the first block, hs after it, carry); tail(hs, carry) -> (hs after
+    the last block, extra); skip(carry) -> extra (what `tail` would give, from what is
+    carried: the stale buffers); reduce_sum: the sum over every device (identity on one).
+    `state` None: the first step. -> (hs after the last block, extra, new state, carry)."""
+    h0, h1, carry = head()
+
+    def computed():
+        last, extra = tail(h1, carry)
+        return last, extra, _sub(last, h1), h1[0] - h0[0]
+
+    like = jax.eval_shape(computed)
+    if state is None:  # shaped as a computed step leaves it
+        state = {
+            "residual": _zeros(like[3]),
+            "tail": _zeros(like[2]),
+            "valid": jnp.zeros((), jnp.int32),
+            "computed": jnp.zeros((), jnp.int32),
+        }
+    r = (h1[0] - h0[0]).astype(jnp.float32)
+    prev = state["residual"].astype(jnp.float32)
+    sums = reduce_sum(jnp.stack([jnp.sum(jnp.abs(r - prev)), jnp.sum(jnp.abs(prev))]))
+    compute = jnp.logical_or(state["valid"] == 0, sums[0] / sums[1] > cache.threshold)
+
+    def skipped():
+        return _add(h1, state["tail"]), skip(carry), state["tail"], state["residual"]
+
+    last, extra, tail_res, residual = lax.cond(compute, computed, _cast(skipped, like))
+    new = {
+        "residual": residual,
+        "tail": tail_res,
+        "valid": jnp.ones((), jnp.int32),
+        "computed": state["computed"] + compute.astype(jnp.int32),
+    }
+    return last, extra, new, carry
+
+
+def _cast(fn, like):
+    """fn with its outputs cast to the dtypes of `like` (the skip branch adds float residuals
+    as the computed one does; a cond needs both alike)."""
+
+    def wrapped():
+        out = fn()
+        return jax.tree.map(lambda a, s: a.astype(s.dtype), out, like)
+
+    return wrapped

@@ -1,0 +1,290 @@
+"""Step caches (patchpar.sampling.cache): the first-block cache against diffusers'
+`apply_first_block_cache` hook on the same PixArt and FLUX weights (the same skipped steps, the
+same latents), the cache under patch parallelism against the cache on one device, what a stale
+site reads after a skipped step, and bad input."""
+
+import sys
+from functools import cache
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_parallel_dit import GUIDANCE, inputs, max_diff, micro_dit  # noqa: E402
+
+from patchpar.parallel.engine import Plan, denoise, make_step  # noqa: E402
+from patchpar.parallel.sites import STALE  # noqa: E402
+from patchpar.parallel.strategies import make_strategy  # noqa: E402
+from patchpar.pipelines.text2img import _denoise_single  # noqa: E402
+from patchpar.sampling.cache import CACHE, FirstBlockCache, make_cache  # noqa: E402
+from patchpar.sampling.schedulers import SchedulerConfig, get_sampler  # noqa: E402
+
+STEPS = 6
+THRESHOLD = 0.5  # on the micro DiT's 6 DDIM steps: 2 of them skipped
+
+
+def _computed(state) -> int:
+    return int(np.asarray(state[CACHE]["computed"]).ravel()[0])
+
+
+@cache
+def _run(name: str, devices: int, cfg: int = 1, threshold: float | None = THRESHOLD, **options):
+    """(final latent, stale state) of the micro DiT under a strategy, with the cache (None:
+    without)."""
+    fn, params = micro_dit()
+    x, _, cond = inputs()
+    smp = get_sampler("ddim")
+    sched = smp.schedule(SchedulerConfig(), STEPS)
+    x = x * sched.init_noise_sigma
+    c = None if threshold is None else FirstBlockCache(threshold)
+    if name == "single":
+        out, state = jax.jit(_denoise_single, static_argnums=(0, 1, 2, 7))(
+            fn, smp, c, params, cond, sched, x, GUIDANCE
+        )
+    else:
+        plan = Plan(make_strategy(name, **options), devices, cfg, cache=c)
+        plan.validate(fn, x.shape[1:3], STEPS, GUIDANCE)
+        out, state = denoise(fn, plan, smp, params, cond, sched, x, GUIDANCE)
+    return np.asarray(out), state
+
+
+def test_the_cache_skips_some_steps_and_sync_patch_equals_one_device():
+    """One device with the cache skips some steps (and differs from the uncached run);
+    sync_patch with the cache, on 2 and 4 patches and with the guidance halves apart, skips
+    the same steps (the decision from all-reduced sums) and equals it."""
+    one, state = _run("single", 1)
+    assert 1 < _computed(state) < STEPS
+    plain, _ = _run("single", 1, threshold=None)
+    assert max_diff(one, plain) > 1e-3
+    for devices, cfg in ((2, 1), (4, 1), (4, 2)):
+        out, st = _run("sync_patch", devices, cfg)
+        assert _computed(st) == _computed(state), (devices, cfg)
+        assert max_diff(out, one) <= 1e-4, (devices, cfg)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("distrifusion", {"warmup_steps": 1}),
+        ("distrifusion", {"warmup_steps": 1, "comm_groups": "per_site"}),
+        ("pcpp", {"warmup_steps": 1, "portion": 0.5}),
+        ("compact", {}),
+    ],
+)
+def test_a_cache_that_never_skips_changes_nothing(name, options):
+    """A threshold no step's change stays under computes every step: the strategy's own run,
+    stale buffers included (the model in parts is the same arithmetic in other programs:
+    float32 rounding apart, as sync_patch from single)."""
+    cached, state = _run(name, 4, threshold=1e-12, **options)
+    plain, plain_state = _run(name, 4, threshold=None, **options)
+    assert _computed(state) == STEPS
+    assert max_diff(cached, plain) <= 1e-4
+    if name == "compact":  # its buffers are int2 bases: a rounding apart flips a level
+        return
+    stale = {k: v for k, v in state.items() if k != CACHE}
+    for a, b in zip(jax.tree.leaves(stale), jax.tree.leaves(plain_state), strict=True):
+        assert max_diff(a, b) <= 1e-4
+
+
+def test_a_stale_strategy_runs_with_the_cache():
+    out, state = _run("distrifusion", 4, warmup_steps=1)
+    assert 1 < _computed(state) < STEPS and np.isfinite(out).all()
+
+
+def test_a_skipped_step_keeps_the_skipped_blocks_stale_buffers():
+    """One steady DistriFusion step with the cache: when it skips, the first block's buffers
+    are what it sent this step (as without the cache) and every later block's buffers are the
+    ones it read, so a stale site's next read is from the last step that ran it; when it
+    computes, every buffer is the uncached step's."""
+    fn, params = micro_dit()
+    x, t, cond = inputs()
+    strategy = make_strategy("distrifusion", warmup_steps=1)
+    plain = Plan(strategy, 2)
+    mesh = plain.mesh()
+    warm = jax.jit(make_step(fn, plain, "warmup", "row", GUIDANCE, mesh))
+    _, stale = warm(params, x, t, cond, None)
+    # the buffers a steady step reads: last step's, made different from this step's K/V
+    stale = jax.tree.map(lambda a: a * 0.5, stale)
+    steady = jax.jit(make_step(fn, plain, "steady", "row", GUIDANCE, mesh))
+    ref_out, ref_state = steady(params, x, t, cond, stale)
+    for threshold, skips in ((1e9, True), (1e-12, False)):
+        plan = Plan(strategy, 2, cache=FirstBlockCache(threshold))
+        step = jax.jit(make_step(fn, plan, "steady", "row", GUIDANCE, mesh))
+        # a first step (it computes) on another latent: the residuals the skip reuses
+        cache_state = step(params, x * 0.8, t, cond, stale)[1][CACHE]
+        cache_state = {**cache_state, "computed": cache_state["computed"] * 0}
+        out, state = step(params, x, t, cond, {**stale, CACHE: cache_state})
+        assert _computed(state) == (0 if skips else 1)
+        first, later = "transformer_blocks_0", "transformer_blocks_1"
+        assert max_diff(state[first]["attn1"]["kv"], ref_state[first]["attn1"]["kv"]) == 0
+        kept = stale[later]["attn1"]["kv"] if skips else ref_state[later]["attn1"]["kv"]
+        assert max_diff(state[later]["attn1"]["kv"], kept) <= (0 if skips else 1e-5)
+        assert (max_diff(out, ref_out) > 1e-3) == skips
+
+
+# ---------------------------------------------------------------------------- diffusers parity
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    return torch
+
+
+def _diffusers_fbcache(ref, threshold: float, call, x0: np.ndarray, ts):
+    """diffusers' hook on `ref`, one cache context over the loop x <- x - 0.1 * out: (final x,
+    per step whether every block ran)."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks import first_block_cache as fbc
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    torch = _torch()
+    decisions = []
+    original = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+
+    def recorded(self, residual):
+        decisions.append(bool(original(self, residual)))
+        return decisions[-1]
+
+    fbc.FBCHeadBlockHook._should_compute_remaining_blocks = recorded
+    try:
+        apply_first_block_cache(ref, FirstBlockCacheConfig(threshold=threshold))
+        _set_cache_context(ref, CacheContext("cond"))
+        x = x0
+        with torch.no_grad():
+            for t in ts:
+                x = x - 0.1 * call(ref, x, t)
+    finally:
+        fbc.FBCHeadBlockHook._should_compute_remaining_blocks = original
+    return x, decisions
+
+
+def _ours(fn, params, threshold: float, cond, x0: np.ndarray, ts, channels: int):
+    """The same loop with patchpar's cache on one device (`engine.cached_call`, as the
+    single-device pipeline runs it): (final x, per step whether every block ran)."""
+    from patchpar.parallel.engine import cached_call
+
+    c = FirstBlockCache(threshold)
+
+    @jax.jit
+    def step(x, t, state):
+        out, _, state = cached_call(c, fn.module, {"params": params}, [STALE], lambda m: {},
+                                    x, t, cond, state, lambda v: v)  # fmt: skip
+        return x - 0.1 * out[0, ..., :channels], state
+
+    x, state, decisions = jnp.asarray(x0), None, []
+    for t in ts:
+        before = 0 if state is None else int(state["computed"])
+        x, state = step(x, jnp.float32(t), state)
+        decisions.append(int(state["computed"]) > before)
+    return np.asarray(x), decisions
+
+
+def _check(ours, theirs, ours_dec, theirs_dec):
+    from torch_refs import close
+
+    assert ours_dec == theirs_dec
+    assert 2 <= sum(theirs_dec) < len(theirs_dec)  # some steps skipped, some computed
+    close(ours, theirs)
+
+
+def test_fbcache_matches_diffusers_on_pixart(tmp_path):
+    torch = _torch()
+    from test_dit_models import SIGMA, make_pixart
+
+    from patchpar.models.api import load_pixart
+    from patchpar.sampling.guidance import Conditioning
+
+    ref = make_pixart(SIGMA)
+    ref.save_pretrained(tmp_path)
+    fn, params = load_pixart(tmp_path)
+    rng = np.random.RandomState(0)
+    x0 = rng.randn(2, 8, 8, 4).astype(np.float32)
+    ctx = rng.randn(2, 6, 20).astype(np.float32)
+    mask = np.array([[1] * 6, [1, 1, 1, 0, 0, 0]], np.int32)
+    ts = np.linspace(999, 50, 10).astype(np.float32)
+
+    def call(ref, x, t):
+        out = ref(
+            torch.tensor(x.transpose(0, 3, 1, 2)),
+            encoder_hidden_states=torch.tensor(ctx),
+            timestep=torch.tensor([t, t]),
+            encoder_attention_mask=torch.tensor(mask),
+        ).sample
+        return out[:, :4].numpy().transpose(0, 2, 3, 1)  # fmt: skip
+
+    theirs, theirs_dec = _diffusers_fbcache(ref, 0.1, call, x0, ts)
+    cond = Conditioning(jnp.asarray(ctx)[None], {"encoder_attention_mask": jnp.asarray(mask)[None]})
+    ours, ours_dec = _ours(fn, params, 0.1, cond, x0, ts, 4)
+    _check(ours, theirs, ours_dec, theirs_dec)
+
+
+def test_fbcache_matches_diffusers_on_flux(tmp_path):
+    torch = _torch()
+    from test_flux_models import DEV, image_ids, make_flux, pack
+
+    from patchpar.models import load_denoiser
+    from patchpar.sampling.guidance import Conditioning
+
+    ref = make_flux(DEV)
+    ref.save_pretrained(tmp_path)
+    fn, params = load_denoiser(tmp_path)
+    rng = np.random.RandomState(0)
+    h = w = 8
+    x0 = rng.randn(2, h, w, 4).astype(np.float32)
+    ctx = rng.randn(2, 5, 24).astype(np.float32)
+    pooled = rng.randn(2, 20).astype(np.float32)
+    g = np.array([3.5, 3.5], np.float32)
+    ts = np.linspace(1.0, 0.1, 10).astype(np.float32)
+
+    def call(ref, x, t):
+        out = ref(hidden_states=torch.tensor(pack(x)), encoder_hidden_states=torch.tensor(ctx),
+                  pooled_projections=torch.tensor(pooled), timestep=torch.tensor([t, t]),
+                  img_ids=torch.tensor(image_ids(h, w)), txt_ids=torch.zeros(5, 3),
+                  guidance=torch.tensor(g)).sample.numpy()  # fmt: skip
+        out = out.reshape(2, h // 2, w // 2, 4, 2, 2).transpose(0, 1, 4, 2, 5, 3)
+        return out.reshape(2, h, w, 4)
+
+    theirs, theirs_dec = _diffusers_fbcache(ref, 0.5, call, x0, ts)
+    extras = {"pooled_projections": jnp.asarray(pooled)[None], "guidance": jnp.asarray(g)[None]}
+    ours, ours_dec = _ours(fn, params, 0.5, Conditioning(jnp.asarray(ctx)[None], extras), x0, ts, 4)
+    _check(ours, theirs, ours_dec, theirs_dec)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("threshold", [0, -0.1, float("nan"), float("inf"), "0.1", True])
+def test_a_threshold_that_is_not_positive_is_named(threshold):
+    with pytest.raises(ValueError, match=r"fbcache threshold=.*must be a finite number > 0"):
+        FirstBlockCache(threshold)
+
+
+def test_unknown_caches_and_options_are_named():
+    assert make_cache("none") is None and make_cache(None) is None
+    assert make_cache("fbcache", threshold=0.2) == FirstBlockCache(0.2)
+    with pytest.raises(ValueError, match=r"cache='teacash'; known: none, fbcache"):
+        make_cache("teacash")
+    with pytest.raises(ValueError, match=r"cache 'fbcache' has no option \['interval'\]"):
+        make_cache("fbcache", interval=3)
+    with pytest.raises(ValueError, match=r"cache options \['threshold'\] given without a cache"):
+        make_cache("none", threshold=0.1)
+
+
+def test_a_cache_the_family_lacks_or_a_program_it_does_not_fit_is_named():
+    from parallel_helpers import micro_unet
+
+    unet, _ = micro_unet("sd")
+    plan = Plan(make_strategy("sync_patch"), 2, cache=FirstBlockCache())
+    with pytest.raises(ValueError, match=r"cache 'fbcache' does not exist for a unet denoiser"):
+        plan.validate(unet, (16, 16), 4, 7.5)
+    fn, _ = micro_dit()
+    plan = Plan(make_strategy("pipefusion"), 2, cache=FirstBlockCache())
+    with pytest.raises(
+        ValueError, match=r"cache 'fbcache' with strategy 'pipefusion': not defined"
+    ):
+        plan.validate(fn, (16, 12), 4, GUIDANCE)
