@@ -70,9 +70,11 @@ def test_the_cache_skips_some_steps_and_sync_patch_equals_one_device():
     "name, options",
     [
         ("distrifusion", {"warmup_steps": 1}),
-        ("distrifusion", {"warmup_steps": 1, "comm_groups": "per_site"}),
-        ("pcpp", {"warmup_steps": 1, "portion": 0.5}),
-        ("compact", {}),
+        pytest.param(
+            "distrifusion", {"warmup_steps": 1, "comm_groups": "per_site"}, marks=pytest.mark.slow
+        ),
+        pytest.param("pcpp", {"warmup_steps": 1, "portion": 0.5}, marks=pytest.mark.slow),
+        pytest.param("compact", {}, marks=pytest.mark.slow),
     ],
 )
 def test_a_cache_that_never_skips_changes_nothing(name, options):
