@@ -166,9 +166,9 @@ def _diffusers_fbcache(ref, threshold: float, call, x0: np.ndarray, ts):
 
 
 def _ours(fn, params, threshold: float, cond, x0: np.ndarray, ts, channels: int):
-    """The same loop with patchpar's cache on one device (`engine.cached_call`, as the
+    """The same loop with patchpar's cache on one device (`parallel.cached.cached_call`, as the
     single-device pipeline runs it): (final x, per step whether every block ran)."""
-    from patchpar.parallel.engine import cached_call
+    from patchpar.parallel.cached import cached_call
 
     c = FirstBlockCache(threshold)
 

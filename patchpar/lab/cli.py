@@ -123,10 +123,16 @@ def dispatch(config, args: list[str] | None = None) -> None:
             return
         for path in record["images"]:
             print(path)
+        cached = (
+            f"; {record['cache']}: {record['cache_computed_steps']} of {config.steps} steps ran "
+            f"every block, {record['blocks_computed']:.0%} of the block calls"
+            if "cache" in record else ""
+        )  # fmt: skip
         print(
             f"{record['strategy']} on {record['devices']} device(s): latent {record['latent_shape']} "
             f"-> {config.out}/latent.npy ({record['generate_s_including_compile']:.1f} s including "
-            f"compile; stale buffers {record['stale_bytes_per_device'] / 2**20:.2f} MiB per device)"
+            f"compile; stale buffers {record['stale_bytes_per_device'] / 2**20:.2f} MiB per device"
+            f"{cached})"
         )
     elif isinstance(config, CommConfig):
         import json

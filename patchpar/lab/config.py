@@ -31,14 +31,21 @@ def build_plan(
     comm: bool = True,
     data: int = 1,
     fsdp: bool = False,
+    cache: str = "none",
+    cache_options: dict | None = None,
 ):
     """The strategy `name` with the options given (None = the strategy's default), on devices
-    split as data x cfg x patch x model, weights sharded per layer with `fsdp`."""
+    split as data x cfg x patch x model, weights sharded per layer with `fsdp`, with the step
+    cache `cache` (`patchpar.sampling.cache`; options None = the cache's default)."""
     from patchpar.parallel.engine import Plan
     from patchpar.parallel.strategies import make_strategy
+    from patchpar.sampling.cache import make_cache
 
     options = {k: v for k, v in options.items() if v is not None}
-    return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp)
+    step_cache = make_cache(
+        cache, **{k: v for k, v in (cache_options or {}).items() if v is not None}
+    )
+    return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache)
 
 
 def build_vae_plan(mode: str, devices: int, data: int, tile: int):
@@ -244,6 +251,28 @@ class StrategyConfig(StrategyOptions):
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """A step cache: reuse across denoising steps, orthogonal to the strategy
+    (`patchpar.sampling.cache`, docs/design.md §3c)."""
+
+    name: str = "none"
+    """none, or fbcache (first-block cache: a transformer's blocks after the first are skipped
+    while the first block's residual barely changes; PixArt, FLUX, SD3)."""
+    threshold: float | None = None
+    """fbcache: skip while the first block's residual changed by at most this (relative mean
+    absolute change since the last computed step); unset: 0.05 (diffusers')."""
+
+    def options(self) -> dict:
+        """The options set (None: the cache's default)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "name" and getattr(self, f.name) is not None}  # fmt: skip
+
+    def label(self) -> str:
+        """Name and the options set, e.g. `fbcache threshold=0.1`."""
+        return " ".join([self.name] + [f"{k}={v}" for k, v in self.options().items()])
+
+
+@dataclass(frozen=True)
 class SamplerConfig:
     name: str = "ddim"
     """ddim, euler or dpmpp_2m."""
@@ -323,6 +352,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
@@ -334,6 +364,11 @@ class RunConfig:
     """mesh.processes >= 1: every worker is ended, and the run recorded as an error, after this
     many seconds (a hung collective cannot block a sweep)."""
 
+    def label(self) -> str:
+        """The strategy's label and the cache's, e.g. `pcpp send=band + fbcache threshold=0.1`."""
+        cache = "" if self.cache.name == "none" else f" + {self.cache.label()}"
+        return self.strategy.label() + cache
+
     def plan(self):
         return build_plan(
             self.strategy.name,
@@ -343,6 +378,8 @@ class RunConfig:
             comm=not self.measure.compute_only,
             data=self.mesh.data,
             fsdp=self.mesh.fsdp,
+            cache=self.cache.name,
+            cache_options=self.cache.options(),
         )
 
     def vae_plan(self):
@@ -457,6 +494,12 @@ class RunConfig:
                 f"split evenly over the data axis; use a batch size and an image count that are "
                 f"multiples of {self.mesh.data}"
             )
+        from patchpar.sampling.cache import make_cache
+
+        try:
+            make_cache(self.cache.name, **self.cache.options())
+        except ValueError as e:
+            raise ValueError(f"cache: {e}") from None
         try:
             plan = self.plan()  # strategy options: unknown names and bad values
             plan.strategy.validate(s.steps, plan.patch, plan.cfg)
@@ -494,6 +537,12 @@ def unused_options(config: RunConfig) -> list[str]:
                 f"measure.{key}={getattr(m, key)!r} has no effect: measure.quality "
                 f"{list(m.quality)} does not include {metric}"
             )
+    if config.cache.name != "none" and m.comm and not m.compute_only:
+        out.append(
+            f"measure.comm: the bytes of a run with cache {config.cache.name!r} are not counted "
+            f"(a skipped step sends only its first block's share, decided at run time); the "
+            f"same run without the cache counts a computed step's"
+        )
     if m.compute_only and m.quality:
         out.append(
             f"measure.quality {list(m.quality)} is not measured with measure.compute_only (the "
@@ -551,13 +600,14 @@ def with_defaults(section: type, given: dict) -> dict:
 def point_config(config: RunConfig | dict) -> dict:
     """A run's config as a point (plain data): without where records go (`results`) or how
     long a worker may take (`timeout_s`), and with the fields older records lack filled in as
-    those runs ran (the mesh, strategy, measure and prompts defaults of today; attention `xla`,
+    those runs ran (the mesh, strategy, cache, measure and prompts defaults of today; attention `xla`,
     float32 from before kernels and dtypes existed)."""
     d = to_dict(config) if isinstance(config, RunConfig) else dict(config)
     d.pop("results", None)
     d.pop("timeout_s", None)
     d["mesh"] = with_defaults(MeshConfig, d.get("mesh", {}))
     d["strategy"] = with_defaults(StrategyConfig, d.get("strategy", {}))
+    d["cache"] = with_defaults(CacheConfig, d.get("cache", {}))
     d["measure"] = with_defaults(MeasureConfig, d.get("measure", {}))
     d["prompts"] = with_defaults(PromptsConfig, d.get("prompts", {}))
     d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}

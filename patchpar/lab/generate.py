@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from patchpar.lab.config import DTYPES, DecodeFlags, fsdp_unused
+from patchpar.lab.config import DTYPES, DecodeFlags, build_plan, fsdp_unused
 from patchpar.lab.launch import is_writer, launch
 
 
@@ -51,6 +51,19 @@ class GenerateConfig(DecodeFlags):
     core and thread each, joined by jax.distributed (devices must be N)."""
     timeout_s: float = 3600.0
     """processes >= 1: end every worker after this many seconds."""
+    cache: str = "none"
+    """A step cache (reuse across steps, with any one-call strategy): none, or fbcache (the
+    first-block cache of a transformer: PixArt, FLUX, SD3)."""
+    cache_threshold: float | None = None
+    """fbcache: skip the blocks after the first while its residual changed by at most this
+    (relative mean absolute change since the last computed step); unset: 0.05 (diffusers')."""
+
+    def plan(self):
+        """The strategy with the options given, placed on the devices, with the cache."""
+        return build_plan(
+            self.strategy, self.options(), self.devices, self.cfg, data=self.data,
+            fsdp=self.fsdp, cache=self.cache, cache_options={"threshold": self.cache_threshold},
+        )  # fmt: skip
 
 
 def check(config: GenerateConfig) -> list[str]:
@@ -159,6 +172,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         "vae_parallel": vae_plan.mode,
         "processes": config.processes,
         "stale_bytes_per_device": out.stale_bytes_per_device,
+        **(out.cache or {}),
         "load_s": round(t_load, 3),
         "generate_s_including_compile": round(t_gen, 3),
     }

@@ -137,6 +137,11 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         "step_s_median": t["median"] / s.steps,
         "images_per_s": b / t["median"],
         "stale_bytes_per_device": stale_bytes_per_device(state),
+        # what a step cache did (none: every step ran every block)
+        **(
+            pipe.cache_report(plan, state, s.steps)
+            or {"cache": "none", "cache_computed_steps": s.steps, "blocks_computed": 1.0}
+        ),
     }
     out["memory_per_device"] = memory
     out["memory_per_device_bytes"] = max((v["total"] or 0 for v in memory.values()), default=None)
@@ -145,7 +150,8 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         out[PHASE_STEPS[phase]] = steps.get(phase, 0)
         out[f"{phase}_step_s_median"] = ph["median"] / steps[phase] if ph else None
     counted = None
-    if m.comm and not m.compute_only:  # the timed programs are the counted ones
+    # the timed programs are the counted ones; a cached run's bytes depend on its skips
+    if m.comm and not m.compute_only and plan.cache is None:
         local_out = guided_slab(plan, x0.shape)  # one device's share of the guided output
         itemsize = jax.numpy.dtype(pipe.unet.module.dtype).itemsize
         counted = {
@@ -267,11 +273,12 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
 
     if m.compute_only:  # stand-in collectives: no bytes to count, images not the model's
         return metrics, []
-    if m.comm:
+    if m.comm and counted is not None:
         metrics.update(comm_metrics(pipe, plan, config, counted))
 
     if m.quality:
-        own = (images, latents) if not plan.strategy.parallel else None
+        # the baseline is uncached `single`: a run on one device with a cache is not it
+        own = (images, latents) if not plan.strategy.parallel and plan.cache is None else None
         ref = load_or_make_baseline(pipe, config, hw, log, made=own)
         metrics.update(quality_metrics(config, images, ref, log))
         base_lat = np.load(baseline_folder(config) / "latents.npy")
@@ -377,7 +384,7 @@ def run(
     record = {
         "run_id": run_id,
         "experiment": config.experiment,
-        "label": config.strategy.label(),
+        "label": config.label(),
         "strategy": strategy_record,
         "config": to_dict(config),
         "baseline": baseline_key(config) if config.measure.quality else None,
@@ -388,12 +395,12 @@ def run(
         record.update(status="error", error=f"invalid config: {invalid}", metrics={}, images=[])
         return append_record(out, record)
     if config.mesh.processes >= 1 and not in_worker():
-        log(f"{tag}run {run_id}: {config.strategy.label()} in {config.mesh.processes} launched "
+        log(f"{tag}run {run_id}: {config.label()} in {config.mesh.processes} launched "
             f"process(es)")  # fmt: skip
         return _launched(config, record, log, raise_errors)
     compile_cache.enable(warn=lambda msg: log(f"patchpar: warning: {msg}"))  # on unless off
     writer = jax.process_index() == 0  # with several processes, process 0 alone writes
-    log(f"{tag}run {run_id}: {config.strategy.label()} on {config.mesh.devices} device(s)")
+    log(f"{tag}run {run_id}: {config.label()} on {config.mesh.devices} device(s)")
     try:
         metrics, images = _execute(config, out.parent / "images" / run_id, log, writer)
         if writer:

@@ -1,5 +1,7 @@
 """Speedups of a run against the `single` and `sync_patch` runs of the same point in the same
 runs file: ratios of median denoising times, measured like for like (docs/design.md §4, Time).
+The references run without a step cache; a run with a cache is also compared with `single`
+under the same cache (what the parallelism adds to the cache).
 
 Like for like: the same model, sampler, size, prompts and batch; for a run in launched
 processes (`mesh.processes` >= 1, one core each), `single` launched as one process on one core;
@@ -11,10 +13,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from patchpar.lab.config import MeshConfig, RunConfig, to_dict, with_defaults
+from patchpar.lab.config import CacheConfig, MeshConfig, RunConfig, to_dict, with_defaults
 from patchpar.lab.results import read_records
 
-SPEEDUP_KEYS = ("speedup_vs_single", "speedup_vs_sync_patch", "steady_speedup_vs_single")
+SPEEDUP_KEYS = (
+    "speedup_vs_single",
+    "speedup_vs_sync_patch",
+    "steady_speedup_vs_single",
+    "speedup_vs_single_same_cache",
+)
+NO_CACHE = to_dict(CacheConfig())
 
 
 def same_work(config: dict) -> tuple:
@@ -26,7 +34,9 @@ def same_work(config: dict) -> tuple:
     )
 
 
-def _reference(records: list[dict], config: dict, strategy: str, mesh: dict) -> dict | None:
+def _reference(
+    records: list[dict], config: dict, strategy: str, mesh: dict, cache: dict = NO_CACHE
+) -> dict | None:
     found = None
     for r in records:
         c = r["config"]
@@ -36,6 +46,7 @@ def _reference(records: list[dict], config: dict, strategy: str, mesh: dict) -> 
             and not c.get("measure", {}).get("compute_only")
             and c["strategy"]["name"] == strategy
             and m == mesh
+            and with_defaults(CacheConfig, c.get("cache", {})) == cache
             and same_work(c) == same_work(config)
             and r.get("metrics", {}).get("denoise_s_median")
         ):
@@ -61,10 +72,17 @@ def speedups(config: RunConfig, metrics: dict, runs_file: Path) -> dict:
            "step_s_median": metrics["step_s_median"]}  # fmt: skip
     single_mesh = to_dict(MeshConfig(processes=1 if mesh.processes else 0))
     this_mesh = to_dict(mesh)
+    uncached = config.cache.name == "none"
+    is_single = config.strategy.name == "single" and this_mesh == single_mesh
     single = _metrics(_reference(records, cfg, "single", single_mesh), own,
-                      config.strategy.name == "single" and this_mesh == single_mesh)  # fmt: skip
+                      is_single and uncached)  # fmt: skip
     sync = _metrics(_reference(records, cfg, "sync_patch", this_mesh), own,
-                    config.strategy.name == "sync_patch")  # fmt: skip
+                    config.strategy.name == "sync_patch" and uncached)  # fmt: skip
+    same = (
+        None
+        if uncached
+        else _metrics(_reference(records, cfg, "single", single_mesh, cfg["cache"]), own, is_single)
+    )
     t = metrics["denoise_s_median"]
     notes = []
     if single:
@@ -76,6 +94,10 @@ def speedups(config: RunConfig, metrics: dict, runs_file: Path) -> dict:
         notes.append("no single run of this point recorded yet (run it first)")
     if sync:
         out["speedup_vs_sync_patch"] = sync["denoise_s_median"] / t
+    if same:
+        out["speedup_vs_single_same_cache"] = same["denoise_s_median"] / t
+    elif not uncached:
+        notes.append(f"no single run with cache {config.cache.label()} recorded yet")
     if lay.get("oversubscribed"):
         notes.append(
             f"oversubscribed: {mesh.processes} processes on {len(set(lay['cores']))} core(s)"

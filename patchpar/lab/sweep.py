@@ -158,7 +158,7 @@ def run_sweep(config: SweepConfig) -> list[dict]:
         print(f"patchpar: warning: {msg}", file=sys.stderr, flush=True)
     bar = tqdm(todo, desc="sweep", unit="point")
     for i, cfg in enumerate(bar, 1):
-        bar.set_postfix_str(f"{cfg.strategy.label()} on {cfg.mesh.devices}")
+        bar.set_postfix_str(f"{cfg.label()} on {cfg.mesh.devices}")
         rec = run(cfg, log=tqdm.write, warn=False, tag=f"[{i}/{len(todo)}] ")
         if rec["status"] != "ok":
             tqdm.write(f"  point failed ({rec['status']}): {rec['error']}")
@@ -186,7 +186,7 @@ def dry_run(points: list[RunConfig], todo: list[RunConfig]) -> str:
     from patchpar.lab.tables import point_labels
 
     labels = point_labels(
-        [{"label": c.strategy.label(), "config": to_dict(c)} for c in points],
+        [{"label": c.label(), "config": to_dict(c)} for c in points],
         shown=("mesh.devices", "mesh.cfg", "mesh.data", "mesh.fsdp", "mesh.processes"),
     )
     lines = []

@@ -76,6 +76,8 @@ FORMATS = {
     "speedup_vs_single": ("speedup vs single", lambda v: f"{v:.2f}x"),
     "speedup_vs_sync_patch": ("vs sync_patch", lambda v: f"{v:.2f}x"),
     "steady_speedup_vs_single": ("steady speedup vs single", lambda v: f"{v:.2f}x"),
+    "speedup_vs_single_same_cache": ("vs single, same cache", lambda v: f"{v:.2f}x"),
+    "blocks_computed": ("blocks computed", lambda v: f"{100 * v:.0f}%"),
     "mesh.processes": ("processes", str),
     "denoise_s_median": ("s/image batch (median)", lambda v: f"{v:.3f}"),
     "compile_s": ("compile s", lambda v: f"{v:.1f}"),
@@ -135,7 +137,7 @@ def _point(record: dict) -> dict:
 def varying_keys(records: list[dict], shown=()) -> list[str]:
     """The config keys (dotted, without `config.`) whose value differs among the records, in
     KEY_ORDER: every one, so that no difference between two points shown is hidden. The
-    strategy's own fields (its label names them), where records go, and the keys `shown`
+    strategy's and the cache's own fields (the label names them), where records go, and the keys `shown`
     (columns or axes of their own) are left out."""
     shown = {k.removeprefix("config.") for k in shown}
     flat = [_point(r) for r in records]
@@ -143,7 +145,7 @@ def varying_keys(records: list[dict], shown=()) -> list[str]:
     return [
         k
         for k in keys
-        if not k.startswith("strategy.")
+        if not k.startswith(("strategy.", "cache."))
         and k.split(".")[0] not in NOT_A_POINT
         and k not in shown
         and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models.family import Denoiser
 from patchpar.models.sites import IDENTITY
+from patchpar.parallel.cached import cached_call
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged, pending_sends
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
 from patchpar.parallel.program import Program
@@ -40,7 +41,7 @@ from patchpar.parallel.rules import (
 )
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
 from patchpar.parallel.strategies import Strategy
-from patchpar.sampling.cache import CACHE, StepCache, first_block_step
+from patchpar.sampling.cache import CACHE, StepCache
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
@@ -351,36 +352,6 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
         return fn(params, x, t, cond, state_in)
 
     return step
-
-
-def cached_call(cache, module, variables, mutable, exchanged, x, t, cond, state, reduce_sum):
-    """One model call under a step cache, inside one device's program: (output (G, B, h, W,
-    C), the stale buffers after the call, the cache's new state). The model runs as its parts
-    (`prologue`, `blocks`, `epilogue`), the stale collection threaded through them; the
-    skip decision's two sums are all-reduced over every device (`sampling.cache`)."""
-
-    def part(method, variables, *args, **kw):
-        return module.apply(variables, *args, method=method, mutable=mutable, **kw)
-
-    def run(xs, ts, ctx, **added):
-        def head():
-            (hs0, aux), mut = part("prologue", variables, xs, ts, ctx, **added)
-            hs1, mut = part("blocks", {**variables, **mut}, 0, 1, hs0, aux)
-            return hs0, hs1, (aux, mut)
-
-        def tail(hs1, carry):
-            aux, mut = carry
-            last, mut = part("blocks", {**variables, **mut}, 1, module.num_blocks, hs1, aux)
-            return last, exchanged(mut)
-
-        def skip(carry):  # the skipped blocks' buffers as they were; the first block's sent
-            return exchanged(carry[1])
-
-        last, stale, new, (aux, _) = first_block_step(cache, state, head, tail, skip, reduce_sum)
-        out, _ = part("epilogue", variables, last, aux)
-        return out, stale, new
-
-    return call_on_stack(run, x, t, cond)
 
 
 @cache

@@ -23,9 +23,9 @@ from patchpar.models.components import VAEFn, load_vae
 from patchpar.models.family import Denoiser, TextConditioner
 from patchpar.models.loading import read_config
 from patchpar.models.presets import PRESETS, SHIPPED, check_model, model_family, preset_folder
+from patchpar.parallel.cached import cached_call
 from patchpar.parallel.engine import (
     Plan,
-    cached_call,
     denoise_phase,
     phase_steps,
     placed_params,
@@ -36,7 +36,7 @@ from patchpar.parallel.mesh import to_local
 from patchpar.parallel.sites import STALE
 from patchpar.parallel.vae import VAEPlan
 from patchpar.parallel.vae import decode as vae_decode
-from patchpar.sampling.cache import CACHE
+from patchpar.sampling.cache import CACHE, cache_report
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
@@ -55,6 +55,7 @@ class Output:
     images: np.ndarray  # (B, H, W, 3) uint8
     latents: np.ndarray  # (B, h, w, C) final latent, before VAE scaling, float32
     stale_bytes_per_device: int = 0  # the strategy's stale buffers per device (0: none)
+    cache: dict | None = None  # a step cache's report (`sampling.cache.cache_report`): None: none
 
 
 @dataclass
@@ -382,7 +383,18 @@ class Pipeline:
             self.decode(final, vae_plan),
             np.asarray(final.astype(jnp.float32)),
             stale_bytes_per_device(state),
+            self.cache_report(plan, state, steps),
         )
+
+    def cache_report(self, plan: Plan | None, state: dict, steps: int) -> dict | None:
+        """What a step cache did in a denoising run whose final state is `state`: its
+        description, the steps that ran every block and the fraction of block calls that ran
+        (`sampling.cache.cache_report`); None without a cache."""
+        if plan is None or plan.cache is None:
+            return None
+        computed = to_local(state[CACHE]["computed"])  # one per device: all the same
+        n = int(np.asarray(computed).reshape(-1)[0])
+        return cache_report(plan.cache, self.unet.module.num_blocks, steps, n)
 
     def _denoise_logged(self, cond, latents, sampler, steps, guidance_scale, plan, check_memory,
                         log):  # fmt: skip

@@ -98,6 +98,16 @@ def make_cache(name: str | None, **options) -> StepCache | None:
     return cls(**options)
 
 
+def cache_report(cache: StepCache, num_blocks: int, steps: int, computed_steps: int) -> dict:
+    """A run's record of its cache: {"cache": description, "cache_computed_steps": steps that
+    ran every block, "blocks_computed": the fraction of the denoiser's block calls that ran}."""
+    return {
+        "cache": cache.describe(),
+        "cache_computed_steps": computed_steps,
+        "blocks_computed": cache.blocks_computed(num_blocks, steps, computed_steps),
+    }
+
+
 def _sub(a, b):  # per part of `hs`; a part a block no longer returns (SD3's text) is None
     return tuple(None if x is None else x - y for x, y in zip(a, b, strict=True))
 

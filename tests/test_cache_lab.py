@@ -1,0 +1,125 @@
+"""Step caches in the experiment layer: the `cache` config section and `--cache` of generate,
+what a cached run records (the cache, the steps that ran every block, the fraction of block
+calls), its quality against uncached `single`, speedups against `single` with and without the
+same cache, and bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+from patchpar.lab.cli import main
+from patchpar.lab.config import RunConfig, from_dict, point_config, to_dict, with_overrides
+from patchpar.lab.runner import run
+from patchpar.sampling.cache import FirstBlockCache
+
+STEPS = 6
+
+
+def dit_config(tmp_path, **overrides) -> RunConfig:
+    """The trained fmnist-dit, one prompt, 6 DDIM steps, PSNR against uncached single."""
+    base = {
+        "experiment": "cache",
+        "model": {"name": "fmnist-dit"},
+        "sampler": {"name": "ddim", "steps": STEPS, "guidance_scale": 2.0},
+        "prompts": {"prompts": ["a photo of a bag"], "seeds": [0]},
+        "measure": {"warmup_runs": 0, "repeats": 1, "quality": ["psnr"],
+                    "save_images": False},
+        "results": str(tmp_path),
+    }  # fmt: skip
+    return with_overrides(from_dict(RunConfig, base), overrides)
+
+
+def test_cached_runs_record_the_cache_against_uncached_single(tmp_path):
+    """A cached `single` and a cached `sync_patch` on 2 devices skip the same steps, record the
+    cache, its computed steps and block fraction, and are compared with uncached `single`'s
+    images (the cached single run is not taken as the baseline)."""
+    cache = {"cache": {"name": "fbcache", "threshold": 0.3}}
+    one = run(dit_config(tmp_path, **cache))
+    two = run(dit_config(tmp_path, **cache, **{"strategy.name": "sync_patch", "mesh.devices": 2}))
+    plain = run(dit_config(tmp_path))
+    for r in (one, two):
+        m = r["metrics"]
+        assert r["status"] == "ok", r.get("error")
+        assert r["label"].endswith("+ fbcache threshold=0.3")
+        assert m["cache"] == "fbcache(threshold=0.3)"
+        n = m["cache_computed_steps"]
+        assert 1 <= n < STEPS  # the threshold skips some steps here, never the first
+        blocks = 8  # fmnist-dit's transformer blocks
+        assert m["blocks_computed"] == pytest.approx((STEPS + n * (blocks - 1)) / (STEPS * blocks))
+        # against uncached single: skipped steps change the image
+        assert m["latent_max_abs_diff"] > 1e-3 and np.isfinite(m["psnr"])
+        assert any("measure.comm" in w for w in r["warnings"])  # bytes not counted: said
+        assert "bytes_per_device_per_step" not in m
+    # sync_patch with the cache equals single with the cache: the same decisions, one image
+    assert two["metrics"]["cache_computed_steps"] == one["metrics"]["cache_computed_steps"]
+    assert two["metrics"]["latent_max_abs_diff"] == pytest.approx(
+        one["metrics"]["latent_max_abs_diff"], abs=1e-4
+    )
+    m = plain["metrics"]
+    assert m["cache"] == "none" and m["blocks_computed"] == 1.0
+    assert m["cache_computed_steps"] == STEPS and m["latent_max_abs_diff"] == 0.0
+
+
+def test_cache_config_bad_input_and_old_records(tmp_path):
+    with pytest.raises(ValueError, match=r"^cache: cache='deepcache'; known: none, fbcache"):
+        dit_config(tmp_path, **{"cache.name": "deepcache"}).validate()
+    with pytest.raises(ValueError, match=r"^cache: fbcache threshold=-0.1: must be a finite"):
+        dit_config(tmp_path, **{"cache.name": "fbcache", "cache.threshold": -0.1}).validate()
+    with pytest.raises(ValueError, match=r"cache options \['threshold'\] given without a cache"):
+        dit_config(tmp_path, **{"cache.threshold": 0.1}).validate()
+    # a cache the model's family lacks: the run's record says so, nothing is generated
+    r = run(dit_config(tmp_path, **{"model.name": "fmnist", "cache.name": "fbcache"}))
+    assert r["status"] == "error" and "does not exist for a unet denoiser" in r["error"]
+    # a record from before caches is the same point as one without a cache
+    old = to_dict(dit_config(tmp_path))
+    del old["cache"]
+    assert point_config(old) == point_config(dit_config(tmp_path))
+
+
+def test_speedups_of_a_cached_run(tmp_path):
+    """speedup_vs_single is against uncached single, even when a cached single ran later;
+    speedup_vs_single_same_cache against single with the same cache."""
+    from patchpar.lab.speedup import speedups
+
+    def record(cfg, seconds):
+        return {"config": to_dict(cfg), "status": "ok",
+                "metrics": {"denoise_s_median": seconds, "step_s_median": seconds / 10}}  # fmt: skip
+
+    one = {"mesh.processes": 1}
+    fb = {"cache": {"name": "fbcache", "threshold": 0.1}}
+    rows = [
+        record(with_overrides(RunConfig(), one), 4.0),
+        record(with_overrides(RunConfig(), {**one, **fb}), 2.0),
+        record(with_overrides(RunConfig(), {**one, "cache": {"name": "fbcache"}}), 1.0),
+    ]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    two = {"strategy.name": "distrifusion", "mesh.devices": 2, "mesh.processes": 2}
+    metrics = {"denoise_s_median": 1.6, "step_s_median": 0.16,
+               "layout": {"platform": "cpu", "processes": 2}}  # fmt: skip
+    out = speedups(with_overrides(RunConfig(), {**two, **fb}), metrics, tmp_path / "runs.jsonl")
+    assert out["speedup_vs_single"] == pytest.approx(2.5)
+    assert out["speedup_vs_single_same_cache"] == pytest.approx(1.25)
+    out = speedups(with_overrides(RunConfig(), two), metrics, tmp_path / "runs.jsonl")
+    assert out["speedup_vs_single"] == pytest.approx(2.5)
+    assert out["speedup_vs_single_same_cache"] is None
+    # a cache whose single run is not recorded: null, with the reason
+    other = {"cache": {"name": "fbcache", "threshold": 0.4}}
+    out = speedups(with_overrides(RunConfig(), {**two, **other}), metrics, tmp_path / "runs.jsonl")
+    assert out["speedup_vs_single_same_cache"] is None
+    assert "no single run with cache fbcache threshold=0.4" in out["speedup_note"]
+
+
+def test_generate_with_a_cache(tmp_path, capsys):
+    args = ["generate", "--model", "fmnist-dit", "--steps", str(STEPS), "--sampler", "ddim",
+            "--cache", "fbcache", "--cache-threshold", "0.3", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads((tmp_path / "generate.json").read_text())
+    assert record["cache"] == "fbcache(threshold=0.3)"
+    n = record["cache_computed_steps"]
+    assert record["blocks_computed"] == pytest.approx(
+        FirstBlockCache(0.3).blocks_computed(8, STEPS, n)
+    )
+    assert f"{n} of {STEPS} steps ran every block" in capsys.readouterr().out
+    assert main([*args[:-2], "--cache-threshold", "0", "--out", str(tmp_path)]) == 2
+    assert "fbcache threshold=0.0: must be a finite number > 0" in capsys.readouterr().err
