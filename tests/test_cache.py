@@ -20,7 +20,7 @@ from patchpar.parallel.engine import Plan, denoise, make_step  # noqa: E402
 from patchpar.parallel.sites import STALE  # noqa: E402
 from patchpar.parallel.strategies import make_strategy  # noqa: E402
 from patchpar.pipelines.text2img import _denoise_single  # noqa: E402
-from patchpar.sampling.cache import CACHE, FirstBlockCache, make_cache  # noqa: E402
+from patchpar.sampling.cache import CACHE, FirstBlockCache, TaylorSeer, make_cache  # noqa: E402
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler  # noqa: E402
 
 STEPS = 6
@@ -33,14 +33,27 @@ def _computed(state) -> int:
 
 @cache
 def _run(name: str, devices: int, cfg: int = 1, threshold: float | None = THRESHOLD, **options):
-    """(final latent, stale state) of the micro DiT under a strategy, with the cache (None:
-    without)."""
-    fn, params = micro_dit()
-    x, _, cond = inputs()
+    """(final latent, stale state) of the micro DiT under a strategy, with the first-block
+    cache (threshold None: without)."""
+    c = None if threshold is None else FirstBlockCache(threshold)
+    return _run_with(name, devices, cfg, c, **options)
+
+
+@cache
+def _run_with(name: str, devices: int, cfg: int, c, model: str = "dit", **options):
+    """(final latent, stale state) of the micro DiT (or UNet) under a strategy with cache `c`."""
+    if model == "dit":
+        fn, params = micro_dit()
+        x, _, cond = inputs()
+    else:
+        from parallel_helpers import inputs as unet_inputs
+        from parallel_helpers import micro_unet
+
+        fn, params = micro_unet("sd")
+        x, _, cond = unet_inputs("sd")
     smp = get_sampler("ddim")
     sched = smp.schedule(SchedulerConfig(), STEPS)
     x = x * sched.init_noise_sigma
-    c = None if threshold is None else FirstBlockCache(threshold)
     if name == "single":
         out, state = jax.jit(_denoise_single, static_argnums=(0, 1, 2, 7))(
             fn, smp, c, params, cond, sched, x, GUIDANCE
@@ -90,6 +103,49 @@ def test_a_cache_that_never_skips_changes_nothing(name, options):
     stale = {k: v for k, v in state.items() if k != CACHE}
     for a, b in zip(jax.tree.leaves(stale), jax.tree.leaves(plain_state), strict=True):
         assert max_diff(a, b) <= 1e-4
+
+
+@pytest.mark.parametrize("model", ["dit", "unet"])
+def test_taylorseer_under_sync_patch_equals_one_device(model):
+    """The prediction is elementwise over each device's output: sync_patch on 2 and 4 patches
+    (and with the guidance halves apart) computes the same steps and equals one device."""
+    c = TaylorSeer(interval=2, warmup=1, order=2)
+    one, state = _run_with("single", 1, 1, c, model)
+    assert _computed(state) == 3  # steps 0, 2 and 4 of 6
+    plain, _ = _run_with("single", 1, 1, None, model)
+    assert max_diff(one, plain) > 1e-3
+    for devices, cfg in ((2, 1), (4, 1), (4, 2)):
+        out, st = _run_with("sync_patch", devices, cfg, c, model)
+        assert _computed(st) == 3, (devices, cfg)
+        assert max_diff(out, one) <= 1e-4, (devices, cfg)
+
+
+def test_a_predicted_step_exchanges_nothing():
+    """A steady DistriFusion step that TaylorSeer predicts leaves every stale buffer as it came
+    in (no site ran); a computed one leaves the uncached step's."""
+    fn, params = micro_dit()
+    x, t, cond = inputs()
+    strategy = make_strategy("distrifusion", warmup_steps=1)
+    plain = Plan(strategy, 2)
+    mesh = plain.mesh()
+    _, stale = jax.jit(make_step(fn, plain, "warmup", "row", GUIDANCE, mesh))(
+        params, x, t, cond, None
+    )
+    stale = jax.tree.map(lambda a: a * 0.5, stale)
+    ref_out, ref_state = jax.jit(make_step(fn, plain, "steady", "row", GUIDANCE, mesh))(
+        params, x, t, cond, stale
+    )
+    plan = Plan(strategy, 2, cache=TaylorSeer(interval=2, warmup=1))
+    step = jax.jit(make_step(fn, plan, "steady", "row", GUIDANCE, mesh))
+    state = step(params, x * 0.8, t, cond, stale)[1][CACHE]  # step 0 computes
+    for n, predicts in ((1, True), (2, False)):  # after 1 warm-up step, one step in 2 computes
+        cache_state = {**state, "step": state["step"] * 0 + n}
+        out, new = step(params, x, t, cond, {**stale, CACHE: cache_state})
+        kept = {k: v for k, v in new.items() if k != CACHE}
+        want = stale if predicts else ref_state
+        for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(want), strict=True):
+            assert max_diff(a, b) <= (0 if predicts else 1e-5)
+        assert (max_diff(out, ref_out) > 1e-3) == predicts
 
 
 def test_a_stale_strategy_runs_with_the_cache():
@@ -165,12 +221,42 @@ def _diffusers_fbcache(ref, threshold: float, call, x0: np.ndarray, ts):
     return x, decisions
 
 
-def _ours(fn, params, threshold: float, cond, x0: np.ndarray, ts, channels: int):
-    """The same loop with patchpar's cache on one device (`parallel.cached.cached_call`, as the
-    single-device pipeline runs it): (final x, per step whether every block ran)."""
-    from patchpar.parallel.cached import cached_call
+def _diffusers_taylorseer(ref, call, x0: np.ndarray, ts, **options):
+    """diffusers' TaylorSeer hook in its lite mode (the output projection predicted, the blocks
+    skipped), factors in float32, over the loop x <- x - 0.1 * out: (final x, per step whether
+    the model ran)."""
+    from diffusers.hooks import taylorseer_cache as tsc
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
-    c = FirstBlockCache(threshold)
+    torch = _torch()
+    decisions = []
+    original = tsc.TaylorSeerCacheHook._measure_should_compute
+
+    def recorded(self):
+        compute, state = original(self)
+        if not state.is_inactive:  # proj_out's hook: one decision per step
+            decisions.append(bool(compute))
+        return compute, state
+
+    tsc.TaylorSeerCacheHook._measure_should_compute = recorded
+    try:
+        config = tsc.TaylorSeerCacheConfig(use_lite_mode=True, taylor_factors_dtype=torch.float32,
+                                           **options)  # fmt: skip
+        tsc.apply_taylorseer_cache(ref, config)
+        _set_cache_context(ref, CacheContext("cond"))
+        x = x0
+        with torch.no_grad():
+            for t in ts:
+                x = x - 0.1 * call(ref, x, t)
+    finally:
+        tsc.TaylorSeerCacheHook._measure_should_compute = original
+    return x, decisions
+
+
+def _ours(fn, params, c, cond, x0: np.ndarray, ts, channels: int):
+    """The same loop with patchpar's cache `c` on one device (`parallel.cached.cached_call`, as
+    the single-device pipeline runs it): (final x, per step whether the blocks ran)."""
+    from patchpar.parallel.cached import cached_call
 
     @jax.jit
     def step(x, t, state):
@@ -194,7 +280,9 @@ def _check(ours, theirs, ours_dec, theirs_dec):
     close(ours, theirs)
 
 
-def test_fbcache_matches_diffusers_on_pixart(tmp_path):
+def _pixart(tmp_path):
+    """PixArt-Σ-like weights in diffusers and in patchpar, ten steps on two images (one with a
+    masked caption): (reference, patchpar's fn and params, call(ref, x, t), cond, x0, ts)."""
     torch = _torch()
     from test_dit_models import SIGMA, make_pixart
 
@@ -219,13 +307,12 @@ def test_fbcache_matches_diffusers_on_pixart(tmp_path):
         ).sample
         return out[:, :4].numpy().transpose(0, 2, 3, 1)  # fmt: skip
 
-    theirs, theirs_dec = _diffusers_fbcache(ref, 0.1, call, x0, ts)
     cond = Conditioning(jnp.asarray(ctx)[None], {"encoder_attention_mask": jnp.asarray(mask)[None]})
-    ours, ours_dec = _ours(fn, params, 0.1, cond, x0, ts, 4)
-    _check(ours, theirs, ours_dec, theirs_dec)
+    return ref, fn, params, call, cond, x0, ts
 
 
-def test_fbcache_matches_diffusers_on_flux(tmp_path):
+def _flux(tmp_path):
+    """FLUX.1-dev-like weights (guidance input 3.5), as `_pixart`."""
     torch = _torch()
     from test_flux_models import DEV, image_ids, make_flux, pack
 
@@ -251,13 +338,60 @@ def test_fbcache_matches_diffusers_on_flux(tmp_path):
         out = out.reshape(2, h // 2, w // 2, 4, 2, 2).transpose(0, 1, 4, 2, 5, 3)
         return out.reshape(2, h, w, 4)
 
-    theirs, theirs_dec = _diffusers_fbcache(ref, 0.5, call, x0, ts)
     extras = {"pooled_projections": jnp.asarray(pooled)[None], "guidance": jnp.asarray(g)[None]}
-    ours, ours_dec = _ours(fn, params, 0.5, Conditioning(jnp.asarray(ctx)[None], extras), x0, ts, 4)
+    return ref, fn, params, call, Conditioning(jnp.asarray(ctx)[None], extras), x0, ts
+
+
+CASES = {"pixart": (_pixart, 0.1), "flux": (_flux, 0.5)}  # the fbcache threshold of each
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_fbcache_matches_diffusers(tmp_path, family):
+    make, threshold = CASES[family]
+    ref, fn, params, call, cond, x0, ts = make(tmp_path)
+    theirs, theirs_dec = _diffusers_fbcache(ref, threshold, call, x0, ts)
+    ours, ours_dec = _ours(fn, params, FirstBlockCache(threshold), cond, x0, ts, 4)
+    _check(ours, theirs, ours_dec, theirs_dec)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("order", [1, 2])
+def test_taylorseer_matches_diffusers(tmp_path, family, order):
+    """patchpar's `taylorseer` is diffusers' TaylorSeer hook in lite mode: the same steps
+    computed (warm-up 2, then one in 3), the same predicted outputs (first and second order)."""
+    ref, fn, params, call, cond, x0, ts = CASES[family][0](tmp_path)
+    theirs, theirs_dec = _diffusers_taylorseer(
+        ref, call, x0, ts, cache_interval=3, disable_cache_before_step=2, max_order=order
+    )
+    c = TaylorSeer(interval=3, warmup=2, order=order)
+    ours, ours_dec = _ours(fn, params, c, cond, x0, ts, 4)
     _check(ours, theirs, ours_dec, theirs_dec)
 
 
 # ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"interval": 0}, "interval=0: must be an integer >= 1"),
+        ({"interval": 2.5}, "interval=2.5: must be an integer >= 1"),
+        ({"warmup": -1}, "warmup=-1: must be an integer >= 0"),
+        ({"order": True}, "order=True: must be an integer >= 0"),
+        ({"stop": 0}, "stop=0: must be an integer >= 1"),
+    ],
+)
+def test_taylorseer_bad_options_are_named(options, message):
+    with pytest.raises(ValueError, match=f"taylorseer {message}"):
+        TaylorSeer(**options)
+
+
+def test_taylorseer_with_too_few_steps_is_named():
+    fn, _ = micro_dit()
+    plan = Plan(make_strategy("single"), cache=TaylorSeer(warmup=3))
+    with pytest.raises(ValueError, match=r"taylorseer warmup=3 with 4 steps: no step would be"):
+        plan.validate(fn, (16, 12), 4, GUIDANCE)
+    plan.validate(fn, (16, 12), 5, GUIDANCE)
 
 
 @pytest.mark.parametrize("threshold", [0, -0.1, float("nan"), float("inf"), "0.1", True])
@@ -269,7 +403,7 @@ def test_a_threshold_that_is_not_positive_is_named(threshold):
 def test_unknown_caches_and_options_are_named():
     assert make_cache("none") is None and make_cache(None) is None
     assert make_cache("fbcache", threshold=0.2) == FirstBlockCache(0.2)
-    with pytest.raises(ValueError, match=r"cache='teacash'; known: none, fbcache"):
+    with pytest.raises(ValueError, match=r"cache='teacash'; known: none, fbcache, taylorseer"):
         make_cache("teacash")
     with pytest.raises(ValueError, match=r"cache 'fbcache' has no option \['interval'\]"):
         make_cache("fbcache", interval=3)

@@ -68,6 +68,8 @@ def test_cache_config_bad_input_and_old_records(tmp_path):
         dit_config(tmp_path, **{"cache.name": "fbcache", "cache.threshold": -0.1}).validate()
     with pytest.raises(ValueError, match=r"cache options \['threshold'\] given without a cache"):
         dit_config(tmp_path, **{"cache.threshold": 0.1}).validate()
+    with pytest.raises(ValueError, match=r"cache 'taylorseer' has no option \['threshold'\]"):
+        dit_config(tmp_path, **{"cache.name": "taylorseer", "cache.threshold": 0.1}).validate()
     # a cache the model's family lacks: the run's record says so, nothing is generated
     r = run(dit_config(tmp_path, **{"model.name": "fmnist", "cache.name": "fbcache"}))
     assert r["status"] == "error" and "does not exist for a unet denoiser" in r["error"]
@@ -121,5 +123,12 @@ def test_generate_with_a_cache(tmp_path, capsys):
         FirstBlockCache(0.3).blocks_computed(8, STEPS, n)
     )
     assert f"{n} of {STEPS} steps ran every block" in capsys.readouterr().out
+    # TaylorSeer on a UNet: 3 warm-up steps, then one step in 2 computed (steps 1-3 and 5 of 6)
+    unet = ["generate", "--model", "fmnist", "--steps", str(STEPS), "--cache", "taylorseer",
+            "--cache-interval", "2", "--out", str(tmp_path / "unet")]  # fmt: skip
+    assert main(unet) == 0
+    record = json.loads((tmp_path / "unet" / "generate.json").read_text())
+    assert record["cache"] == "taylorseer(interval=2, warmup=3, order=1, stop=None)"
+    assert record["cache_computed_steps"] == 4 and record["blocks_computed"] == pytest.approx(4 / 6)
     assert main([*args[:-2], "--cache-threshold", "0", "--out", str(tmp_path)]) == 2
     assert "fbcache threshold=0.0: must be a finite number > 0" in capsys.readouterr().err

@@ -256,11 +256,21 @@ class CacheConfig:
     (`patchpar.sampling.cache`, docs/design.md §3c)."""
 
     name: str = "none"
-    """none, or fbcache (first-block cache: a transformer's blocks after the first are skipped
-    while the first block's residual barely changes; PixArt, FLUX, SD3)."""
+    """none; fbcache (first-block cache: a transformer's blocks after the first are skipped
+    while the first block's residual barely changes; PixArt, FLUX, SD3); taylorseer (after a
+    warm-up, one step in `interval` runs the denoiser and the others predict its output by a
+    Taylor expansion; every family)."""
     threshold: float | None = None
     """fbcache: skip while the first block's residual changed by at most this (relative mean
     absolute change since the last computed step); unset: 0.05 (diffusers')."""
+    interval: int | None = None
+    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5)."""
+    warmup: int | None = None
+    """taylorseer: the first steps that all run the denoiser (unset: 3)."""
+    order: int | None = None
+    """taylorseer: the Taylor expansion's highest order (unset: 1)."""
+    stop: int | None = None
+    """taylorseer: from this step on every step runs again (unset: never)."""
 
     def options(self) -> dict:
         """The options set (None: the cache's default)."""

@@ -1,39 +1,75 @@
 """A denoiser call under a step cache (`patchpar.sampling.cache`), inside one device's
-program or on one device alone: the model runs as its parts (`prologue`, `blocks(lo, hi)`,
-`epilogue`), the strategy's stale collection threaded through them, and the cache decides
-which blocks run. Used by the engine's step program and by the one-device pipeline."""
+program or on one device alone. The cache drives the model through `ModelParts`: the whole
+forward, or its parts (`prologue`, `blocks(lo, hi)`, `epilogue`), with the strategy's stale
+collection threaded through them and the packed stale exchange after them. Used by the
+engine's step program and by the one-device pipeline."""
 
 from __future__ import annotations
 
-from patchpar.sampling.cache import first_block_step
+from dataclasses import dataclass
+from typing import Any
+
+from patchpar.parallel.sites import STALE
 from patchpar.sampling.guidance import call_on_stack
+
+
+@dataclass
+class ModelParts:
+    """One guidance stack's model call, as a step cache runs it: `whole()` or `head()`,
+    `tail(...)` and `epilogue(...)`; each part returns the stale buffers after its exchange."""
+
+    module: Any
+    variables: dict
+    mutable: list
+    exchanged: Any  # mutated collections -> the stale buffers after the call's sends
+    args: tuple  # (xs, ts, context)
+    added: dict
+
+    def _part(self, method, variables, *args, **kw):
+        return self.module.apply(variables, *args, method=method, mutable=self.mutable, **kw)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.module.num_blocks
+
+    def whole(self):
+        """(the model's output, the stale buffers after it)."""
+        out, mut = self.module.apply(self.variables, *self.args, **self.added, mutable=self.mutable)
+        return out, self.exchanged(mut)
+
+    def incoming(self) -> dict:
+        """The stale buffers as the call received them (what a skipped call leaves)."""
+        return self.variables.get(STALE, {})
+
+    def head(self):
+        """(hs before the first block, hs after it, carry: aux and the mutated collections)."""
+        (hs0, aux), mut = self._part("prologue", self.variables, *self.args, **self.added)
+        hs1, mut = self._part("blocks", {**self.variables, **mut}, 0, 1, hs0, aux)
+        return hs0, hs1, (aux, mut)
+
+    def tail(self, hs1, carry):
+        """The blocks after the first: (hs after the last, the stale buffers after all sends)."""
+        aux, mut = carry
+        last, mut = self._part("blocks", {**self.variables, **mut}, 1, self.num_blocks, hs1, aux)
+        return last, self.exchanged(mut)
+
+    def skip(self, carry):
+        """The stale buffers when the blocks after the first are skipped: theirs as they came
+        in, the first block's sent."""
+        return self.exchanged(carry[1])
+
+    def epilogue(self, hs, carry):
+        out, _ = self._part("epilogue", self.variables, hs, carry[0])
+        return out
 
 
 def cached_call(cache, module, variables, mutable, exchanged, x, t, cond, state, reduce_sum):
     """One model call under a step cache, inside one device's program: (output (G, B, h, W,
-    C), the stale buffers after the call, the cache's new state). The model runs as its parts
-    (`prologue`, `blocks`, `epilogue`), the stale collection threaded through them; the
-    skip decision's two sums are all-reduced over every device (`sampling.cache`)."""
-
-    def part(method, variables, *args, **kw):
-        return module.apply(variables, *args, method=method, mutable=mutable, **kw)
+    C), the stale buffers after the call, the cache's new state). `reduce_sum` sums over every
+    device (a data-dependent decision is taken on all-reduced sums; identity on one device)."""
 
     def run(xs, ts, ctx, **added):
-        def head():
-            (hs0, aux), mut = part("prologue", variables, xs, ts, ctx, **added)
-            hs1, mut = part("blocks", {**variables, **mut}, 0, 1, hs0, aux)
-            return hs0, hs1, (aux, mut)
-
-        def tail(hs1, carry):
-            aux, mut = carry
-            last, mut = part("blocks", {**variables, **mut}, 1, module.num_blocks, hs1, aux)
-            return last, exchanged(mut)
-
-        def skip(carry):  # the skipped blocks' buffers as they were; the first block's sent
-            return exchanged(carry[1])
-
-        last, stale, new, (aux, _) = first_block_step(cache, state, head, tail, skip, reduce_sum)
-        out, _ = part("epilogue", variables, last, aux)
-        return out, stale, new
+        parts = ModelParts(module, variables, mutable, exchanged, (xs, ts, ctx), added)
+        return cache.call(parts, state, reduce_sum)
 
     return call_on_stack(run, x, t, cond)

@@ -394,7 +394,8 @@ class Pipeline:
             return None
         computed = to_local(state[CACHE]["computed"])  # one per device: all the same
         n = int(np.asarray(computed).reshape(-1)[0])
-        return cache_report(plan.cache, self.unet.module.num_blocks, steps, n)
+        blocks = getattr(self.unet.module, "num_blocks", 1)  # a UNet: one whole call
+        return cache_report(plan.cache, blocks, steps, n)
 
     def _denoise_logged(self, cond, latents, sampler, steps, guidance_scale, plan, check_memory,
                         log):  # fmt: skip

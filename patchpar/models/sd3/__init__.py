@@ -48,7 +48,7 @@ class SD3Fn:
     splits_columns = False  # its positions and tokens are cut by rows only
     text_tokens = 77 + 256  # CLIP's 77 and T5's 256 (the pipeline's default) join every block
     text_stream = True  # every device computes the text stream (`parallel.sites.text`)
-    caches = ("fbcache",)  # the step caches it has (`patchpar.sampling.cache`)
+    caches = ("fbcache", "taylorseer")  # the step caches it has (`patchpar.sampling.cache`)
     guidance_halves = 2  # classifier-free guidance
 
     no_stack = ""  # it has one (`stack`)
