@@ -132,3 +132,38 @@ def test_generate_with_a_cache(tmp_path, capsys):
     assert record["cache_computed_steps"] == 4 and record["blocks_computed"] == pytest.approx(4 / 6)
     assert main([*args[:-2], "--cache-threshold", "0", "--out", str(tmp_path)]) == 2
     assert "fbcache threshold=0.0: must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_plot_of_quality_against_blocks_computed(tmp_path, capsys):
+    """`patchpar plot` draws PSNR against the fraction of blocks computed, one line per strategy
+    and cache, the uncached run on each; records without a cache skip it."""
+    rows = [("sync_patch", {"name": "none"}, 1.0, float("inf")),
+            ("distrifusion", {"name": "none"}, 1.0, 30.0),
+            ("distrifusion + fbcache threshold=0.1", {"name": "fbcache", "threshold": 0.1}, 0.6, 25.0),
+            ("distrifusion + taylorseer interval=2", {"name": "taylorseer", "interval": 2}, 0.5, 20.0)]  # fmt: skip
+    lines = [
+        json.dumps(
+            {
+                "label": label,
+                "status": "ok",
+                "config": {"cache": cache},
+                "metrics": {"blocks_computed": blocks, "psnr": psnr},
+            }
+        )  # fmt: skip
+        for label, cache, blocks, psnr in rows
+    ]
+    (tmp_path / "runs.jsonl").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    from patchpar.lab.plots import plot_psnr_vs_blocks
+    from patchpar.lab.results import read_records
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    assert plot_psnr_vs_blocks(read_records(tmp_path / "runs.jsonl"), ax)
+    drawn = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()}
+    assert drawn == {"distrifusion, fbcache": [0.6, 1.0], "distrifusion, taylorseer": [0.5, 1.0]}
+    _, ax = plt.subplots()
+    assert not plot_psnr_vs_blocks(read_records(tmp_path / "runs.jsonl")[:2], ax)

@@ -401,7 +401,7 @@ def test_plot_skips_what_the_records_lack(tmp_path, capsys):
     )
     assert main(["plot", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("skipped") == 6
+    assert out.count("skipped") == 7
     assert main(["table", str(tmp_path / "nothing")]) == 2
     assert "no records at" in capsys.readouterr().err
 

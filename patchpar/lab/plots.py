@@ -167,12 +167,32 @@ def plot_speedup(records, ax) -> bool:
     return True
 
 
+def plot_psnr_vs_blocks(records, ax) -> bool:
+    """Step caches: PSNR against uncached `single` vs the fraction of block calls that ran, one
+    line per strategy and cache (the strategy's uncached run at 1, on each of its lines)."""
+    rs = [r for r in _ok(records, "psnr", "blocks_computed") if np.isfinite(get(r, "psnr"))]
+    caches = sorted({get(r, "cache.name") or "none" for r in rs} - {"none"})
+    if not caches:
+        return False
+    series = []
+    for r in rs:
+        strategy = str(r.get("label") or "?").split(" + ")[0]
+        cache = get(r, "cache.name") or "none"
+        for c in caches if cache == "none" else [cache]:
+            series.append({**r, "_series": f"{strategy}, {c}"})
+    _lines(ax, series, "blocks_computed", "psnr", group="_series")
+    ax.set(xlabel="fraction of block calls computed", ylabel="PSNR vs uncached single (dB)",
+           title="Step caches")  # fmt: skip
+    return True
+
+
 PLOTS = {
     "bytes_vs_devices": plot_bytes_vs_devices,
     "psnr_vs_devices": plot_psnr_vs_devices,
     "step_time_vs_strategy": plot_step_time,
     "psnr_vs_portion": plot_psnr_vs_portion,
     "speedup_vs_strategy": plot_speedup,
+    "psnr_vs_blocks_computed": plot_psnr_vs_blocks,
 }
 
 
