@@ -49,16 +49,43 @@ def test_cached_runs_record_the_cache_against_uncached_single(tmp_path):
         assert m["blocks_computed"] == pytest.approx((STEPS + n * (blocks - 1)) / (STEPS * blocks))
         # against uncached single: skipped steps change the image
         assert m["latent_max_abs_diff"] > 1e-3 and np.isfinite(m["psnr"])
-        assert any("measure.comm" in w for w in r["warnings"])  # bytes not counted: said
-        assert "bytes_per_device_per_step" not in m
     # sync_patch with the cache equals single with the cache: the same decisions, one image
     assert two["metrics"]["cache_computed_steps"] == one["metrics"]["cache_computed_steps"]
     assert two["metrics"]["latent_max_abs_diff"] == pytest.approx(
         one["metrics"]["latent_max_abs_diff"], abs=1e-4
     )
+    # bytes: a computed step's and a skipped step's, each from a program forced to that
+    # branch and equal to its analytic count; a skipped step sends block 0's K/V (1 of the 8
+    # blocks) and both kinds all-reduce the decision's two float32 sums (8 bytes on 2 devices)
+    m = two["metrics"]
+    assert m["analytic_matches_hlo"]
+    full, skipped = m["warmup_bytes_per_device"], m["warmup_skipped_step_bytes_per_device"]
+    assert skipped - 8 == (full - 8) // 8 > 0
+    n = m["cache_computed_steps"]
+    assert m["bytes_per_device_per_step"] == pytest.approx(
+        (n * full + (STEPS - n) * skipped) / STEPS
+    )
     m = plain["metrics"]
     assert m["cache"] == "none" and m["blocks_computed"] == 1.0
     assert m["cache_computed_steps"] == STEPS and m["latent_max_abs_diff"] == 0.0
+
+
+def test_a_predicted_step_is_counted_as_sending_nothing(tmp_path):
+    """DistriFusion with TaylorSeer on 2 devices: a computed step's bytes per phase equal the
+    uncached run's, a predicted step's are 0, the mean weights them by the steps taken."""
+    over = {"strategy": {"name": "distrifusion", "warmup_steps": 1}, "mesh.devices": 2}
+    cached = run(dit_config(tmp_path, **over, cache={"name": "taylorseer", "interval": 2,
+                                                     "warmup": 1}))  # fmt: skip
+    plain = run(dit_config(tmp_path, **over))
+    m, p = cached["metrics"], plain["metrics"]
+    assert m["analytic_matches_hlo"] and p["analytic_matches_hlo"]
+    for phase in ("warmup", "steady"):
+        assert m[f"{phase}_bytes_per_device"] == p[f"{phase}_bytes_per_device"] > 0
+        assert m[f"{phase}_skipped_step_bytes_per_device"] == 0
+    # steps 1 (warm-up phase: 2 steps), 3 and 5 compute; steps 2, 4 and 6 are predicted
+    assert m["cache_computed_steps"] == 3
+    want = p["warmup_bytes_per_device"] + 2 * p["steady_bytes_per_device"]
+    assert m["bytes_per_device_per_step"] == pytest.approx(want / STEPS)
 
 
 def test_cache_config_bad_input_and_old_records(tmp_path):

@@ -1,5 +1,5 @@
 """The paper-artefact notebooks (experiments/notebooks/table1_quality, table2_communication,
-ablations, flux_study) execute with nbclient on the committed records, read records only, and
+ablations, flux_study, caches) execute with nbclient on the committed records, read records only, and
 draw their figures; they run on a copy of the records so the committed figures stay as they
 are."""
 
@@ -95,3 +95,19 @@ def test_flux_study_notebook(tmp_path, monkeypatch, run_notebook):
             assert png.stat().st_size > 0
         else:
             assert "fmnist_flux_ablations: no records" in text and not png.exists()
+
+
+CACHES = ("cache_fmnist_dit", "cache_fmnist", "speedup_cache_fmnist_dit", "speedup_cache_fmnist")
+
+
+@pytest.mark.skipif(
+    not (RESULTS / "cache_fmnist_dit" / "runs.jsonl").is_file(), reason="no step-cache records"
+)
+def test_caches_notebook(tmp_path, monkeypatch, run_notebook):
+    found = copy_records(tmp_path, *CACHES)
+    monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
+    text, _ = run_notebook(NOTEBOOKS / "caches.ipynb")
+    assert "| distrifusion + fbcache threshold=0.1 |" in text
+    for name in found:
+        plot = "speedup" if name.startswith("speedup") else "psnr_vs_blocks_computed"
+        assert (tmp_path / name / "plots" / f"{plot}.png").stat().st_size > 0

@@ -547,12 +547,6 @@ def unused_options(config: RunConfig) -> list[str]:
                 f"measure.{key}={getattr(m, key)!r} has no effect: measure.quality "
                 f"{list(m.quality)} does not include {metric}"
             )
-    if config.cache.name != "none" and m.comm and not m.compute_only:
-        out.append(
-            f"measure.comm: the bytes of a run with cache {config.cache.name!r} are not counted "
-            f"(a skipped step sends only its first block's share, decided at run time); the "
-            f"same run without the cache counts a computed step's"
-        )
     if m.compute_only and m.quality:
         out.append(
             f"measure.quality {list(m.quality)} is not measured with measure.compute_only (the "

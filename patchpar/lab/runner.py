@@ -63,9 +63,13 @@ def point_key(config: RunConfig | dict) -> str:
 def comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
     """Bytes received per device per step (warm-up, steady, and the mean over the run's steps)
     and FLOPs per device of one step, from the timed phase programs themselves (`counted`:
-    phase -> `measure.cost.count_lowered` of its loop, whose body is one step)."""
+    phase -> `measure.cost.count_lowered` of its loop, whose body is one step). With a step
+    cache, `counted` holds each kind of step's programs apart (`computed`, `skipped`) and the
+    computed steps of each phase (`cache`)."""
     from patchpar.parallel.engine import weight_bytes
 
+    if "cache" in counted:
+        return _cached_comm_metrics(pipe, plan, config, counted)
     wu = counted["warmup"]
     st = counted.get("steady", wu)  # an exact strategy's steps are all warm-up steps
     n = config.sampler.steps
@@ -89,6 +93,42 @@ def comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
     }
 
 
+def _cached_comm_metrics(pipe, plan, config: RunConfig, counted: dict) -> dict:
+    """comm_metrics of a cached run: a computed and a skipped step's bytes per phase (each from
+    a program forced to that branch, checked against its analytic count), weighted by the
+    steps of each kind the run took."""
+    from patchpar.parallel.engine import weight_bytes
+
+    n = config.sampler.steps
+    sync = plan.strategy.warmup_phase_steps(n)
+    spans = {"warmup": sync, "steady": n - sync}
+    comp, skip, ran = counted["computed"], counted["skipped"], counted["cache"]
+    out, total, released, match = {}, 0, 0, True
+    for phase, steps in spans.items():
+        if not steps:
+            continue
+        c, k = comp[phase]["hlo"]["all"]["max"], skip[phase]["hlo"]["all"]["max"]
+        out[f"{phase}_bytes_per_device"] = c  # a computed step's
+        out[f"{phase}_skipped_step_bytes_per_device"] = k
+        total += ran[phase] * c + (steps - ran[phase]) * k
+        released += ran[phase] * comp[phase]["released"]["all"]["max"]
+        released += (steps - ran[phase]) * skip[phase]["released"]["all"]["max"]
+        match = (
+            match and comp[phase]["analytic_matches_hlo"] and skip[phase]["analytic_matches_hlo"]
+        )
+    st = comp.get("steady", comp["warmup"])
+    return {
+        "released_bytes_per_device_per_step": released / n,
+        **out,
+        "bytes_per_device_per_step": total / n,
+        "bytes_per_device_total": total,
+        "flops_per_device_per_step": st.get("flops_per_device"),  # a computed step's
+        "weight_bytes_per_device": weight_bytes(plan, pipe.unet, pipe.unet_params),
+        "weight_rules": plan.rules_name,
+        "analytic_matches_hlo": bool(match),
+    }
+
+
 def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     """Compile the denoising programs, one per phase (timed apart from running), run them
     `warmup_runs` times, then time `repeats` runs, each phase waited for on its own so that
@@ -102,13 +142,16 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     from patchpar.parallel.engine import guided_slab, stale_bytes_per_device
     from patchpar.parallel.sites import record_sites
     from patchpar.pipelines.text2img import outputs_abstract
+    from patchpar.sampling.cache import Forced
 
     s, m = config.sampler, config.measure
     hits = compile_cache.hits()
     t0 = time.perf_counter()
     programs, args = pipe.denoise_phases(cond, x0, s.name, s.steps, s.guidance_scale, plan)
     compiled, lowered, memory, x, loop = [], {}, {}, args[3], None
+    entering = {}  # each phase's abstract inputs
     for phase, n, fn in programs:  # each phase lowered on what the one before it returns
+        entering[phase] = (x, loop)
         with record_sites() as calls:  # the site calls of its loop body: one step's
             low = jax.jit(fn).lower(*args[:3], x, loop)
         c = low.compile()
@@ -150,15 +193,37 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         out[PHASE_STEPS[phase]] = steps.get(phase, 0)
         out[f"{phase}_step_s_median"] = ph["median"] / steps[phase] if ph else None
     counted = None
-    # the timed programs are the counted ones; a cached run's bytes depend on its skips
-    if m.comm and not m.compute_only and plan.cache is None:
+    if m.comm and not m.compute_only:
         local_out = guided_slab(plan, x0.shape)  # one device's share of the guided output
         itemsize = jax.numpy.dtype(pipe.unet.module.dtype).itemsize
-        counted = {
-            phase: count_lowered(low, calls, plan, local_out, itemsize, phase_loop=True)
-            for phase, (low, calls) in lowered.items()
-        }
+        count = lambda low, calls: count_lowered(  # noqa: E731
+            low, calls, plan, local_out, itemsize, phase_loop=True
+        )
+        if plan.cache is None:  # the timed programs are the counted ones
+            counted = {phase: count(low, calls) for phase, (low, calls) in lowered.items()}
+        else:  # both branches are in the timed program: each kind of step counted apart
+            counted = {"cache": _cache_steps(pipe, plan, state, s.steps)}
+            for kind, compute in (("computed", True), ("skipped", False)):
+                forced = dataclasses.replace(plan, cache=Forced(plan.cache, compute))
+                fns, fargs = pipe.denoise_phases(cond, x0, s.name, s.steps, s.guidance_scale,
+                                                 forced)  # fmt: skip
+                counted[kind] = {}
+                for phase, _, fn in fns:
+                    with record_sites() as calls:
+                        low = jax.jit(fn).lower(*fargs[:3], *entering[phase])
+                    counted[kind][phase] = count(low, calls)
     return final, out, counted
+
+
+def _cache_steps(pipe, plan, state, steps: int) -> dict:
+    """{phase: steps that ran every block} of a cached run, from its final state."""
+    from patchpar.parallel.mesh import to_local
+    from patchpar.sampling.cache import CACHE, STEADY_COMPUTED
+
+    first = lambda a: int(np.asarray(to_local(a)).reshape(-1)[0])  # noqa: E731
+    total = first(state[CACHE]["computed"])
+    steady = first(state[CACHE][STEADY_COMPUTED]) if STEADY_COMPUTED in state[CACHE] else 0
+    return {"warmup": total - steady, "steady": steady}
 
 
 def timed_encode(pipe, config: RunConfig, batch, hw) -> dict:

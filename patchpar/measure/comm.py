@@ -10,7 +10,7 @@ S sums every operand of a tuple collective; `replica_groups={}` is one group of 
 Async `-start`/`-done` pairs count once (at the start), sized by their operand part; an op
 wrapped in a generic `async-start(..., calls=...)` is counted from the wrapped computation. Site kinds come from the named scopes
 the parallel layer puts around its collectives (`pp_halo`, `pp_gn`, `pp_kv`, `pp_cfg`,
-`pp_tp`, `pp_fsdp`, `pp_pipe`, `pp_text`).
+`pp_tp`, `pp_fsdp`, `pp_pipe`, `pp_text`, `pp_cache`).
 Use the pre-optimisation HLO to count bf16 as bf16: the CPU backend upcasts bf16 collectives.
 """
 
@@ -50,6 +50,7 @@ SITES = (
     "fsdp",
     "pipe",
     "text",
+    "cache",
 )  # pp_<site> scopes; anything else is "other"
 
 _INSTR = re.compile(

@@ -9,8 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from patchpar.parallel.sites import STALE
+from patchpar.parallel.sites import STALE, shapes_only
 from patchpar.sampling.guidance import call_on_stack
+
+
+@dataclass(frozen=True)
+class DecisionSum:
+    """The all-reduce of a data-dependent cache decision's sums over the `n` devices that hold
+    other rows, halves or images (site `cache`): its analytic bytes, as a site op's."""
+
+    n: int
+    kind: str = "cache"
+
+    def received_bytes(self, info: dict, p: int) -> int:
+        return 2 * (self.n - 1) * info["bytes"] // self.n if self.n > 1 else 0  # ring
+
+    released_bytes = received_bytes  # the released codes have no cache: the same op
 
 
 @dataclass
@@ -31,6 +45,8 @@ class ModelParts:
     @property
     def num_blocks(self) -> int:
         return self.module.num_blocks
+
+    quiet = staticmethod(shapes_only)  # a shape trace's site calls are not the program's
 
     def whole(self):
         """(the model's output, the stale buffers after it)."""

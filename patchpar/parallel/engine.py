@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models.family import Denoiser
 from patchpar.models.sites import IDENTITY
-from patchpar.parallel.cached import cached_call
+from patchpar.parallel.cached import DecisionSum, cached_call
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged, pending_sends
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
 from patchpar.parallel.program import Program
@@ -40,8 +40,9 @@ from patchpar.parallel.rules import (
     weight_bytes_per_device,
 )
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
+from patchpar.parallel.sites.common import note
 from patchpar.parallel.strategies import Strategy
-from patchpar.sampling.cache import CACHE, StepCache
+from patchpar.sampling.cache import CACHE, STEADY_COMPUTED, StepCache
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
@@ -288,7 +289,11 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
     groups = plan.strategy.packed_groups() if plan.strategy.packs(phase) else None
 
     def reduce_sum(v):  # over every device that holds other rows, halves or images
-        return lax.psum(v, (DATA, CFG, PATCH)) if plan.comm else v  # stand-ins: this one's
+        if not plan.comm:  # stand-ins: this one's
+            return v
+        note(DecisionSum(plan.data * cfg * plan.patch), bytes=v.size * v.dtype.itemsize)
+        with jax.named_scope("pp_cache"):
+            return lax.psum(v, (DATA, CFG, PATCH))
 
     def local(params, x, t, cond, state):
         # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
@@ -314,11 +319,18 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
             out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
             stale = exchanged(mutated)
         else:
+            before = cache_state
+            inner = None if before is None else {
+                k: v for k, v in before.items() if k != STEADY_COMPUTED
+            }  # fmt: skip
             out, stale, cache_state = cached_call(
-                cache, module, variables, mutable, exchanged, x, t, cond, cache_state, reduce_sum
+                cache, module, variables, mutable, exchanged, x, t, cond, inner, reduce_sum
             )
         out = unet.prediction(out)  # the sampler's model output (a learned-sigma DiT: half)
-        if cache is not None:
+        if cache is not None:  # and the steady phase's computed steps apart (bytes per phase)
+            ran = cache_state["computed"] - (0 if before is None else before["computed"])
+            steady = 0 if before is None else before[STEADY_COMPUTED]
+            cache_state = {**cache_state, STEADY_COMPUTED: steady + ran * (phase == "steady")}
             stale = {**stale, CACHE: cache_state}
         if cfg == 2 and not plan.comm:
             out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below

@@ -23,6 +23,7 @@ The model's side is its forward in three parts (`prologue`, `blocks(lo, hi)`, `e
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 CACHE = "step_cache"  # the cache's state beside the stale buffers in the engine's loop state
+STEADY_COMPUTED = "steady_computed"  # in it: the computed steps of a strategy's steady phase
 
 
 class StepCache:
@@ -57,9 +59,11 @@ class StepCache:
         """The fraction of the denoiser's block calls that ran."""
         raise NotImplementedError
 
-    def call(self, model, state: dict | None, reduce_sum: Callable):
+    def call(self, model, state: dict | None, reduce_sum: Callable, force: bool | None = None):
         """One model call: (output, stale buffers after it, new state). `model` is the call's
-        parts (`parallel.cached.ModelParts`); `state` None at the first step."""
+        parts (`parallel.cached.ModelParts`); `state` None at the first step; `force` True or
+        False takes that branch whatever the decision (a program with one branch, whose
+        collectives are one kind of step's: for counting bytes)."""
         raise NotImplementedError
 
 
@@ -83,9 +87,9 @@ class FirstBlockCache(StepCache):
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         return (steps + computed_steps * (num_blocks - 1)) / (steps * num_blocks)
 
-    def call(self, model, state, reduce_sum):
+    def call(self, model, state, reduce_sum, force=None):
         last, stale, new, carry = first_block_step(
-            self, state, model.head, model.tail, model.skip, reduce_sum
+            self, state, model.head, model.tail, model.skip, reduce_sum, model.quiet, force
         )
         return model.epilogue(last, carry), stale, new
 
@@ -134,8 +138,9 @@ class TaylorSeer(StepCache):
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         return computed_steps / steps
 
-    def call(self, model, state, reduce_sum):
-        like = jax.eval_shape(model.whole)
+    def call(self, model, state, reduce_sum, force=None):
+        with model.quiet():  # a shape trace: its site calls are not the program's
+            like = jax.eval_shape(model.whole)
         if state is None:
             state = {
                 "factors": jnp.zeros((self.order + 1, *like[0].shape), jnp.float32),
@@ -155,7 +160,11 @@ class TaylorSeer(StepCache):
             return out, model.incoming(), (state["factors"], state["orders"], state["last"])
 
         compute = self.computes(step)
-        out, stale, (factors, orders, last) = lax.cond(compute, computed, predicted)
+        if force is None:
+            out, stale, (factors, orders, last) = lax.cond(compute, computed, predicted)
+        else:
+            out, stale, (factors, orders, last) = (computed if force else predicted)()
+            compute = jnp.asarray(force)
         new = {
             "factors": factors,
             "orders": orders,
@@ -191,6 +200,32 @@ def _taylor_predict(state, step):
 
 
 CACHES: dict[str, type[StepCache]] = {c.name: c for c in (FirstBlockCache, TaylorSeer)}
+
+
+@dataclass(frozen=True)
+class Forced(StepCache):
+    """`cache` with every step taking one branch (`compute` True: the blocks run; False: they
+    are skipped or predicted): a program whose collectives are those of one kind of step, for
+    counting bytes. Its images are not the cache's."""
+
+    cache: StepCache
+    compute: bool
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.cache.name
+
+    def validate(self, denoiser, steps: int) -> None:
+        self.cache.validate(denoiser, steps)
+
+    def describe(self) -> str:
+        return f"{self.cache.describe()} forced to {'compute' if self.compute else 'skip'}"
+
+    def blocks_computed(self, num_blocks, steps, computed_steps):
+        return self.cache.blocks_computed(num_blocks, steps, computed_steps)
+
+    def call(self, model, state, reduce_sum, force=None):
+        return self.cache.call(model, state, reduce_sum, self.compute)
 
 
 def make_cache(name: str | None, **options) -> StepCache | None:
@@ -238,20 +273,25 @@ def first_block_step(
     tail: Callable,
     skip: Callable,
     reduce_sum: Callable = lambda x: x,
+    quiet: Callable = contextlib.nullcontext,
+    force: bool | None = None,
 ):
     """One step of the first-block cache.
 
     head() -> (hs before the first block, hs after it, carry); tail(hs, carry) -> (hs after
     the last block, extra); skip(carry) -> extra (what `tail` would give, from what is
-    carried: the stale buffers); reduce_sum: the sum over every device (identity on one).
-    `state` None: the first step. -> (hs after the last block, extra, new state, carry)."""
+    carried: the stale buffers); reduce_sum: the sum over every device (identity on one);
+    quiet(): a context for shape traces (their site calls are not the program's); force: as
+    `StepCache.call`. `state` None: the first step. -> (hs after the last block, extra, new
+    state, carry)."""
     h0, h1, carry = head()
 
     def computed():
         last, extra = tail(h1, carry)
         return last, extra, _sub(last, h1), h1[0] - h0[0]
 
-    like = jax.eval_shape(computed)
+    with quiet():
+        like = jax.eval_shape(computed)
     if state is None:  # shaped as a computed step leaves it
         state = {
             "residual": _zeros(like[3]),
@@ -267,7 +307,12 @@ def first_block_step(
     def skipped():
         return _add(h1, state["tail"]), skip(carry), state["tail"], state["residual"]
 
-    last, extra, tail_res, residual = lax.cond(compute, computed, _cast(skipped, like))
+    if force is None:
+        last, extra, tail_res, residual = lax.cond(compute, computed, _cast(skipped, like))
+    else:
+        last, extra, tail_res, residual = (computed if force else _cast(skipped, like))()
+        # the decision's sums stay in the program (their all-reduce is a step's bytes)
+        compute = jnp.logical_or(compute, True) if force else jnp.logical_and(compute, False)
     new = {
         "residual": residual,
         "tail": tail_res,
