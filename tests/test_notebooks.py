@@ -97,7 +97,8 @@ def test_flux_study_notebook(tmp_path, monkeypatch, run_notebook):
             assert "fmnist_flux_ablations: no records" in text and not png.exists()
 
 
-CACHES = ("cache_fmnist_dit", "cache_fmnist", "speedup_cache_fmnist_dit", "speedup_cache_fmnist")
+CACHES = ("cache_fmnist_dit", "cache_fmnist", "cache_fmnist_flux", "speedup_cache_fmnist_dit",
+          "speedup_cache_fmnist")  # fmt: skip
 
 
 @pytest.mark.skipif(
