@@ -105,7 +105,7 @@ def test_a_cache_that_never_skips_changes_nothing(name, options):
         assert max_diff(a, b) <= 1e-4
 
 
-@pytest.mark.parametrize("model", ["dit", "unet"])
+@pytest.mark.parametrize("model", ["dit", pytest.param("unet", marks=pytest.mark.slow)])
 def test_taylorseer_under_sync_patch_equals_one_device(model):
     """The prediction is elementwise over each device's output: sync_patch on 2 and 4 patches
     (and with the guidance halves apart) computes the same steps and equals one device."""
@@ -355,7 +355,7 @@ def test_fbcache_matches_diffusers(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", list(CASES))
-@pytest.mark.parametrize("order", [1, 2])
+@pytest.mark.parametrize("order", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_taylorseer_matches_diffusers(tmp_path, family, order):
     """patchpar's `taylorseer` is diffusers' TaylorSeer hook in lite mode: the same steps
     computed (warm-up 2, then one in 3), the same predicted outputs (first and second order)."""
