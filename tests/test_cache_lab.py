@@ -194,3 +194,44 @@ def test_plot_of_quality_against_blocks_computed(tmp_path, capsys):
     assert drawn == {"distrifusion, fbcache": [0.6, 1.0], "distrifusion, taylorseer": [0.5, 1.0]}
     _, ax = plt.subplots()
     assert not plot_psnr_vs_blocks(read_records(tmp_path / "runs.jsonl")[:2], ax)
+
+
+def test_project_schedules_of_the_caches():
+    from patchpar.lab.project import cache_schedule
+    from patchpar.sampling.cache import TaylorSeer
+
+    assert cache_schedule(None, 8, None) is None
+    ts = TaylorSeer(interval=2, warmup=3)
+    assert cache_schedule(ts, 8, None) == [True, True, True, False, True, False, True, False]
+    assert cache_schedule(ts, 8, 5) == cache_schedule(ts, 8, None)
+    with pytest.raises(ValueError, match=r"cache_computed_steps=4: taylorseer.*computes 5 of 8"):
+        cache_schedule(ts, 8, 4)
+    fb = FirstBlockCache(0.1)
+    assert cache_schedule(fb, 8, 3) == [True, False, True, False, False, True, False, False]
+    assert cache_schedule(fb, 8, 8) == [True] * 8
+    for bad in (None, 0, 9, 2.5):
+        with pytest.raises(ValueError, match=r"cache 'fbcache' decides from the data"):
+            cache_schedule(fb, 8, bad)
+    with pytest.raises(ValueError, match=r"cache_computed_steps=3: there is no cache"):
+        cache_schedule(None, 8, 3)
+
+
+def test_project_a_cached_run(tmp_path):
+    """Each kind of step's program is lowered and priced: a first-block cache whose every step
+    computes costs the uncached run (plus its decision's all-reduce); TaylorSeer's predicted
+    steps cost less, on the parallel plan and on one device."""
+    from patchpar.lab.project import ProjectConfig, run_project
+
+    base = dict(model="tiny-dit", resolution=128, strategy="distrifusion", devices=2, steps=8,
+                workloads=tmp_path / "w.jsonl")  # fmt: skip
+    (full,) = run_project(ProjectConfig(**base, cache="fbcache", cache_computed_steps=8))
+    assert full["cache_computed_steps"] == 8
+    assert full["latency_cached_s"] == pytest.approx(full["latency_s"], rel=1e-2)
+    assert full["single_cached_latency_s"] == pytest.approx(full["single_latency_s"], rel=1e-2)
+    (ts,) = run_project(ProjectConfig(**base, cache="taylorseer", cache_interval=2))
+    assert ts["cache"] == "taylorseer(interval=2, warmup=3, order=1, stop=None)"
+    assert ts["cache_computed_steps"] == 5
+    assert ts["latency_cached_s"] < ts["latency_s"]
+    assert ts["single_cached_latency_s"] < ts["single_latency_s"]
+    with pytest.raises(ValueError, match=r"cache 'fbcache' decides from the data"):
+        run_project(ProjectConfig(**base, cache="fbcache"))

@@ -329,7 +329,7 @@ def test_workload_matches_the_hlo_count(micro_folder, tmp_path):
 def test_project_cli_every_profile_and_bad_input(micro_folder, tmp_path, capsys):
     args = ["project", "--model", str(micro_folder), "--resolution", "64", "--devices", "2"]
     args += ["--strategy", "distrifusion", "--dtype", "float32", "--steps", "10"]
-    args += ["--cache", str(tmp_path / "w.jsonl")]
+    args += ["--workloads", str(tmp_path / "w.jsonl")]
     assert main([*args, "--hardware", "all", "--json"]) == 0
     rows = [
         json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
@@ -377,7 +377,7 @@ def test_device_script_in_miniature_feeds_the_projection(micro_folder, tmp_path,
     assert all(r["unet_call_s_median"] > 0 for r in recs)
     args = ["project", "--model", str(micro_folder), "--resolution", "64", "--devices", "2"]
     args += ["--strategy", "distrifusion", "--dtype", "float32", "--steps", "10", "--json"]
-    args += ["--cache", str(tmp_path / "w.jsonl"), "--timings", str(out / "records.jsonl")]
+    args += ["--workloads", str(tmp_path / "w.jsonl"), "--timings", str(out / "records.jsonl")]
     capsys.readouterr()
     assert main([*args, "--hardware", "cpu-gloo"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -186,6 +186,38 @@ class DecodeFlags(PlanFlags):
         return build_vae_plan(self.vae_parallel, self.devices, self.data, self.vae_tile)
 
 
+CACHE_FLAGS = tuple(f"cache_{k}" for k in ("threshold", "interval", "warmup", "order", "stop"))
+
+
+@dataclass(frozen=True)
+class CachedDecodeFlags(DecodeFlags):
+    """DecodeFlags and a step cache as flat flags (`generate`, `project`)."""
+
+    cache: str = "none"
+    """A step cache (reuse across steps, with any one-call strategy): none, fbcache (the
+    first-block cache of a transformer: PixArt, FLUX, SD3) or taylorseer (the denoiser's output
+    predicted between computed steps; every family)."""
+    cache_threshold: float | None = None
+    """fbcache: skip the blocks after the first while its residual changed by at most this
+    (relative mean absolute change since the last computed step); unset: 0.05 (diffusers')."""
+    cache_interval: int | None = None
+    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5)."""
+    cache_warmup: int | None = None
+    """taylorseer: the first steps that all run the denoiser (unset: 3)."""
+    cache_order: int | None = None
+    """taylorseer: the Taylor expansion's highest order (unset: 1)."""
+    cache_stop: int | None = None
+    """taylorseer: from this step on every step runs again (unset: never)."""
+
+    def plan(self):
+        """The strategy with the options given, placed on the devices, with the cache."""
+        options = {k.removeprefix("cache_"): getattr(self, k) for k in CACHE_FLAGS}
+        return build_plan(
+            self.strategy, self.options(), self.devices, self.cfg, data=self.data,
+            fsdp=self.fsdp, cache=self.cache, cache_options=options,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- RunConfig parts
 
 

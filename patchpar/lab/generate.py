@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from patchpar.lab.config import DTYPES, DecodeFlags, build_plan, fsdp_unused
+from patchpar.lab.config import DTYPES, CachedDecodeFlags, fsdp_unused
 from patchpar.lab.launch import is_writer, launch
 
 
 @dataclass(frozen=True)
-class GenerateConfig(DecodeFlags):
+class GenerateConfig(CachedDecodeFlags):
     """Generate images from prompts and save them as PNG, with the final latent as latent.npy."""
 
     model: str = "fmnist"
@@ -51,32 +51,6 @@ class GenerateConfig(DecodeFlags):
     core and thread each, joined by jax.distributed (devices must be N)."""
     timeout_s: float = 3600.0
     """processes >= 1: end every worker after this many seconds."""
-    cache: str = "none"
-    """A step cache (reuse across steps, with any one-call strategy): none, fbcache (the
-    first-block cache of a transformer: PixArt, FLUX, SD3) or taylorseer (the denoiser's output
-    predicted between computed steps; every family)."""
-    cache_threshold: float | None = None
-    """fbcache: skip the blocks after the first while its residual changed by at most this
-    (relative mean absolute change since the last computed step); unset: 0.05 (diffusers')."""
-    cache_interval: int | None = None
-    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5)."""
-    cache_warmup: int | None = None
-    """taylorseer: the first steps that all run the denoiser (unset: 3)."""
-    cache_order: int | None = None
-    """taylorseer: the Taylor expansion's highest order (unset: 1)."""
-    cache_stop: int | None = None
-    """taylorseer: from this step on every step runs again (unset: never)."""
-
-    def plan(self):
-        """The strategy with the options given, placed on the devices, with the cache."""
-        options = {k.removeprefix("cache_"): getattr(self, k) for k in CACHE_FLAGS}
-        return build_plan(
-            self.strategy, self.options(), self.devices, self.cfg, data=self.data,
-            fsdp=self.fsdp, cache=self.cache, cache_options=options,
-        )  # fmt: skip
-
-
-CACHE_FLAGS = tuple(f"cache_{k}" for k in ("threshold", "interval", "warmup", "order", "stop"))
 
 
 def check(config: GenerateConfig) -> list[str]:

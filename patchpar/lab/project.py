@@ -4,19 +4,19 @@ hardware profile (patchpar/hardware/*.yaml)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from patchpar.lab.config import LOWERED_DTYPES as DTYPES
-from patchpar.lab.config import DecodeFlags
+from patchpar.lab.config import CachedDecodeFlags
 
 if TYPE_CHECKING:
     from patchpar.measure.projection import Workload
 
 
 @dataclass(frozen=True)
-class ProjectConfig(DecodeFlags):
+class ProjectConfig(CachedDecodeFlags):
     """Projected latency of one generation and speedup over one device, split into compute,
     exposed communication, text encoding and VAE decode, per hardware profile; end to end with
     the decode on one device and on row patches (vae_parallel), and without it (the papers'
@@ -38,9 +38,12 @@ class ProjectConfig(DecodeFlags):
     """How long a stale collective may run: auto (next-step where the profile's collectives
     are asynchronous, else none), none, step (patchpar's compiled loop: within the step's
     iteration) or next-step (the released DistriFusion code: until the layer's next use)."""
-    cache: Path | None = None
+    workloads: Path | None = None
     """Workload cache (JSON lines); default $PATCHPAR_HOME/workloads.jsonl (PATCHPAR_HOME
     defaults to ~/.cache/patchpar). A new point is lowered with abstract weights once."""
+    cache_computed_steps: int | None = None
+    """With a step cache: the steps that run every block (fbcache's are data: give them, e.g.
+    from a measured run's cache_computed_steps; taylorseer's follow from its schedule)."""
     timings: Path | None = None
     """Records of experiments/device/shard_timing.py: where one matches a profile and this
     point, its timed per-device program replaces the fitted compute curve."""
@@ -56,6 +59,7 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     from patchpar.lab.results import read_records
     from patchpar.measure.projection import OVERLAPS, WorkloadCache, decode_collectives, project
     from patchpar.models.presets import latent_factor
+    from patchpar.sampling.cache import Forced
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
@@ -90,11 +94,26 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
             f"patchpar: warning: overlap={config.overlap!r} has no effect: {plan.strategy.name} "
             f"sends nothing for a later step, so every collective is waited for"
         )
-    cache = WorkloadCache(config.cache, log)
-    w = cache.get(config.model, config.resolution, plan, config.batch, config.dtype)
-    single = cache.get(
-        config.model, config.resolution, build_plan("single", {}, 1, 1), config.batch, config.dtype
-    )
+    computed = cache_schedule(plan.cache, config.steps, config.cache_computed_steps)
+    if computed is not None and timings:
+        raise ValueError(
+            f"timings={str(config.timings)!r} with cache {plan.cache.name!r}: the timed programs "
+            f"are uncached ones; project a cache with the profiles' fitted compute"
+        )
+    cache = WorkloadCache(config.workloads, log)
+
+    def workload(p):
+        return cache.get(config.model, config.resolution, p, config.batch, config.dtype)
+
+    one = build_plan("single", {}, 1, 1)
+    w, single = workload(replace(plan, cache=None)), workload(one)
+    cached = None
+    if computed is not None:  # each kind of step's programs: computed, skipped (predicted)
+        cached = {
+            (where, kind): workload(replace(p, cache=Forced(plan.cache, kind == "computed")))
+            for where, p in (("plan", plan), ("single", one))
+            for kind in ("computed", "skipped")
+        }
     n = plan.devices // plan.data
     if n > 1 and not pixel_space:
         log(f"lowering the VAE decoder on {n} row patches (its collectives)")
@@ -115,8 +134,12 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
             for vae in ("off", "rows", "none")
         }
         p = by_vae[config.vae_parallel]
+        extra = {}
+        if cached is not None:
+            extra = cached_latency(cached, single, hw, config, computed, dcoll, p)
         rows.append(
             {
+                **extra,
                 "model": config.model,
                 "resolution": config.resolution,
                 "strategy": w.strategy,
@@ -135,6 +158,72 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
             }
         )
     return rows
+
+
+def cache_schedule(cache, steps: int, computed_steps: int | None) -> list[bool] | None:
+    """Which steps run every block under `cache` (None: no cache): its own schedule, or for a
+    cache that decides from the data `computed_steps` spread evenly (the first included)."""
+    if cache is None:
+        if computed_steps is not None:
+            raise ValueError(
+                f"cache_computed_steps={computed_steps}: there is no cache (set --cache)"
+            )
+        return None
+    own = cache.schedule(steps)
+    n = computed_steps
+    if own is not None:
+        if n is not None and n != sum(own):
+            raise ValueError(
+                f"cache_computed_steps={n}: {cache.describe()} computes {sum(own)} of {steps} "
+                f"steps by its schedule; leave it unset"
+            )
+        return own
+    ok = isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= steps
+    if not ok:
+        raise ValueError(
+            f"cache_computed_steps={n!r}: cache {cache.name!r} decides from the data which "
+            f"steps run, so the projection needs their number: an integer in [1, {steps}] "
+            f"(a measured run records it as cache_computed_steps)"
+        )
+    at = {k * steps // n for k in range(n)}
+    return [s in at for s in range(steps)]
+
+
+def cached_latency(cached, single, hw, config, computed, dcoll, p) -> dict:
+    """The cached run's latency from each kind of step's projected step time, per phase, weighted
+    by the steps of that kind (`computed`: per step, whether it runs every block), beside
+    `single` with the same cache; the rest (encode, decode) as the uncached projection `p`."""
+    from patchpar.measure.projection import project, warmup_phase_steps
+
+    def step_times(w, ref):
+        q = project(w, ref, hw, config.steps, config.overlap, None, config.vae_parallel, dcoll)
+        return {ph: v["step_s"] for ph, v in q.phases.items()}
+
+    comp = step_times(cached["plan", "computed"], single)
+    skip = step_times(cached["plan", "skipped"], single)
+    n_warm = warmup_phase_steps(cached["plan", "computed"], config.steps)
+    denoise = sum(
+        (comp if ran else skip)["warmup" if s < n_warm else "steady"]
+        for s, ran in enumerate(computed)
+    )
+    one_c = step_times(cached["single", "computed"], single)["warmup"]
+    one_s = step_times(cached["single", "skipped"], single)["warmup"]
+    one = sum(one_c if ran else one_s for ran in computed)
+    single_other = p.single_latency_s - config.steps * hw.compute_s(
+        single.phases["warmup"]["flops_per_device"]
+    )
+    latency = denoise + p.other_s
+    single_cached = one + single_other
+    return {
+        "cache": cached["plan", "computed"]
+        .strategy.split(" + ", 1)[1]
+        .removesuffix(" forced to compute"),
+        "cache_computed_steps": sum(computed),
+        "latency_cached_s": latency,
+        "single_cached_latency_s": single_cached,
+        "speedup_cached": p.single_latency_s / latency,
+        "speedup_vs_single_same_cache": single_cached / latency,
+    }
 
 
 def stale_kinds(plan) -> set[str]:
@@ -171,6 +260,21 @@ def format_project(rows: list[dict]) -> str:
             f"{r['latency_decode_rows_s']:.3f} / {r['latency_no_decode_s']:.3f} | "
             f"{r['overlap']} | {r['compute_source']} |"
         )
+    if "cache" in r0:
+        lines += [
+            "",
+            f"With {r0['cache']} ({r0['cache_computed_steps']} of {r0['steps']} steps run every "
+            f"block; each kind of step's program projected, the rest as above):",
+            "",
+            "| hardware | latency s | speedup vs 1 device | 1 device with the cache s | "
+            "speedup vs it |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['hardware']} | {r['latency_cached_s']:.3f} | {r['speedup_cached']:.2f}x | "
+            f"{r['single_cached_latency_s']:.3f} | {r['speedup_vs_single_same_cache']:.2f}x |"
+            for r in rows
+        ]
     lines += [
         "",
         "compute: FLOPs per device priced by the profile (plus stale-buffer traffic); exposed "

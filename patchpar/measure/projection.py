@@ -101,6 +101,13 @@ class Workload:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+def plan_label(plan) -> str:
+    """The strategy's description, and its step cache's (a workload of one kind of cached step:
+    `sampling.cache.Forced`)."""
+    cache = "" if plan.cache is None else f" + {plan.cache.describe()}"
+    return plan.strategy.describe() + cache
+
+
 def workload_key(
     model, resolution, strategy, devices, cfg, batch, dtype, data=1, fsdp=False
 ) -> tuple:
@@ -173,7 +180,7 @@ def compute_workload(
     return Workload(
         model=str(model),
         resolution=resolution,
-        strategy=plan.strategy.describe(),
+        strategy=plan_label(plan),
         devices=plan.devices,
         cfg=plan.cfg,
         batch=batch,
@@ -326,7 +333,7 @@ class WorkloadCache:
         key = workload_key(
             model,
             resolution,
-            plan.strategy.describe(),
+            plan_label(plan),
             plan.devices,
             plan.cfg,
             batch,

@@ -59,6 +59,11 @@ class StepCache:
         """The fraction of the denoiser's block calls that ran."""
         raise NotImplementedError
 
+    def schedule(self, steps: int) -> list[bool] | None:
+        """Which of `steps` steps run every block, where that does not depend on the data
+        (None: it does)."""
+        return None
+
     def call(self, model, state: dict | None, reduce_sum: Callable, force: bool | None = None):
         """One model call: (output, stale buffers after it, new state). `model` is the call's
         parts (`parallel.cached.ModelParts`); `state` None at the first step; `force` True or
@@ -137,6 +142,9 @@ class TaylorSeer(StepCache):
 
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         return computed_steps / steps
+
+    def schedule(self, steps: int) -> list[bool]:
+        return [bool(self.computes(s)) for s in range(steps)]
 
     def call(self, model, state, reduce_sum, force=None):
         with model.quiet():  # a shape trace: its site calls are not the program's
