@@ -193,64 +193,57 @@ def _torch():
     return torch
 
 
-def _diffusers_fbcache(ref, threshold: float, call, x0: np.ndarray, ts):
-    """diffusers' hook on `ref`, one cache context over the loop x <- x - 0.1 * out: (final x,
-    per step whether every block ran)."""
-    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
-    from diffusers.hooks import first_block_cache as fbc
+def _diffusers_loop(ref, call, x0: np.ndarray, ts, apply, owner, method: str, decided):
+    """`apply(ref)` (a diffusers cache hook), then the loop x <- x - 0.1 * call(ref, x, t) in
+    one cache context, with `owner.method` wrapped to record each step's decision
+    (`decided(hook, result)`: whether every block ran, None for a call that does not decide):
+    (final x, decisions)."""
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
     torch = _torch()
     decisions = []
-    original = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+    original = getattr(owner, method)
 
-    def recorded(self, residual):
-        decisions.append(bool(original(self, residual)))
-        return decisions[-1]
+    def recorded(self, *args):
+        out = original(self, *args)
+        if (d := decided(self, out)) is not None:
+            decisions.append(d)
+        return out
 
-    fbc.FBCHeadBlockHook._should_compute_remaining_blocks = recorded
+    setattr(owner, method, recorded)
     try:
-        apply_first_block_cache(ref, FirstBlockCacheConfig(threshold=threshold))
+        apply(ref)
         _set_cache_context(ref, CacheContext("cond"))
         x = x0
         with torch.no_grad():
             for t in ts:
                 x = x - 0.1 * call(ref, x, t)
     finally:
-        fbc.FBCHeadBlockHook._should_compute_remaining_blocks = original
+        setattr(owner, method, original)
     return x, decisions
+
+
+def _diffusers_fbcache(ref, threshold: float, call, x0: np.ndarray, ts):
+    """diffusers' first-block cache hook on `ref` over the loop: (final x, decisions)."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks import first_block_cache as fbc
+
+    config = FirstBlockCacheConfig(threshold=threshold)
+    return _diffusers_loop(ref, call, x0, ts, lambda m: apply_first_block_cache(m, config),
+                           fbc.FBCHeadBlockHook, "_should_compute_remaining_blocks",
+                           lambda hook, out: bool(out))  # fmt: skip
 
 
 def _diffusers_taylorseer(ref, call, x0: np.ndarray, ts, **options):
     """diffusers' TaylorSeer hook in its lite mode (the output projection predicted, the blocks
-    skipped), factors in float32, over the loop x <- x - 0.1 * out: (final x, per step whether
-    the model ran)."""
+    skipped), factors in float32, over the loop: (final x, decisions: proj_out's hook's)."""
     from diffusers.hooks import taylorseer_cache as tsc
-    from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
-    torch = _torch()
-    decisions = []
-    original = tsc.TaylorSeerCacheHook._measure_should_compute
-
-    def recorded(self):
-        compute, state = original(self)
-        if not state.is_inactive:  # proj_out's hook: one decision per step
-            decisions.append(bool(compute))
-        return compute, state
-
-    tsc.TaylorSeerCacheHook._measure_should_compute = recorded
-    try:
-        config = tsc.TaylorSeerCacheConfig(use_lite_mode=True, taylor_factors_dtype=torch.float32,
-                                           **options)  # fmt: skip
-        tsc.apply_taylorseer_cache(ref, config)
-        _set_cache_context(ref, CacheContext("cond"))
-        x = x0
-        with torch.no_grad():
-            for t in ts:
-                x = x - 0.1 * call(ref, x, t)
-    finally:
-        tsc.TaylorSeerCacheHook._measure_should_compute = original
-    return x, decisions
+    config = tsc.TaylorSeerCacheConfig(use_lite_mode=True, taylor_factors_dtype=_torch().float32,
+                                       **options)  # fmt: skip
+    return _diffusers_loop(ref, call, x0, ts, lambda m: tsc.apply_taylorseer_cache(m, config),
+                           tsc.TaylorSeerCacheHook, "_measure_should_compute",
+                           lambda hook, out: None if out[1].is_inactive else bool(out[0]))  # fmt: skip
 
 
 def _ours(fn, params, c, cond, x0: np.ndarray, ts, channels: int):
