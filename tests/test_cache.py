@@ -79,6 +79,19 @@ def test_the_cache_skips_some_steps_and_sync_patch_equals_one_device():
         assert max_diff(out, one) <= 1e-4, (devices, cfg)
 
 
+@pytest.mark.parametrize("cache", ["fbcache", pytest.param("taylorseer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["ulysses", "ring", "tensor"])
+def test_the_other_exact_parallelisms_with_a_cache_equal_one_device(name, cache):
+    """Ulysses and Ring (tokens over the patch axis) and tensor parallelism (heads over the
+    model axis, the residual whole on every device): the same steps as one device, and its
+    latent."""
+    c = FirstBlockCache(THRESHOLD) if cache == "fbcache" else TaylorSeer(interval=2, warmup=1)
+    one, state = _run_with("single", 1, 1, c)
+    out, st = _run_with(name, 2, 1, c)
+    assert _computed(st) == _computed(state)
+    assert max_diff(out, one) <= 1e-4
+
+
 @pytest.mark.parametrize(
     "name, options",
     [
