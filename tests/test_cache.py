@@ -42,26 +42,34 @@ def _run(name: str, devices: int, cfg: int = 1, threshold: float | None = THRESH
 @cache
 def _run_with(name: str, devices: int, cfg: int, c, model: str = "dit", **options):
     """(final latent, stale state) of the micro DiT (or UNet) under a strategy with cache `c`."""
+    gs, sampler = GUIDANCE, "ddim"
     if model == "dit":
         fn, params = micro_dit()
         x, _, cond = inputs()
+    elif model == "flux":  # guidance is its input; flow matching
+        from test_parallel_flux import inputs as flux_inputs
+        from test_parallel_flux import micro_flux
+
+        fn, params = micro_flux()
+        x, _, cond = flux_inputs()
+        gs, sampler = 1.0, "euler"
     else:
         from parallel_helpers import inputs as unet_inputs
         from parallel_helpers import micro_unet
 
         fn, params = micro_unet("sd")
         x, _, cond = unet_inputs("sd")
-    smp = get_sampler("ddim")
+    smp = get_sampler(sampler)
     sched = smp.schedule(SchedulerConfig(), STEPS)
     x = x * sched.init_noise_sigma
     if name == "single":
         out, state = jax.jit(_denoise_single, static_argnums=(0, 1, 2, 7))(
-            fn, smp, c, params, cond, sched, x, GUIDANCE
+            fn, smp, c, params, cond, sched, x, gs
         )
     else:
         plan = Plan(make_strategy(name, **options), devices, cfg, cache=c)
-        plan.validate(fn, x.shape[1:3], STEPS, GUIDANCE)
-        out, state = denoise(fn, plan, smp, params, cond, sched, x, GUIDANCE)
+        plan.validate(fn, x.shape[1:3], STEPS, gs)
+        out, state = denoise(fn, plan, smp, params, cond, sched, x, gs)
     return np.asarray(out), state
 
 
@@ -131,6 +139,25 @@ def test_taylorseer_under_sync_patch_equals_one_device(model):
         out, st = _run_with("sync_patch", devices, cfg, c, model)
         assert _computed(st) == 3, (devices, cfg)
         assert max_diff(out, one) <= 1e-4, (devices, cfg)
+
+
+def test_teacache_under_sync_patch_equals_one_device():
+    """TeaCache's decision comes from all-reduced sums, as the first-block cache's: sync_patch
+    on 2 and 4 patches of the micro FLUX takes one device's steps and equals it; its last step
+    (bound to the run's length) computes. (The random micro model's input moves far more per
+    step than a trained FLUX's, and the rescaling is a 4th-degree polynomial: its threshold
+    here is large.)"""
+    from patchpar.sampling.cache import TeaCache
+
+    c = TeaCache(200.0).bind(STEPS)
+    one, state = _run_with("single", 1, 1, c, "flux")
+    assert 2 <= _computed(state) < STEPS
+    plain, _ = _run_with("single", 1, 1, None, "flux")
+    assert max_diff(one, plain) > 1e-3
+    for devices in (2, 4):
+        out, st = _run_with("sync_patch", devices, 1, c, "flux")
+        assert _computed(st) == _computed(state), devices
+        assert max_diff(out, one) <= 1e-4, devices
 
 
 def test_a_predicted_step_exchanges_nothing():
@@ -374,6 +401,69 @@ def test_taylorseer_matches_diffusers(tmp_path, family, order):
     _check(ours, theirs, ours_dec, theirs_dec)
 
 
+def _teacache_reference(ref, call, x0: np.ndarray, ts, threshold: float):
+    """TeaCache4FLUX's rule (ali-vilab/TeaCache) on diffusers' FLUX transformer, by hooks: before
+    the first block, its norm1's modulated image input and the decision (the first and last
+    steps compute; else the rescaled relative L1 change accumulates, and a step computes, and
+    resets it, once it reaches the threshold); before norm_out, a computed step keeps the
+    blocks' image residual and a skipped one gets the entering tokens plus the last residual
+    (its blocks ran and are discarded: the same numbers as not running them). -> (final x,
+    decisions)."""
+    from patchpar.sampling.cache import FLUX_TEACACHE
+
+    torch = _torch()
+    st = {"step": 0, "acc": 0.0, "prev": None, "res": None, "entering": None, "compute": True}
+    decisions = []
+    rescale = np.poly1d(FLUX_TEACACHE)
+
+    def before_first(module, args, kwargs):
+        hs, temb = kwargs["hidden_states"], kwargs["temb"]
+        m = module.norm1(hs, emb=temb)[0]
+        if st["step"] in (0, len(ts) - 1):
+            st["compute"], st["acc"] = True, 0.0
+        else:
+            rel = ((m - st["prev"]).abs().mean() / st["prev"].abs().mean()).item()
+            st["acc"] += rescale(rel)
+            st["compute"] = st["acc"] >= threshold
+            if st["compute"]:
+                st["acc"] = 0.0
+        st["prev"], st["entering"] = m, hs
+        st["step"] += 1
+        decisions.append(bool(st["compute"]))
+
+    def before_norm_out(module, args):
+        hs, temb = args
+        if st["compute"]:
+            st["res"] = hs - st["entering"]
+            return None
+        return (st["entering"] + st["res"], temb)
+
+    hooks = [ref.transformer_blocks[0].register_forward_pre_hook(before_first, with_kwargs=True),
+             ref.norm_out.register_forward_pre_hook(before_norm_out)]  # fmt: skip
+    try:
+        x = x0
+        with torch.no_grad():
+            for t in ts:
+                x = x - 0.1 * call(ref, x, t)
+    finally:
+        for h in hooks:
+            h.remove()
+    return x, decisions
+
+
+def test_teacache_matches_its_rule_on_diffusers_flux(tmp_path):
+    """patchpar's `teacache` on FLUX.1-dev-like weights takes the steps and gives the latents of
+    TeaCache4FLUX's rule run on diffusers' modules (the first and last steps computed)."""
+    from patchpar.sampling.cache import TeaCache
+
+    ref, fn, params, call, cond, x0, ts = _flux(tmp_path)
+    threshold = 0.3
+    theirs, theirs_dec = _teacache_reference(ref, call, x0, ts, threshold)
+    ours, ours_dec = _ours(fn, params, TeaCache(threshold).bind(len(ts)), cond, x0, ts, 4)
+    _check(ours, theirs, ours_dec, theirs_dec)
+    assert theirs_dec[-1]
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -429,4 +519,20 @@ def test_a_cache_the_family_lacks_or_a_program_it_does_not_fit_is_named():
     with pytest.raises(
         ValueError, match=r"cache 'fbcache' with strategy 'pipefusion': not defined"
     ):
+        plan.validate(fn, (16, 12), 4, GUIDANCE)
+
+
+def test_teacache_bad_input_is_named():
+    from patchpar.sampling.cache import TeaCache
+
+    for bad in (0, -1.0, float("nan"), "0.25", True):
+        with pytest.raises(ValueError, match=r"teacache threshold=.*must be a finite number > 0"):
+            TeaCache(bad)
+    # the run's length is the pipeline's to set, not an option
+    with pytest.raises(ValueError, match=r"cache 'teacache' has no option \['steps'\]"):
+        make_cache("teacache", steps=10)
+    assert TeaCache(0.4).bind(28).describe() == "teacache(threshold=0.4)"
+    fn, _ = micro_dit()  # its published rescaling is FLUX.1's: a PixArt has no TeaCache
+    plan = Plan(make_strategy("single"), cache=TeaCache())
+    with pytest.raises(ValueError, match=r"cache 'teacache' does not exist for a pixart"):
         plan.validate(fn, (16, 12), 4, GUIDANCE)

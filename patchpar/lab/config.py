@@ -195,11 +195,12 @@ class CachedDecodeFlags(DecodeFlags):
 
     cache: str = "none"
     """A step cache (reuse across steps, with any one-call strategy): none, fbcache (the
-    first-block cache of a transformer: PixArt, FLUX, SD3) or taylorseer (the denoiser's output
-    predicted between computed steps; every family)."""
+    first-block cache of a transformer: PixArt, FLUX, SD3), taylorseer (the denoiser's output
+    predicted between computed steps; every family) or teacache (FLUX.1)."""
     cache_threshold: float | None = None
     """fbcache: skip the blocks after the first while its residual changed by at most this
-    (relative mean absolute change since the last computed step); unset: 0.05 (diffusers')."""
+    (relative mean absolute change since the last computed step); unset: 0.05 (diffusers').
+    teacache: its rel_l1_thresh; unset: 0.25."""
     cache_interval: int | None = None
     """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5)."""
     cache_warmup: int | None = None
@@ -291,10 +292,13 @@ class CacheConfig:
     """none; fbcache (first-block cache: a transformer's blocks after the first are skipped
     while the first block's residual barely changes; PixArt, FLUX, SD3); taylorseer (after a
     warm-up, one step in `interval` runs the denoiser and the others predict its output by a
-    Taylor expansion; every family)."""
+    Taylor expansion; every family); teacache (every block skipped while the first block's
+    modulated input barely changes; FLUX.1, with TeaCache's published rescaling)."""
     threshold: float | None = None
     """fbcache: skip while the first block's residual changed by at most this (relative mean
-    absolute change since the last computed step); unset: 0.05 (diffusers')."""
+    absolute change since the last computed step); unset: 0.05 (diffusers'). teacache: skip
+    while the accumulated rescaled change of the first block's modulated input stays under
+    this; unset: 0.25."""
     interval: int | None = None
     """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5)."""
     warmup: int | None = None

@@ -57,6 +57,22 @@ class ModelParts:
         """The stale buffers as the call received them (what a skipped call leaves)."""
         return self.variables.get(STALE, {})
 
+    def prologue(self):
+        """(hs before the first block, carry: aux and the mutated collections)."""
+        (hs0, aux), mut = self._part("prologue", self.variables, *self.args, **self.added)
+        return hs0, (aux, mut)
+
+    def modulated(self, hs0, carry):
+        """The first block's modulated image input (`modulated` of the family's module)."""
+        out, _ = self._part("modulated", {**self.variables, **carry[1]}, hs0, carry[0])
+        return out
+
+    def all_blocks(self, hs0, carry):
+        """Every block: (hs after the last, the stale buffers after all sends)."""
+        aux, mut = carry
+        last, mut = self._part("blocks", {**self.variables, **mut}, 0, self.num_blocks, hs0, aux)
+        return last, self.exchanged(mut)
+
     def head(self):
         """(hs before the first block, hs after it, carry: aux and the mutated collections)."""
         (hs0, aux), mut = self._part("prologue", self.variables, *self.args, **self.added)

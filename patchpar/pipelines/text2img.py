@@ -192,6 +192,8 @@ class Pipeline:
         gs = float(self.text.loop_scale(guidance_scale))  # the loop's CFG scale
         if plan is not None:
             plan.validate(self.unet, x.shape[1:3], steps, gs, x.shape[0])
+            if plan.cache is not None:  # a cache that needs the run's length keeps it
+                plan = replace(plan, cache=plan.cache.bind(steps))
         if plan is None or not plan.strategy.parallel:
             fn, static = _denoise_single, (self.unet, smp, None if plan is None else plan.cache)
             params = self.unet_params

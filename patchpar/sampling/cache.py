@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import jax
@@ -52,8 +52,12 @@ class StepCache:
             )
 
     def describe(self) -> str:
-        opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in cache_options(type(self)))
         return f"{self.name}({opts})"
+
+    def bind(self, steps: int) -> StepCache:
+        """The cache for a run of `steps` steps (one that needs the count keeps it)."""
+        return self
 
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         """The fraction of the denoiser's block calls that ran."""
@@ -207,7 +211,86 @@ def _taylor_predict(state, step):
     return out
 
 
-CACHES: dict[str, type[StepCache]] = {c.name: c for c in (FirstBlockCache, TaylorSeer)}
+# TeaCache4FLUX's rescaling polynomial (ali-vilab/TeaCache), highest power first
+FLUX_TEACACHE = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
+
+
+@dataclass(frozen=True)
+class TeaCache(StepCache):
+    threshold: float = 0.25
+    """Skip every block while the accumulated rescaled change of the first block's modulated
+    input stays under this (TeaCache's rel_l1_thresh; for FLUX.1 0.25, 0.4, 0.6, 0.8 are its
+    1.5x, 1.8x, 2.0x, 2.25x settings)."""
+    steps: int | None = field(default=None, metadata={"internal": True})
+    """The run's steps (bound by the pipeline: the last step always computes)."""
+
+    name: ClassVar[str] = "teacache"
+    summary: ClassVar[str] = (
+        "it skips every block while the first block's modulated input barely changes, with "
+        "TeaCache's published rescaling for FLUX.1 only"
+    )
+    coefficients: ClassVar[tuple[float, ...]] = FLUX_TEACACHE
+
+    def __post_init__(self):
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+            raise ValueError(
+                f"teacache threshold={t!r}: must be a finite number > 0 (TeaCache's FLUX.1 "
+                f"settings 0.25 to 0.8; larger skips more steps)"
+            )
+
+    def bind(self, steps: int) -> TeaCache:
+        return replace(self, steps=steps)
+
+    def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
+        return computed_steps / steps
+
+    def call(self, model, state, reduce_sum, force=None):
+        h0, carry = model.prologue()
+        m = model.modulated(h0, carry).astype(jnp.float32)
+
+        def computed():
+            last, stale = model.all_blocks(h0, carry)
+            return last, stale, _sub(last, h0)
+
+        with model.quiet():  # a shape trace: its site calls are not the program's
+            like = jax.eval_shape(computed)
+        if state is None:
+            state = {
+                "previous": jnp.zeros(m.shape, jnp.float32),
+                "residual": _zeros(like[2]),
+                "distance": jnp.zeros((), jnp.float32),
+                "step": jnp.zeros((), jnp.int32),
+                "computed": jnp.zeros((), jnp.int32),
+            }
+        step, prev = state["step"], state["previous"]
+        sums = reduce_sum(jnp.stack([jnp.sum(jnp.abs(m - prev)), jnp.sum(jnp.abs(prev))]))
+        rel = sums[0] / jnp.where(sums[1] > 0, sums[1], 1.0)
+        grown = state["distance"] + jnp.polyval(jnp.asarray(self.coefficients, jnp.float32), rel)
+        edge = step == 0
+        if self.steps is not None:
+            edge = jnp.logical_or(edge, step == self.steps - 1)
+        compute = jnp.logical_or(edge, grown >= self.threshold)
+
+        def skipped():
+            return _add(h0, state["residual"]), model.incoming(), state["residual"]
+
+        if force is None:
+            last, stale, residual = lax.cond(compute, computed, _cast(skipped, like))
+        else:
+            last, stale, residual = (computed if force else _cast(skipped, like))()
+            compute = jnp.logical_or(compute, True) if force else jnp.logical_and(compute, False)
+        new = {
+            "previous": m,
+            "residual": residual,
+            "distance": jnp.where(compute, 0.0, grown),
+            "step": step + 1,
+            "computed": state["computed"] + compute.astype(jnp.int32),
+        }
+        return model.epilogue(last, carry), stale, new
+
+
+CACHES: dict[str, type[StepCache]] = {c.name: c for c in (FirstBlockCache, TaylorSeer, TeaCache)}
 
 
 @dataclass(frozen=True)
@@ -235,6 +318,9 @@ class Forced(StepCache):
     def call(self, model, state, reduce_sum, force=None):
         return self.cache.call(model, state, reduce_sum, self.compute)
 
+    def bind(self, steps: int) -> Forced:
+        return replace(self, cache=self.cache.bind(steps))
+
 
 def make_cache(name: str | None, **options) -> StepCache | None:
     """The cache `name` with its options (None or "none": no cache); ValueError naming what
@@ -246,10 +332,15 @@ def make_cache(name: str | None, **options) -> StepCache | None:
     if name not in CACHES:
         raise ValueError(f"cache={name!r}; known: none, {', '.join(CACHES)}")
     cls = CACHES[name]
-    known = {f.name for f in fields(cls)}
+    known = {f.name for f in cache_options(cls)}
     if unknown := sorted(set(options) - known):
         raise ValueError(f"cache {name!r} has no option {unknown}; its options: {sorted(known)}")
     return cls(**options)
+
+
+def cache_options(cls) -> list:
+    """A cache's options: its fields but those the pipeline sets (`internal`)."""
+    return [f for f in fields(cls) if not f.metadata.get("internal")]
 
 
 def cache_report(cache: StepCache, num_blocks: int, steps: int, computed_steps: int) -> dict:

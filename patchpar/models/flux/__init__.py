@@ -40,7 +40,7 @@ class FluxFn:
     splits_columns = False  # its tokens and positions are cut by rows only
     text_tokens = 512  # FLUX.1-dev's T5 tokens: they join every block's sequence
     text_stream = True  # every device computes the text stream (`parallel.sites.text`)
-    caches = ("fbcache", "taylorseer")  # the step caches it has (`patchpar.sampling.cache`)
+    caches = ("fbcache", "taylorseer", "teacache")  # the step caches it has (`sampling.cache`)
     guidance_halves = 1  # guidance-distilled: the scale is an input, not a second half
     no_stack = ""  # it has one (`stack`)
 

@@ -235,11 +235,15 @@ class DoubleBlock(nn.Module):
     attn: AttentionSpec = AUTO
 
     @nn.compact
-    def __call__(self, img, txt, temb, rope, row: int):
+    def __call__(self, img, txt, temb, rope, row: int, modulated_only: bool = False):
+        """-> (image, text) tokens; `modulated_only`: the image stream's modulated input to
+        the attention alone (what TeaCache watches)."""
         cfg, dt, d = self.config, self.dtype, self.config.inner_dim
         mi = Modulation(6, d, dt, name="norm1")(temb)[:, :, None]  # (B, 6, 1, D)
-        mt = Modulation(6, d, dt, name="norm1_context")(temb)[:, :, None]
         hi = layer_norm(img) * (1 + mi[:, 1]) + mi[:, 0]
+        if modulated_only:
+            return hi
+        mt = Modulation(6, d, dt, name="norm1_context")(temb)[:, :, None]
         ht = layer_norm(txt) * (1 + mt[:, 1]) + mt[:, 0]
         attn = JointAttention(
             cfg.num_attention_heads, cfg.attention_head_dim, d, False, dt, self.ops, self.attn,
@@ -361,6 +365,11 @@ class FluxTransformer2DModel(nn.Module):
     def epilogue(self, hs, aux) -> jax.Array:
         temb, _, (h, w) = aux
         return self.head(hs[0], temb, h, w)
+
+    def modulated(self, hs, aux) -> jax.Array:
+        """The first block's modulated image input (B, T, D): what TeaCache compares."""
+        (img, txt), (temb, rope, (_, w)) = hs, aux
+        return self.transformer_blocks[0](img, txt, temb, rope, w // 2, modulated_only=True)
 
     def embed(self, sample: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(B, h, W, C) latent rows -> ((B, h/2 * W/2, D) image tokens, their RoPE table)."""
