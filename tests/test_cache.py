@@ -472,7 +472,7 @@ def test_teacache_matches_its_rule_on_diffusers_flux(tmp_path):
     [
         ({"interval": 0}, "interval=0: must be an integer >= 1"),
         ({"interval": 2.5}, "interval=2.5: must be an integer >= 1"),
-        ({"warmup": -1}, "warmup=-1: must be an integer >= 0"),
+        ({"warmup": 0}, "warmup=0: must be an integer >= 1"),
         ({"order": True}, "order=True: must be an integer >= 0"),
         ({"stop": 0}, "stop=0: must be an integer >= 1"),
     ],
@@ -482,12 +482,19 @@ def test_taylorseer_bad_options_are_named(options, message):
         TaylorSeer(**options)
 
 
-def test_taylorseer_with_too_few_steps_is_named():
+def test_taylorseer_that_would_predict_nothing_is_named():
+    """Step `warmup` is the first that may be predicted (with 4 steps and warm-up 3, the last
+    is); a run that ends there, an interval of 1 or a `stop` at the warm-up computes every
+    step."""
     fn, _ = micro_dit()
-    plan = Plan(make_strategy("single"), cache=TaylorSeer(warmup=3))
-    with pytest.raises(ValueError, match=r"taylorseer warmup=3 with 4 steps: no step would be"):
-        plan.validate(fn, (16, 12), 4, GUIDANCE)
-    plan.validate(fn, (16, 12), 5, GUIDANCE)
+    assert TaylorSeer(warmup=3).schedule(4) == [True, True, True, False]
+    Plan(make_strategy("single"), cache=TaylorSeer(warmup=3)).validate(fn, (16, 12), 4, GUIDANCE)
+    for c, steps in ((TaylorSeer(warmup=3), 3), (TaylorSeer(interval=1), 8),
+                     (TaylorSeer(warmup=3, stop=3), 8)):  # fmt: skip
+        plan = Plan(make_strategy("single"), cache=c)
+        with pytest.raises(ValueError, match=r"taylorseer\(.*\) with \d+ steps: every step "
+                                             r"computes, nothing is predicted"):  # fmt: skip
+            plan.validate(fn, (16, 12), steps, GUIDANCE)
 
 
 @pytest.mark.parametrize("threshold", [0, -0.1, float("nan"), float("inf"), "0.1", True])
@@ -514,6 +521,9 @@ def test_a_cache_the_family_lacks_or_a_program_it_does_not_fit_is_named():
     plan = Plan(make_strategy("sync_patch"), 2, cache=FirstBlockCache())
     with pytest.raises(ValueError, match=r"cache 'fbcache' does not exist for a unet denoiser"):
         plan.validate(unet, (16, 16), 4, 7.5)
+    plan = Plan(make_strategy("naive_patch", split="alternate"), 2, cache=TaylorSeer())
+    with pytest.raises(ValueError, match=r"cache 'taylorseer' with naive_patch\(split='alternate'"):
+        plan.validate(unet, (16, 16), 8, 7.5)
     fn, _ = micro_dit()
     plan = Plan(make_strategy("pipefusion"), 2, cache=FirstBlockCache())
     with pytest.raises(

@@ -129,6 +129,12 @@ def test_speedups_of_a_cached_run(tmp_path):
     out = speedups(with_overrides(RunConfig(), {**two, **fb}), metrics, tmp_path / "runs.jsonl")
     assert out["speedup_vs_single"] == pytest.approx(2.5)
     assert out["speedup_vs_single_same_cache"] == pytest.approx(1.25)
+    # the default threshold given is the same cache as the one left unset
+    default = {"cache": {"name": "fbcache", "threshold": 0.05}}
+    out = speedups(
+        with_overrides(RunConfig(), {**two, **default}), metrics, tmp_path / "runs.jsonl"
+    )
+    assert out["speedup_vs_single_same_cache"] == pytest.approx(1.0 / 1.6)
     out = speedups(with_overrides(RunConfig(), two), metrics, tmp_path / "runs.jsonl")
     assert out["speedup_vs_single"] == pytest.approx(2.5)
     assert out["speedup_vs_single_same_cache"] is None

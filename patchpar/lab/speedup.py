@@ -46,7 +46,7 @@ def _reference(
             and not c.get("measure", {}).get("compute_only")
             and c["strategy"]["name"] == strategy
             and m == mesh
-            and with_defaults(CacheConfig, c.get("cache", {})) == cache
+            and _cache_key(c.get("cache", {})) == _cache_key(cache)
             and same_work(c) == same_work(config)
             and r.get("metrics", {}).get("denoise_s_median")
         ):
@@ -104,6 +104,20 @@ def speedups(config: RunConfig, metrics: dict, runs_file: Path) -> dict:
         )
     out["speedup_note"] = "; ".join(notes) or None
     return out
+
+
+def _cache_key(cache: dict) -> str:
+    """A cache config as the cache it makes (an option left unset and the same value given
+    are one cache); one that does not make a cache stays its plain data."""
+    from patchpar.sampling.cache import make_cache
+
+    c = with_defaults(CacheConfig, cache)
+    options = {k: v for k, v in c.items() if k != "name" and v is not None}
+    try:
+        made = make_cache(c["name"], **options)
+    except (ValueError, TypeError):
+        return repr(sorted(c.items()))
+    return "none" if made is None else made.describe()
 
 
 def _metrics(record: dict | None, own: dict, is_self: bool) -> dict | None:

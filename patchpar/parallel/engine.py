@@ -167,6 +167,13 @@ class Plan:
                     f"so no step has that residual at one point; use it with the one-call "
                     f"strategies (single, sync_patch, distrifusion, pcpp, compact, ...)"
                 )
+            if s.patch_axis(0) != s.patch_axis(1):
+                raise ValueError(
+                    f"cache {self.cache.name!r} with {s.describe()}: not defined; its steps "
+                    f"alternate row and column patches, so what a cache keeps from one step (a "
+                    f"residual, an output) is another slab than the next step's; use split=row "
+                    f"or split=col"
+                )
 
 
 class StepProgram(Program):
@@ -259,7 +266,9 @@ STATE_SPEC = P(*AXES)  # stale buffers: leading (data, cfg, patch, model) device
 def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
     """step(params, x (B,H,W,C), t, cond, state) -> (guided model output (B,H,W,C), state).
 
-    `state` is None in the `warmup` phase (buffers are written, not read). In the steady phase
+    `state` is None in the `warmup` phase (buffers are written, not read), unless the plan has
+    a step cache (a skipped step returns the buffers it read, so every phase reads them and
+    the cache's state: `state_template`). In the steady phase
     of a strategy with packed exchange, the sites' pending sends are exchanged after the model
     call, in the strategy's `comm_groups` groups (`patchpar.parallel.exchange`)."""
     if plan.program is not STEP:

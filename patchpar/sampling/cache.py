@@ -70,7 +70,8 @@ class StepCache:
 
     def call(self, model, state: dict | None, reduce_sum: Callable, force: bool | None = None):
         """One model call: (output, stale buffers after it, new state). `model` is the call's
-        parts (`parallel.cached.ModelParts`); `state` None at the first step; `force` True or
+        parts (`parallel.cached.ModelParts`); `state` None at the first step (or zeros shaped
+        as a computed step leaves it, which every cache reads as its initial state); `force` True or
         False takes that branch whatever the decision (a program with one branch, whose
         collectives are one kind of step's: for counting bytes)."""
         raise NotImplementedError
@@ -120,7 +121,8 @@ class TaylorSeer(StepCache):
     summary: ClassVar[str] = "it predicts the denoiser's output from its last computed steps"
 
     def __post_init__(self):
-        for key, low in (("interval", 1), ("warmup", 0), ("order", 0)):
+        # warmup >= 1: the first step computes (a prediction needs a computed step before it)
+        for key, low in (("interval", 1), ("warmup", 1), ("order", 0)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"taylorseer {key}={v!r}: must be an integer >= {low}")
@@ -130,10 +132,13 @@ class TaylorSeer(StepCache):
 
     def validate(self, denoiser, steps: int) -> None:
         super().validate(denoiser, steps)
-        if self.warmup >= steps - 1:
+        # step `warmup` is the first that may be predicted: it is, unless interval is 1 or the
+        # run (or `stop`) ends before it
+        end = steps if self.stop is None else min(steps, self.stop)
+        if self.interval == 1 or self.warmup >= end:
             raise ValueError(
-                f"taylorseer warmup={self.warmup} with {steps} steps: no step would be "
-                f"predicted (the first after the warm-up computes); use warmup < {steps - 1}"
+                f"{self.describe()} with {steps} steps: every step computes, nothing is "
+                f"predicted; use an interval > 1 and fewer than {end} warm-up steps"
             )
 
     def computes(self, step):
@@ -148,7 +153,9 @@ class TaylorSeer(StepCache):
         return computed_steps / steps
 
     def schedule(self, steps: int) -> list[bool]:
-        return [bool(self.computes(s)) for s in range(steps)]
+        stop = steps if self.stop is None else self.stop
+        return [s < self.warmup or s >= stop or (s - self.warmup - 1) % self.interval == 0
+                for s in range(steps)]  # fmt: skip
 
     def call(self, model, state, reduce_sum, force=None):
         with model.quiet():  # a shape trace: its site calls are not the program's
