@@ -70,6 +70,7 @@ def test_cached_runs_record_the_cache_against_uncached_single(tmp_path):
     assert m["cache_computed_steps"] == STEPS and m["latent_max_abs_diff"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_predicted_step_is_counted_as_sending_nothing(tmp_path):
     """DistriFusion with TaylorSeer on 2 devices: a computed step's bytes per phase equal the
     uncached run's, a predicted step's are 0, the mean weights them by the steps taken."""
@@ -222,6 +223,7 @@ def test_project_schedules_of_the_caches():
         cache_schedule(None, 8, 3)
 
 
+@pytest.mark.slow
 def test_project_a_cached_run(tmp_path):
     """Each kind of step's program is lowered and priced: a first-block cache whose every step
     computes costs the uncached run (plus its decision's all-reduce); TaylorSeer's predicted

@@ -45,7 +45,7 @@ def test_comm_has_no_vae_flags_and_a_codec_names_a_kind_once(capsys):
 
 def test_project_prices_no_decode_for_a_pixel_space_model(tmp_path, capsys):
     base = ["project", "--model", "fmnist-dit", "--resolution", "32", "--devices", "2",
-            "--strategy", "distrifusion", "--cache", str(tmp_path / "w.jsonl")]  # fmt: skip
+            "--strategy", "distrifusion", "--workloads", str(tmp_path / "w.jsonl")]  # fmt: skip
     assert main([*base, "--vae-parallel", "rows"]) == 2
     assert "works in pixel space (no VAE), so there is no decode to place" in one_error(capsys)
     assert main([*base, "--json"]) == 0
@@ -178,7 +178,7 @@ def test_comm_and_project_report_what_they_lower(tmp_path, capsys):
     assert "lowering the warm-up phase's model call" in err
     assert "lowering the steady phase's model call" in err
     args = ["project", "--model", "tiny", "--resolution", "256", "--devices", "2",
-            "--strategy", "sync_patch", "--overlap", "step", "--cache", str(tmp_path / "w")]  # fmt: skip
+            "--strategy", "sync_patch", "--overlap", "step", "--workloads", str(tmp_path / "w")]  # fmt: skip
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "not in the workload cache" in err and "lowering the text encoders" in err

@@ -167,7 +167,7 @@ def miniature(argv: list[str], tmp: Path) -> list[str]:
     if out[0] == "run":
         out += ["--sampler.steps", "6", "--measure.repeats", "1", "--measure.warmup-runs", "0"]
     if out[0] == "project":
-        out += ["--cache", str(tmp / "workloads.jsonl")]
+        out += ["--workloads", str(tmp / "workloads.jsonl")]
     return out
 
 
