@@ -87,12 +87,7 @@ class FirstBlockCache(StepCache):
     summary: ClassVar[str] = "it skips a transformer's blocks after the first"
 
     def __post_init__(self):
-        t = self.threshold
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
-            raise ValueError(
-                f"fbcache threshold={t!r}: must be a finite number > 0 (diffusers' default "
-                f"0.05; larger skips more steps)"
-            )
+        _check_threshold("fbcache", self.threshold, "diffusers' default 0.05")
 
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         return (steps + computed_steps * (num_blocks - 1)) / (steps * num_blocks)
@@ -239,12 +234,7 @@ class TeaCache(StepCache):
     coefficients: ClassVar[tuple[float, ...]] = FLUX_TEACACHE
 
     def __post_init__(self):
-        t = self.threshold
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
-            raise ValueError(
-                f"teacache threshold={t!r}: must be a finite number > 0 (TeaCache's FLUX.1 "
-                f"settings 0.25 to 0.8; larger skips more steps)"
-            )
+        _check_threshold("teacache", self.threshold, "TeaCache's FLUX.1 settings 0.25 to 0.8")
 
     def bind(self, steps: int) -> TeaCache:
         return replace(self, steps=steps)
@@ -343,6 +333,15 @@ def make_cache(name: str | None, **options) -> StepCache | None:
     if unknown := sorted(set(options) - known):
         raise ValueError(f"cache {name!r} has no option {unknown}; its options: {sorted(known)}")
     return cls(**options)
+
+
+def _check_threshold(cache: str, t, usual: str) -> None:
+    """A data-dependent cache's threshold: a finite number > 0, or a one-line error."""
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+        raise ValueError(
+            f"{cache} threshold={t!r}: must be a finite number > 0 ({usual}; larger skips more "
+            f"steps)"
+        )
 
 
 def cache_options(cls) -> list:
