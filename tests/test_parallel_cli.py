@@ -113,7 +113,8 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         (
             dict(strategy="megatron"),
             r"unknown strategy 'megatron'; known: \['single', 'naive_patch', 'sync_patch', "
-            r"'distrifusion', 'pcpp', 'compact', 'ring', 'ulysses', 'tensor', 'pipefusion'\]",
+            r"'distrifusion', 'pcpp', 'compact', 'ring', 'ulysses', 'tensor', 'pipefusion', "
+            r"'asyncdiff'\]",
         ),
         (
             dict(strategy="sync_patch", devices=8, data=3),

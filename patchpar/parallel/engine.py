@@ -159,13 +159,13 @@ class Plan:
         self.program.validate(self, unet, tuple(latent_hw), build_mesh)
         if self.cache is not None:
             self.cache.validate(unet, steps)
-            if self.program is not STEP:
+            if self.program.no_cache:
                 raise ValueError(
-                    f"cache {self.cache.name!r} with strategy {s.name!r}: not defined; the cache "
-                    f"decides per step on the whole image's first-block residual, and "
-                    f"{s.name}'s program ({self.program.name}) streams patches through stages, "
-                    f"so no step has that residual at one point; use it with the one-call "
-                    f"strategies (single, sync_patch, distrifusion, pcpp, compact, ...)"
+                    f"cache {self.cache.name!r} with strategy {s.name!r}: not defined; a cache "
+                    f"decides per step on the whole image's activations or output, and "
+                    f"{s.name}'s program ({self.program.name}): {self.program.no_cache}; use "
+                    f"it with the one-call strategies (single, sync_patch, distrifusion, pcpp, "
+                    f"compact, ...)"
                 )
             if s.patch_axis(0) != s.patch_axis(1):
                 raise ValueError(

@@ -399,6 +399,10 @@ class PipelineProgram(Program):
     gathers_output = False  # xDiT returns each latent patch to the first stage, as here
     sync_offset = 0  # warmup_steps full-image passes, no step counter offset
     rules_name = "stages"  # each device its stage's blocks (`Staged`)
+    no_cache = (
+        "it streams patches through stages, so no step has the whole image's first-block "
+        "residual at one point"
+    )
 
     def validate(self, plan, unet, latent_hw, build_mesh=True) -> None:
         s = plan.strategy

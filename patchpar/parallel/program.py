@@ -25,6 +25,8 @@ class Program:
     (DistriFusion's, PCPP's; `measure.cost.released_count`)."""
     sync_offset: ClassVar[int] = 1
     """Synchronous steps = warmup_steps + this (DistriFusion's step counter starts at 1)."""
+    no_cache: ClassVar[str] = ""
+    """Why a step cache is not defined on its steps (empty: it is)."""
     rules_name: ClassVar[str | None] = None
     """How it places the parameters, when not the plan's rules (`Plan.rules_name`)."""
 

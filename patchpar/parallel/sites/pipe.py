@@ -89,3 +89,14 @@ class Hop(Site):
 
     def received_bytes(self, info: dict, p: int) -> int:
         return nbytes(info) * sum(1 for _, dst in info["pairs"] if dst == p)
+
+
+@dataclass(frozen=True)
+class Relay(Hop):
+    """AsyncDiff's hops (`patchpar.parallel.asyncdiff`): each component's output to the
+    device of the next, the last one's prediction to the first. patchpar sends each to the
+    one device that reads it; the released code broadcasts every component's output, and the
+    prediction, from its device to every device (`released_bytes`)."""
+
+    def released_bytes(self, info: dict, p: int) -> int:
+        return nbytes(info) * sum(1 for src, _ in info["pairs"] if src != p)

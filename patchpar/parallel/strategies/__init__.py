@@ -3,6 +3,7 @@ that list the known ones."""
 
 from __future__ import annotations
 
+from patchpar.parallel.strategies.asyncdiff import AsyncDiff
 from patchpar.parallel.strategies.base import Strategy
 from patchpar.parallel.strategies.compact import Compact
 from patchpar.parallel.strategies.context import Ring, Ulysses
@@ -27,6 +28,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         Ulysses,
         Tensor,
         PipeFusion,
+        AsyncDiff,
     )
 }
 
