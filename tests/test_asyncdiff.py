@@ -132,6 +132,7 @@ def test_bytes_equal_the_analytic_model(devices, cfg, data):
     released = sum(hidden * (n - 1 - (k < n - 1)) + latent * (k != n - 1) for k in range(n))
     assert steady["released"]["pipe"]["total"] == released * devices // n
     assert rec["weight_bytes_per_device"] == sum(a.nbytes for a in jax.tree.leaves(params))
+    assert rec["stale_bytes_per_device"] == hidden  # the component before's output
 
 
 def test_bad_input_names_what_would_fit():

@@ -219,6 +219,33 @@ def test_pipefusion_in_two_processes_equals_two_fake_devices(tmp_path):
 
 
 @pytest.mark.slow
+def test_asyncdiff_in_two_processes_equals_two_fake_devices(tmp_path):
+    """AsyncDiff's own program (a component per process, its output and the prediction passed
+    by collective-permute over gloo) on the trained fmnist-dit: the latent of 2 launched
+    processes equals that of 2 fake devices in this process."""
+    from patchpar.lab.generate import GenerateConfig, generate
+
+    common = ["--model", "fmnist-dit", "--strategy", "asyncdiff", "--devices", "2",
+              "--warmup-steps", "4", "--prompt", "a photo of a sneaker", "a photo of a bag"]  # fmt: skip
+    cmd = [sys.executable, "-m", "patchpar.lab.cli", "generate", *common, "--processes", "2",
+           "--out", str(tmp_path / "mp")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    here = GenerateConfig(
+        model="fmnist-dit",
+        prompt=("a photo of a sneaker", "a photo of a bag"),
+        strategy="asyncdiff",
+        devices=2,
+        warmup_steps=4,
+        out=tmp_path / "here",
+    )
+    generate(here)
+    got, want = (np.load(tmp_path / d / "latent.npy") for d in ("mp", "here"))
+    assert got.shape == want.shape == (2, 32, 32, 1)
+    assert _rel(got, want) <= 1e-5
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["distrifusion_int2", "compact_sign1"])
 def test_compressed_bases_are_bit_identical_across_two_processes(name, tmp_path):
     """Error feedback over gloo: after every step, the base each process holds of the other's

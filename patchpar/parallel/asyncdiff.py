@@ -129,11 +129,11 @@ def _with_axes(tree):
 
 def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale):
     """Steps span = [start, stop) of one phase of AsyncDiff, as `engine.denoise_phase`:
-    (x, loop) -> (x, loop), where loop = (latent, sampler history, the output of the component
-    before each device's) with leading device axes, None before the first phase (then `x`, the
-    whole latent, starts it)."""
+    (x, loop) -> (x, loop), where loop = ((latent, sampler history), the output of the
+    component before each device's: its stale buffer), every leaf with leading device axes,
+    None before the first phase (then `x`, the whole latent, starts it)."""
     first = loop is None
-    lead = x if first else loop[0][:, 0, 0, 0]
+    lead = x if first else loop[0][0][:, 0, 0, 0]
     bounds = component_bounds(unet, plan.patch, lead.reshape((-1,) + lead.shape[-3:]), cond)
     body = partial(_local, unet, plan, sampler, phase, span, float(guidance_scale), first, bounds)
     g = CFG if plan.cfg == 2 else None
@@ -146,12 +146,12 @@ def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
             jax.tree.map(lambda _: P(), schedule),
             P(DATA) if first else STATE_SPEC,
         ),
-        out_specs=STATE_SPEC,
+        out_specs=(STATE_SPEC, STATE_SPEC),
         check_vma=False,
     )
-    state = fn(params, cond, schedule, x if first else loop)
-    lat = state[0][:, 0, 0, 0]  # device 0's latent: (data, b, H, W, C)
-    return lat.reshape((-1,) + lat.shape[2:]), state
+    carried, inbox = fn(params, cond, schedule, x if first else loop)
+    lat = carried[0][:, 0, 0, 0]  # device 0's latent: (data, b, H, W, C)
+    return lat.reshape((-1,) + lat.shape[2:]), (carried, inbox)
 
 
 def _where(pred, a, b):
@@ -195,7 +195,7 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
     if first:
         lat, hist, inbox = x, sampler.init_carry(x), None
     else:
-        lat, hist, inbox = _strip(x)
+        (lat, hist), inbox = _strip(x)
     if inbox is None:  # zeros shaped as the tokens between blocks (traced for their shape)
         hs0, _ = prologue(sampler.scale_input(schedule, start, lat), schedule.timesteps[start])
         inbox = jax.tree.map(jnp.zeros_like, hs0)
@@ -225,7 +225,7 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
 
     fn = warm if phase == "warmup" else steady
     lat, hist, inbox = run_steps(fn, sampler, schedule, lat, hist, inbox, start, stop)
-    return _with_axes((lat, hist, inbox))
+    return _with_axes((lat, hist)), _with_axes(inbox)
 
 
 class AsyncProgram(Program):
