@@ -16,7 +16,7 @@ from test_pipefusion import micro_dit
 from torch_refs import rel_err
 
 from patchpar.models.sites import IDENTITY
-from patchpar.parallel.asyncdiff import balanced_split, component_bounds
+from patchpar.parallel.asyncdiff import _text, balanced_split, boundaries, component_bounds
 from patchpar.parallel.engine import Plan, denoise
 from patchpar.parallel.strategies import make_strategy
 from patchpar.sampling.loop import guided
@@ -147,8 +147,8 @@ def test_bad_input_names_what_would_fit():
         plan = Plan(make_strategy("asyncdiff", **opts), devices, cfg, fsdp=fsdp, cache=cache)
         plan.validate(model, latent, steps, GUIDANCE)
 
-    with pytest.raises(ValueError, match="a unet's forward is not built as a stack of blocks"):
-        check(2, model=abstract_denoiser("tiny"), latent=(32, 32))
+    with pytest.raises(ValueError, match="8 components .* stack of 7 blocks: .* at most 7"):
+        check(8, model=abstract_denoiser("tiny-xl"), latent=(32, 32))  # 3 levels: 3 + 1 + 3
     with pytest.raises(ValueError, match="8 components .* stack of 5 blocks: .* at most 5"):
         check(8)
     with pytest.raises(ValueError, match=r"warmup_steps=0 must be an integer in \[1, steps=5\]"):
@@ -205,3 +205,47 @@ def test_on_an_mmdit(family):
     plan = Plan(make_strategy("asyncdiff", warmup_steps=1), 2)
     rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
     assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+
+
+@pytest.mark.parametrize(
+    "kind, devices", [("sd", 2), pytest.param("sdxl", 3, marks=pytest.mark.slow)]
+)
+def test_on_a_unet(kind, devices):
+    """A UNet's blocks are its levels' down blocks, the mid block and its up blocks; the skip
+    connections not yet consumed travel with the activation, so components pass activations
+    of different shapes (each packed flat, its own size on the wire). Warm-up over every step
+    equals single, the asynchronous steps the reference, HLO bytes the analytic model."""
+    from parallel_helpers import GUIDANCE as scale
+    from parallel_helpers import inputs as unet_inputs
+    from parallel_helpers import micro_unet
+
+    from patchpar.measure.cost import measure
+
+    fn, params = micro_unet(kind)
+    x, _, cond = unet_inputs(kind)
+    smp = get_sampler("dpmpp_2m")
+    sched = smp.schedule(SchedulerConfig(), 4)
+
+    def run(n, warmup):
+        plan = Plan(make_strategy("asyncdiff", warmup_steps=warmup), n)
+        plan.validate(fn, x.shape[1:3], 4, scale)
+        out, _ = denoise(fn, plan, smp, params, cond, sched, x * sched.init_noise_sigma, scale)
+        return np.asarray(out)
+
+    single = run(1, 1)
+    assert max_diff(run(devices, 4), single) <= 1e-4
+    bounds = component_bounds(fn, devices, x, cond)
+    assert len(bounds) == devices and bounds[-1][1] == fn.module.num_blocks
+    got = run(devices, 1)
+    want = reference(fn, params, bounds, 1, x, cond, smp, sched, scale)
+    assert max_diff(got, want) <= 1e-4 and max_diff(got, single) > 1e-4
+    plan = Plan(make_strategy("asyncdiff", warmup_steps=1), devices)
+    rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
+    assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+    steady = rec["phases"]["steady"]["hlo"]["pipe"]
+    latent = x.size * 4  # the guided prediction, to device 0
+    # each boundary's own size: x and the skips not yet consumed, of both guidance halves
+    passed, _ = boundaries(fn, tuple(bounds), x.shape[1:] + (jnp.float32,), _text(cond), 4)
+    sizes = [sum(a.size * 4 for a in jax.tree.leaves(t)) for t in passed]
+    assert len(set(sizes)) == len(sizes) and min(sizes) > latent
+    assert steady["total"] == latent + sum(sizes) and steady["max"] == max(sizes)

@@ -1,25 +1,27 @@
 """AsyncDiff (arXiv 2406.06911) as its own `shard_map` program per phase (docs/design.md §3b).
 
 The denoiser's forward is prologue (embeddings), blocks [0, N) and epilogue (output layers),
-as its module gives them. The blocks are split into S contiguous components, one per device of
-the patch axis, balanced by FLOPs (`component_bounds`: XLA's count of one block of each kind
-at the run's latent and text size). Every device holds the whole model and the whole image.
+as its module gives them: a DiT's transformer blocks (FLUX.1: double-, then single-stream), a
+UNet's down blocks, mid block and up blocks, whose skip connections not yet consumed travel
+with the activation. The blocks are split into S contiguous components, one per device of the
+patch axis, balanced by FLOPs (`component_bounds`: XLA's count of each block at the run's
+latent and text size). Every device holds the whole model and the whole image.
 
 Warm-up (`warmup_steps` steps): every device runs the whole model, exactly, and keeps the
 output of the component before its own (what its first asynchronous step reads); nothing is
 exchanged (but the guidance halves' gather with cfg=2), so warm-up over every step equals
 `single`. Steady phase, step t on device k: its component runs on component k-1's output of
-step t-1 (device 0: on the embedded latent of step t); the outputs then hop to the next device
-(one collective-permute, k -> k+1) for step t+1, and the last device's prediction (after
-guidance) hops to device 0, which takes the sampler step. Only device 0's latent is kept
-current; the latent a phase returns is device 0's. Every component runs on this step's
-timestep (the released code's `time_shift=False`, its default).
+step t-1 (device 0: on the embedded latent of step t), one `lax.switch` over the devices; the
+outputs then hop to the next device (collective-permutes k -> k+1) for step t+1, and the last
+device's model output, guided, hops to device 0, which takes the sampler step. Only device 0's
+latent is kept current; the latent a phase returns is device 0's. Every component runs on this
+step's timestep (the released code's `time_shift=False`, its default).
 
-What differs from the released code: it broadcasts each component's output and the
-prediction to every device (`Relay.released_bytes`), each device taking the sampler step;
-here each goes to the one device that reads it. Every device computes the output layers on
-its component's output (a linear layer per token; only the last device's is used), so that
-the components' branches stay one `lax.switch` of equal outputs.
+What a component passes on is packed into one flat array (`Packing`), padded to the largest
+boundary's size so that every branch returns one shape; each boundary's own size goes on the
+wire (boundaries of one size in one permute). The released code broadcasts each component's
+output and the prediction from its device to every device (`Relay.released_bytes`), each
+device taking the sampler step; here each goes to the one device that reads it.
 """
 
 from __future__ import annotations
@@ -72,51 +74,118 @@ def balanced_split(costs: list[float], parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _one(shape_dtype, lead: int):
-    """An abstract array with its `lead` leading (guidance, batch) axes cut to one element."""
-    return jax.ShapeDtypeStruct((1,) + tuple(shape_dtype.shape[lead:]), shape_dtype.dtype)
+def _blocks(module, variables, lo: int, hi: int, hs, aux):
+    """Blocks [lo, hi) of `module` on `hs`; after the last block a stream no later block reads
+    may come out None (SD3's text): the input's passes on, so that every component's output
+    has one structure per boundary."""
+    out = module.apply(variables, lo, hi, hs, aux, method="blocks")
+    return tuple(h if o is None else o for o, h in zip(out, hs, strict=True))
+
+
+def _abstract(latent: tuple, text: tuple, batch: int = 1):
+    """Abstract (x, t, context, added) for `batch` rows of latent (H, W, C, dtype) and text
+    ((name, shape without the batch axis, dtype) per conditioning input)."""
+    h, w, c, dt = latent
+    x = jax.ShapeDtypeStruct((batch, h, w, c), dt)
+    t = jax.ShapeDtypeStruct((batch,), jnp.float32)
+    cond = {name: jax.ShapeDtypeStruct((batch, *shape), dtype) for name, shape, dtype in text}
+    return x, t, cond.pop("context"), cond
 
 
 @cache
 def block_flops(unet, latent: tuple, text: tuple) -> tuple[float, ...]:
     """XLA's FLOPs of each block of `unet`'s forward for one image of latent (H, W, C, dtype)
-    and text ((name, shape, dtype) of each conditioning input, guidance and batch axes cut):
-    one block of each segment of identical blocks, lowered on abstract shapes."""
+    and text ((name, shape, dtype) of each conditioning input without guidance and batch axes),
+    lowered on abstract shapes: the forward up to block j + 1 less the forward up to block j;
+    of a stack of identical blocks (a DiT's segments), one block per segment."""
     from patchpar.parallel.engine import _param_shapes
 
     module = unet.module.clone(ops=IDENTITY)
     params = _param_shapes(unet)
-    h, w, c, dt = latent
-    x = jax.ShapeDtypeStruct((1, h, w, c), dt)
-    t = jax.ShapeDtypeStruct((1,), jnp.float32)
-    cond = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in text}
-    ctx = cond.pop("context")
 
     def upto(j):
         def fn(p, x, t, ctx, added):
             hs, aux = module.apply({"params": p}, x, t, ctx, **added, method="prologue")
-            return hs if j is None else module.apply({"params": p}, j, j + 1, hs, aux,
-                                                     method="blocks")  # fmt: skip
+            return _blocks(module, {"params": p}, 0, j, hs, aux)
 
         with shapes_only():
-            low = jax.jit(fn).lower(params, x, t, ctx, cond)
+            low = jax.jit(fn).lower(params, *_abstract(latent, text))
         return float((low.cost_analysis() or {}).get("flops", 0.0))
 
-    base, out, start = upto(None), [], 0
-    for count in unet.stack.segment_layers:
-        out += [max(upto(start) - base, 1.0)] * count
+    n = unet.module.num_blocks
+    stack = unet.stack
+    segments = stack.segment_layers if stack is not None else (1,) * n
+    out, start = [], 0
+    for count in segments:
+        out += [max(upto(start + 1) - upto(start), 1.0)] * count
         start += count
     return tuple(out)
+
+
+@cache
+def boundaries(unet, bounds: tuple, latent: tuple, text: tuple, batch: int):
+    """What each component but the last passes on (abstract, for `batch` rows), and the
+    model output's shape and dtype."""
+    from patchpar.parallel.engine import _param_shapes
+
+    module = unet.module.clone(ops=IDENTITY)
+
+    def fn(p, x, t, ctx, added):
+        v = {"params": p}
+        hs, aux = module.apply(v, x, t, ctx, **added, method="prologue")
+        outs = []
+        for lo, hi in bounds:
+            hs = _blocks(module, v, lo, hi, hs, aux)
+            outs.append(hs)
+        return outs[:-1], module.apply(v, hs, aux, method="epilogue")
+
+    with shapes_only():
+        return jax.eval_shape(fn, _param_shapes(unet), *_abstract(latent, text, batch))
+
+
+class Packing:
+    """The tokens (or a UNet's activation with its skip connections) at each boundary as one
+    flat array: each component's output packed, padded to the largest boundary's size, so that
+    every device's branch returns the same shape; a boundary's own size goes on the wire."""
+
+    def __init__(self, shapes):
+        self.trees = [jax.tree.structure(t) for t in shapes]
+        self.leaves = [jax.tree.leaves(t) for t in shapes]
+        dts = {jnp.dtype(a.dtype) for ls in self.leaves for a in ls}
+        if len(dts) > 1:
+            raise ValueError(f"asyncdiff packs a boundary's arrays of one dtype, not {dts}")
+        self.dtype = dts.pop() if dts else jnp.float32
+        self.sizes = [sum(a.size for a in ls) for ls in self.leaves]
+        self.size = max(self.sizes, default=1)
+
+    def pack(self, k: int, tree) -> jax.Array:
+        flat = jnp.concatenate([a.reshape(-1) for a in jax.tree.leaves(tree)])
+        return jnp.pad(flat, (0, self.size - flat.shape[0]))
+
+    def unpack(self, k: int, flat: jax.Array):
+        out, at = [], 0
+        for a in self.leaves[k]:
+            out.append(flat[at : at + a.size].reshape(a.shape))
+            at += a.size
+        return jax.tree.unflatten(self.trees[k], out)
 
 
 def component_bounds(unet, components: int, x, cond) -> list[tuple[int, int]]:
     """The [lo, hi) blocks of each component for latent `x` (B, H, W, C) and conditioning
     `cond` (G, B, ...), balanced by FLOPs."""
-    text = (("context", _one(cond.context, 2).shape, cond.context.dtype),) + tuple(
-        (k, _one(v, 2).shape, v.dtype) for k, v in sorted(cond.added().items())
-    )
-    costs = block_flops(unet, (*x.shape[1:], jnp.dtype(x.dtype)), text)
+    costs = block_flops(unet, _latent(x), _text(cond))
     return balanced_split(list(costs), components)
+
+
+def _latent(x) -> tuple:
+    return (*x.shape[1:], jnp.dtype(x.dtype))
+
+
+def _text(cond) -> tuple:
+    """(name, shape without guidance and batch axes, dtype) of each conditioning input."""
+    return (("context", tuple(cond.context.shape[2:]), jnp.dtype(cond.context.dtype)),) + tuple(
+        (k, tuple(v.shape[2:]), jnp.dtype(v.dtype)) for k, v in sorted(cond.added().items())
+    )
 
 
 def _strip(tree):
@@ -154,10 +223,6 @@ def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
     return lat.reshape((-1,) + lat.shape[2:]), (carried, inbox)
 
 
-def _where(pred, a, b):
-    return jax.tree.map(partial(jnp.where, pred), a, b)
-
-
 def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, schedule, x):
     """Inside shard_map: one device (component) of one phase."""
     start, stop = span
@@ -169,20 +234,22 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
     flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
     added = {k: flat(v) for k, v in cond.added().items()}
     context = flat(cond.context)
+    if first:
+        lat, hist, inbox = x, sampler.init_carry(x), None
+    else:
+        (lat, hist), inbox = _strip(x)
+    passed, out_shape = boundaries(unet, tuple(bounds), _latent(lat), _text(cond), g * b)
+    packing = Packing(passed)
+    if inbox is None:
+        inbox = jnp.zeros((packing.size,), packing.dtype)
 
     def prologue(x_in, t):
         xs = jnp.broadcast_to(x_in[None], (g,) + x_in.shape).reshape((g * b,) + x_in.shape[1:])
         ts = jnp.broadcast_to(t, (g * b,))
         return module.apply(variables, xs, ts, context, **added, method="prologue")
 
-    def blocks(k, hs, aux):
-        out = module.apply(variables, *bounds[k], hs, aux, method="blocks")
-        # after the last block a stream no later block reads may be None (SD3's text): the
-        # input's passes on, so that every component returns the same structure
-        return tuple(h if o is None else o for o, h in zip(out, hs, strict=True))
-
-    def predict(hs, aux, x_in):  # the output layers, guidance: (b, H, W, C)
-        out = unet.prediction(module.apply(variables, hs, aux, method="epilogue"))
+    def guide(out):  # the model output of both guidance halves -> the guided prediction
+        out = unet.prediction(out)
         out = out.reshape((g, b) + out.shape[1:])
         if plan.cfg == 2:  # the other guidance half's, from the devices of the other cfg index
             if plan.comm:
@@ -192,34 +259,46 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
                 out = jnp.concatenate([out, out], axis=0)
         return guided(out, gs)
 
-    if first:
-        lat, hist, inbox = x, sampler.init_carry(x), None
-    else:
-        (lat, hist), inbox = _strip(x)
-    if inbox is None:  # zeros shaped as the tokens between blocks (traced for their shape)
-        hs0, _ = prologue(sampler.scale_input(schedule, start, lat), schedule.timesteps[start])
-        inbox = jax.tree.map(jnp.zeros_like, hs0)
-
     def warm(x_in, t, i, inbox):
-        del i
+        del i, inbox
         hs, aux = prologue(x_in, t)
-        mine = jax.tree.map(jnp.zeros_like, inbox)  # device 0 reads no component's output
-        for k in range(n):
-            hs = blocks(k, hs, aux)
+        mine = jnp.zeros((packing.size,), packing.dtype)  # device 0 reads no component's output
+        for k, (lo, hi) in enumerate(bounds):
+            hs = _blocks(module, variables, lo, hi, hs, aux)
             if k < n - 1:  # the input of component k + 1
-                mine = _where(s == k + 1, hs, mine)
-        return predict(hs, aux, x_in), mine
+                mine = jnp.where(s == k + 1, packing.pack(k, hs), mine)
+        out = module.apply(variables, hs, aux, method="epilogue")
+        return guide(out), mine
 
     def steady(x_in, t, i, inbox):
         del i
         hs0, aux = prologue(x_in, t)
-        h_in = _where(s == 0, hs0, inbox)
+
+        def component(k):
+            def run(inbox):
+                h = hs0 if k == 0 else packing.unpack(k - 1, inbox)
+                h = _blocks(module, variables, *bounds[k], h, aux)
+                if k < n - 1:  # its output packed for the next; no prediction
+                    return packing.pack(k, h), jnp.zeros(out_shape.shape, out_shape.dtype)
+                out = module.apply(variables, h, aux, method="epilogue")
+                return jnp.zeros((packing.size,), packing.dtype), out
+
+            return run
+
         if n == 1:
-            out = blocks(0, h_in, aux)
+            _, out = component(0)(inbox)
         else:
-            out = lax.switch(s, [partial(blocks, k, aux=aux) for k in range(n)], h_in)
-        eps = predict(out, aux, x_in)  # the last device's is the step's prediction
-        nxt = hop.send(out, tuple((k, k + 1) for k in range(n - 1)))
+            sent, out = lax.switch(s, [component(k) for k in range(n)], inbox)
+        eps = guide(out)  # the last device's is the step's prediction
+        nxt = jnp.zeros_like(inbox)
+        by_size: dict[int, list[int]] = {}  # boundaries of one size go in one permute
+        for k, size in enumerate(packing.sizes):
+            by_size.setdefault(size, []).append(k)
+        for size, ks in by_size.items():
+            got = hop.send(sent[:size], tuple((k, k + 1) for k in ks))
+            got = jnp.pad(got, (0, packing.size - size))
+            receives = jnp.isin(s, jnp.asarray([k + 1 for k in ks]))
+            nxt = jnp.where(receives, got, nxt)
         eps = hop.send(eps, ((n - 1, 0),)) if n > 1 else eps
         return eps, nxt
 
@@ -249,14 +328,13 @@ class AsyncProgram(Program):
                 f"strategy {s.name!r} splits the blocks over the patch axis itself; it does "
                 f"not combine with fsdp or tensor parallelism (use fsdp=False)"
             )
-        if unet.stack is None or not hasattr(unet.module, "blocks"):
+        if not hasattr(unet.module, "blocks"):
             raise ValueError(
                 f"asyncdiff splits the denoiser's blocks into components; a {unet.family}'s "
-                f"forward is not built as a stack of blocks here (a UNet's skip connections "
-                f"would travel with the activation: not built): use a transformer (PixArt, "
-                f"SD3, FLUX.1), or sync_patch, distrifusion or pcpp"
+                f"forward is not built as prologue, blocks and epilogue: use sync_patch, "
+                f"distrifusion or pcpp on it"
             )
-        blocks = sum(unet.stack.segment_layers)
+        blocks = unet.module.num_blocks
         if plan.patch > blocks:
             raise ValueError(
                 f"asyncdiff: {plan.patch} components (devices on the patch axis) on a stack "

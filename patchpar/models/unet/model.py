@@ -373,7 +373,21 @@ class UNet2DConditionModel(nn.Module):
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
 
-    @nn.compact
+    def setup(self):
+        cfg, dt, ops = self.config, self.dtype, self.ops
+        boc = cfg.block_out_channels
+        layer = ops.layer  # every parameterised layer: FSDP gathers its weights there
+        self.time_embedding = layer(TimestepEmbedding)(4 * boc[0], dt)
+        if cfg.addition_embed_type == "text_time":
+            self.add_embedding = layer(TimestepEmbedding)(4 * boc[0], dt)
+        # The model's input is exact every step: its halo comes fresh even for stale strategies.
+        self.conv_in = layer(Conv)(boc[0], dtype=dt, ops=ops.input_layer())
+        self.down_blocks = [DownBlock(cfg, i, dt, ops, self.attn) for i in range(len(boc))]
+        self.mid_block = MidBlock(cfg, dt, ops, self.attn)
+        self.up_blocks = [UpBlock(cfg, i, dt, ops, self.attn) for i in range(len(boc))]
+        self.conv_norm_out = layer(GroupNorm)(cfg.norm_num_groups, cfg.norm_eps, dt, ops)
+        self.conv_out = layer(Conv)(cfg.out_channels, dtype=dt, ops=ops)
+
     def __call__(
         self,
         sample: jax.Array,  # (B, h, W, Cin): the whole latent, or a row slab of it
@@ -382,13 +396,26 @@ class UNet2DConditionModel(nn.Module):
         text_embeds: jax.Array | None = None,  # (B, P) SDXL pooled text embedding
         time_ids: jax.Array | None = None,  # (B, 6) SDXL size/crop conditioning
     ) -> jax.Array:  # (B, h, W, Cout)
-        cfg, dt, ops = self.config, self.dtype, self.ops
+        hs, aux = self.prologue(sample, timesteps, encoder_hidden_states, text_embeds, time_ids)
+        return self.epilogue(self.blocks(0, self.num_blocks, hs, aux), aux)
+
+    # The forward as prologue, blocks [lo, hi), epilogue, for a strategy that splits the layers
+    # (AsyncDiff). The blocks are the levels' down blocks, the mid block and the up blocks in
+    # order; `hs` is (x, the skip connections not yet consumed): the skips travel with the
+    # activation.
+
+    @property
+    def num_blocks(self) -> int:
+        return 2 * len(self.config.block_out_channels) + 1
+
+    def prologue(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
+        """-> ((conv_in's output, (it as the first skip,)), (time embedding, text context))."""
+        cfg, dt = self.config, self.dtype
         boc = cfg.block_out_channels
         b = sample.shape[0]
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps), (b,))
         temb = timestep_embedding(timesteps, boc[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        layer = ops.layer  # every parameterised layer: FSDP gathers its weights there
-        emb = layer(TimestepEmbedding)(4 * boc[0], dt, name="time_embedding")(temb)  # (B, 4*C0)
+        emb = self.time_embedding(temb)  # (B, 4*C0)
         if cfg.addition_embed_type == "text_time":
             if text_embeds is None or time_ids is None:
                 raise ValueError(
@@ -401,21 +428,27 @@ class UNet2DConditionModel(nn.Module):
                 cfg.freq_shift,
             ).reshape(b, -1)  # (B, 6 * addition_time_embed_dim)
             add = jnp.concatenate([text_embeds.astype(jnp.float32), tid], axis=-1)
-            emb = emb + layer(TimestepEmbedding)(4 * boc[0], dt, name="add_embedding")(add)
+            emb = emb + self.add_embedding(add)
         ctx = encoder_hidden_states.astype(dt)
+        x = self.conv_in(sample.astype(dt))
+        return (x, (x,)), (emb, ctx)
 
-        # The model's input is exact every step: its halo comes fresh even for stale strategies.
-        x = layer(Conv)(boc[0], dtype=dt, ops=ops.input_layer(), name="conv_in")(sample.astype(dt))
-        skips = [x]
-        for i in range(len(boc)):
-            x, s = DownBlock(cfg, i, dt, ops, self.attn, name=f"down_blocks_{i}")(x, emb, ctx)
-            skips += s
-        x = MidBlock(cfg, dt, ops, self.attn, name="mid_block")(x, emb, ctx)
-        for i in range(len(boc)):
-            take = cfg.layers_per_block + 1
-            x = UpBlock(cfg, i, dt, ops, self.attn, name=f"up_blocks_{i}")(
-                x, skips[-take:], emb, ctx
-            )
-            skips = skips[:-take]
-        norm = layer(GroupNorm)(cfg.norm_num_groups, cfg.norm_eps, dt, ops, name="conv_norm_out")
-        return layer(Conv)(cfg.out_channels, dtype=dt, ops=ops, name="conv_out")(nn.silu(norm(x)))
+    def blocks(self, lo: int, hi: int, hs, aux):
+        """Blocks lo..hi-1 (down blocks, mid block, up blocks) on (x, skips)."""
+        (x, skips), (emb, ctx) = hs, aux
+        skips, n = list(skips), len(self.config.block_out_channels)
+        take = self.config.layers_per_block + 1
+        for j in range(lo, hi):
+            if j < n:
+                x, s = self.down_blocks[j](x, emb, ctx)
+                skips += s
+            elif j == n:
+                x = self.mid_block(x, emb, ctx)
+            else:
+                x = self.up_blocks[j - n - 1](x, skips[-take:], emb, ctx)
+                skips = skips[:-take]
+        return x, tuple(skips)
+
+    def epilogue(self, hs, aux) -> jax.Array:
+        del aux
+        return self.conv_out(nn.silu(self.conv_norm_out(hs[0])))

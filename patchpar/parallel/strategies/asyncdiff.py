@@ -4,8 +4,9 @@ patch axis, balanced by FLOPs; after `warmup_steps` exact steps, component k > 0
 on component k-1's output of step t-1, so the S components of a step run at once; the last
 one's output is the step's prediction, which the first device turns into the next latent.
 Every device holds the whole model and the whole image (no row patches), as in the released
-code. Owns its program (`patchpar.parallel.asyncdiff`). Built for transformers (PixArt, SD3,
-FLUX.1: their forward as prologue, blocks and epilogue); the paper's stride-2 mode is not."""
+code. Owns its program (`patchpar.parallel.asyncdiff`). Runs on every family whose forward is
+prologue, blocks and epilogue: UNets (down, mid and up blocks; the skip connections travel
+with the activation), PixArt, SD3, FLUX.1. The paper's stride-2 mode is not built."""
 
 from dataclasses import dataclass
 
