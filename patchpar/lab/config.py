@@ -186,7 +186,9 @@ class DecodeFlags(PlanFlags):
         return build_vae_plan(self.vae_parallel, self.devices, self.data, self.vae_tile)
 
 
-CACHE_FLAGS = tuple(f"cache_{k}" for k in ("threshold", "interval", "warmup", "order", "stop"))
+CACHE_FLAGS = tuple(
+    f"cache_{k}" for k in ("threshold", "interval", "warmup", "order", "stop", "branch")
+)
 
 
 @dataclass(frozen=True)
@@ -196,19 +198,23 @@ class CachedDecodeFlags(DecodeFlags):
     cache: str = "none"
     """A step cache (reuse across steps, with any one-call strategy): none, fbcache (the
     first-block cache of a transformer: PixArt, FLUX, SD3), taylorseer (the denoiser's output
-    predicted between computed steps; every family) or teacache (FLUX.1)."""
+    predicted between computed steps; every family), teacache (FLUX.1) or deepcache (a UNet's
+    deep features reused between full steps)."""
     cache_threshold: float | None = None
     """fbcache: skip the blocks after the first while its residual changed by at most this
     (relative mean absolute change since the last computed step); unset: 0.05 (diffusers').
     teacache: its rel_l1_thresh; unset: 0.25."""
     cache_interval: int | None = None
-    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5)."""
+    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5).
+    deepcache: one step in this many runs the whole UNet (unset: 3)."""
     cache_warmup: int | None = None
     """taylorseer: the first steps that all run the denoiser (unset: 3)."""
     cache_order: int | None = None
     """taylorseer: the Taylor expansion's highest order (unset: 1)."""
     cache_stop: int | None = None
     """taylorseer: from this step on every step runs again (unset: never)."""
+    cache_branch: int | None = None
+    """deepcache: the shallow branch's levels - 1, run every step (unset: 0, the shallowest)."""
 
     def plan(self):
         """The strategy with the options given, placed on the devices, with the cache."""
@@ -293,20 +299,25 @@ class CacheConfig:
     while the first block's residual barely changes; PixArt, FLUX, SD3); taylorseer (after a
     warm-up, one step in `interval` runs the denoiser and the others predict its output by a
     Taylor expansion; every family); teacache (every block skipped while the first block's
-    modulated input barely changes; FLUX.1, with TeaCache's published rescaling)."""
+    modulated input barely changes; FLUX.1, with TeaCache's published rescaling); deepcache
+    (one step in `interval` runs the whole UNet, the others its shallow branch on the deep
+    features kept; UNets)."""
     threshold: float | None = None
     """fbcache: skip while the first block's residual changed by at most this (relative mean
     absolute change since the last computed step); unset: 0.05 (diffusers'). teacache: skip
     while the accumulated rescaled change of the first block's modulated input stays under
     this; unset: 0.25."""
     interval: int | None = None
-    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5)."""
+    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5).
+    deepcache: one step in this many runs the whole UNet (unset: 3)."""
     warmup: int | None = None
     """taylorseer: the first steps that all run the denoiser (unset: 3)."""
     order: int | None = None
     """taylorseer: the Taylor expansion's highest order (unset: 1)."""
     stop: int | None = None
     """taylorseer: from this step on every step runs again (unset: never)."""
+    branch: int | None = None
+    """deepcache: the shallow branch's levels - 1, run every step (unset: 0, the shallowest)."""
 
     def options(self) -> dict:
         """The options set (None: the cache's default)."""

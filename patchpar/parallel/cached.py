@@ -90,6 +90,20 @@ class ModelParts:
         in, the first block's sent."""
         return self.exchanged(carry[1])
 
+    def span(self, lo, hi, hs, carry):
+        """Blocks [lo, hi) on `hs`: (hs after them, carry with their mutated collections)."""
+        aux, mut = carry
+        out, mut = self._part("blocks", {**self.variables, **mut}, lo, hi, hs, aux)
+        return out, (aux, mut)
+
+    def close(self, hs, carry):
+        """The epilogue after the blocks run so far, with its sites (a UNet's output norm and
+        convolution): (the model's output, the stale buffers after every send; those of
+        blocks that did not run as they came in)."""
+        aux, mut = carry
+        out, mut = self._part("epilogue", {**self.variables, **mut}, hs, aux)
+        return out, self.exchanged(mut)
+
     def epilogue(self, hs, carry):
         out, _ = self._part("epilogue", self.variables, hs, carry[0])
         return out

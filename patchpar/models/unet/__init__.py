@@ -39,7 +39,7 @@ class UNetFn:
     splits_columns = True  # convolutions and GroupNorm cut as well by columns as by rows
     text_tokens = 77  # CLIP's
     text_stream = False  # every device computes the text stream (`parallel.sites.text`)
-    caches = ("taylorseer",)  # the step caches it has (`patchpar.sampling.cache`)
+    caches = ("taylorseer", "deepcache")  # the step caches it has (`patchpar.sampling.cache`)
     guidance_halves = 2  # classifier-free guidance
     stack = None  # no stack of identical blocks
     no_stack = "its levels differ in width and resolution"

@@ -280,7 +280,9 @@ def _transformer(cfg: UNetConfig, level: int, dtype, ops, attn, name: str) -> Tr
 
 
 class DownBlock(nn.Module):
-    """CrossAttnDownBlock2D / DownBlock2D: returns the output and its skip connections."""
+    """CrossAttnDownBlock2D / DownBlock2D: returns the output and its skip connections. Its
+    layers and its downsampler are apart (`layers`, `down`): the UNet's forward counts them
+    as two blocks (a step cache that reuses the deeper levels skips the downsampler)."""
 
     cfg: UNetConfig
     index: int
@@ -288,21 +290,42 @@ class DownBlock(nn.Module):
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
 
-    @nn.compact
-    def __call__(self, x, emb, ctx) -> tuple[jax.Array, list[jax.Array]]:
+    def setup(self):
         cfg, i, dt, ops = self.cfg, self.index, self.dtype, self.ops
         c = cfg.block_out_channels[i]
-        skips = []
-        for j in range(cfg.layers_per_block):
-            x = _resnet(cfg, c, dt, ops, f"resnets_{j}")(x, emb)
-            if cfg.down_block_types[i] == "CrossAttnDownBlock2D":
-                x = _transformer(cfg, i, dt, ops, self.attn, f"attentions_{j}")(x, ctx)
-            skips.append(x)
-        if i < len(cfg.block_out_channels) - 1:
-            down = ops.layer(Downsample2D)
-            x = down(c, cfg.downsample_padding, dt, ops, name="downsamplers_0")(x)
+        cross = cfg.down_block_types[i] == "CrossAttnDownBlock2D"
+        self.resnets = [_resnet(cfg, c, dt, ops, None) for _ in range(cfg.layers_per_block)]
+        self.attentions = [
+            _transformer(cfg, i, dt, ops, self.attn, None)
+            for _ in range(cfg.layers_per_block if cross else 0)
+        ]
+        last = i == len(cfg.block_out_channels) - 1
+        down = ops.layer(Downsample2D)
+        self.downsamplers = [] if last else [down(c, cfg.downsample_padding, dt, ops)]
+
+    @property
+    def downsamples(self) -> bool:
+        return self.index < len(self.cfg.block_out_channels) - 1
+
+    def __call__(self, x, emb, ctx) -> tuple[jax.Array, list[jax.Array]]:
+        x, skips = self.layers(x, emb, ctx)
+        if self.downsamples:
+            x = self.down(x)
             skips.append(x)
         return x, skips
+
+    def layers(self, x, emb, ctx) -> tuple[jax.Array, list[jax.Array]]:
+        """The ResNets (and transformers): the output and a skip connection after each."""
+        skips = []
+        for j, resnet in enumerate(self.resnets):
+            x = resnet(x, emb)
+            if self.attentions:
+                x = self.attentions[j](x, ctx)
+            skips.append(x)
+        return x, skips
+
+    def down(self, x) -> jax.Array:
+        return self.downsamplers[0](x)
 
 
 class MidBlock(nn.Module):
@@ -400,13 +423,29 @@ class UNet2DConditionModel(nn.Module):
         return self.epilogue(self.blocks(0, self.num_blocks, hs, aux), aux)
 
     # The forward as prologue, blocks [lo, hi), epilogue, for a strategy that splits the layers
-    # (AsyncDiff). The blocks are the levels' down blocks, the mid block and the up blocks in
-    # order; `hs` is (x, the skip connections not yet consumed): the skips travel with the
-    # activation.
+    # (AsyncDiff) and a step cache that reuses the deep levels (DeepCache). The blocks are, in
+    # order, each level's down layers and its downsampler (none at the last level), the mid
+    # block and the up blocks; `hs` is (x, the skip connections not yet consumed): the skips
+    # travel with the activation.
+
+    def _units(self) -> list[tuple[str, int]]:
+        n = len(self.config.block_out_channels)
+        down = [u for i in range(n) for u in [("down", i)] + [("downsample", i)] * (i < n - 1)]
+        return down + [("mid", 0)] + [("up", i) for i in range(n)]
 
     @property
     def num_blocks(self) -> int:
-        return 2 * len(self.config.block_out_channels) + 1
+        return 3 * len(self.config.block_out_channels)
+
+    @property
+    def levels(self) -> int:
+        return len(self.config.block_out_channels)
+
+    def branch_bounds(self, branch: int) -> tuple[int, int]:
+        """DeepCache's shallow branch `branch` (0: the shallowest level): the blocks [0, lo)
+        and [hi, num_blocks) that run every step; [lo, hi) are reused (the levels below,
+        from the branch level's downsampler on)."""
+        return 2 * branch + 1, self.num_blocks - branch - 1
 
     def prologue(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
         """-> ((conv_in's output, (it as the first skip,)), (time embedding, text context))."""
@@ -434,18 +473,22 @@ class UNet2DConditionModel(nn.Module):
         return (x, (x,)), (emb, ctx)
 
     def blocks(self, lo: int, hi: int, hs, aux):
-        """Blocks lo..hi-1 (down blocks, mid block, up blocks) on (x, skips)."""
+        """Blocks lo..hi-1 (down layers and downsamplers, mid block, up blocks) on (x,
+        skips)."""
         (x, skips), (emb, ctx) = hs, aux
-        skips, n = list(skips), len(self.config.block_out_channels)
+        skips = list(skips)
         take = self.config.layers_per_block + 1
-        for j in range(lo, hi):
-            if j < n:
-                x, s = self.down_blocks[j](x, emb, ctx)
+        for kind, i in self._units()[lo:hi]:
+            if kind == "down":
+                x, s = self.down_blocks[i].layers(x, emb, ctx)
                 skips += s
-            elif j == n:
+            elif kind == "downsample":
+                x = self.down_blocks[i].down(x)
+                skips.append(x)
+            elif kind == "mid":
                 x = self.mid_block(x, emb, ctx)
             else:
-                x = self.up_blocks[j - n - 1](x, skips[-take:], emb, ctx)
+                x = self.up_blocks[i](x, skips[-take:], emb, ctx)
                 skips = skips[:-take]
         return x, tuple(skips)
 
