@@ -1,6 +1,6 @@
 """Projected latency of AsyncDiff at full size beside DistriFusion: `patchpar project` on 2 and 4
-A100 SXM devices at 1024², bf16, for SDXL (50-step DDIM, AsyncDiff's own table), PixArt-α (20
-steps) and FLUX.1-dev (28 steps). AsyncDiff warms up about a fifth of the steps exactly (the
+A100 SXM devices, bf16, for SD 2.1 at 768² and SDXL at 1024² (50-step DDIM: AsyncDiff's own
+tables), PixArt-α (20 steps) and FLUX.1-dev (28 steps) at 1024². AsyncDiff warms up about a fifth of the steps exactly (the
 released code's examples: 9 of 50); DistriFusion its default (FLUX.1 one synchronous step,
 xDiT's). Latencies without the VAE decode (DistriFusion's and AsyncDiff's published latencies
 time the denoising) and with it on one device. A model, not a measurement: FLOPs and
@@ -21,11 +21,12 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-# model -> (steps, asyncdiff warm-up steps, DistriFusion options)
+# model -> (resolution, steps, asyncdiff warm-up steps, DistriFusion options)
 POINTS = {
-    "sdxl": (50, 9, {}),
-    "pixart-alpha": (20, 4, {}),
-    "flux-dev": (28, 5, {"warmup_steps": 1}),
+    "sd21": (768, 50, 9, {}),
+    "sdxl": (1024, 50, 9, {}),
+    "pixart-alpha": (1024, 20, 4, {}),
+    "flux-dev": (1024, 28, 5, {"warmup_steps": 1}),
 }
 
 
@@ -41,7 +42,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for model in args.models:
-        steps, warmup, df_options = POINTS[model]
+        resolution, steps, warmup, df_options = POINTS[model]
         for devices in args.devices:
             for strategy, options in (
                 ("asyncdiff", {"warmup_steps": warmup}),
@@ -49,23 +50,23 @@ def main() -> None:
             ):
                 print(f"{model}: {strategy} on {devices}", flush=True)
                 config = ProjectConfig(
-                    model=model, resolution=1024, steps=steps, strategy=strategy,
+                    model=model, resolution=resolution, steps=steps, strategy=strategy,
                     devices=devices, hardware=args.hardware,
                     workloads=args.out / "workloads.jsonl", **options,
                 )  # fmt: skip
                 (r,) = run_project(config, log=lambda m: print("  " + m, flush=True))
                 rows.append(r)
     lines = [
-        f"{args.hardware}, 1024², bf16 (projected; `experiments/asyncdiff_projection.py`)",
+        f"{args.hardware}, bf16 (projected; `experiments/asyncdiff_projection.py`)",
         "",
-        "| model | steps | strategy | devices | 1 device s | latency s | speedup | "
+        "| model | resolution | steps | strategy | devices | 1 device s | latency s | speedup | "
         "1 device s, with decode | latency s, with decode | speedup, with decode |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         one = r["single_latency_s"] - r["decode_one_device_s"]  # one device, no decode
         lines.append(
-            f"| {r['model']} | {r['steps']} | {r['strategy']} | {r['devices']} | "
+            f"| {r['model']} | {r['resolution']} | {r['steps']} | {r['strategy']} | {r['devices']} | "
             f"{one:.2f} | {r['latency_no_decode_s']:.2f} | {one / r['latency_no_decode_s']:.2f}x | "
             f"{r['single_latency_s']:.2f} | {r['latency_s']:.2f} | {r['speedup']:.2f}x |"
         )

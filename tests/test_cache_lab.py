@@ -90,8 +90,8 @@ def test_a_predicted_step_is_counted_as_sending_nothing(tmp_path):
 
 
 def test_cache_config_bad_input_and_old_records(tmp_path):
-    with pytest.raises(ValueError, match=r"^cache: cache='deepcache'; known: none, fbcache"):
-        dit_config(tmp_path, **{"cache.name": "deepcache"}).validate()
+    with pytest.raises(ValueError, match=r"^cache: cache='magcache'; known: none, fbcache"):
+        dit_config(tmp_path, **{"cache.name": "magcache"}).validate()
     with pytest.raises(ValueError, match=r"^cache: fbcache threshold=-0.1: must be a finite"):
         dit_config(tmp_path, **{"cache.name": "fbcache", "cache.threshold": -0.1}).validate()
     with pytest.raises(ValueError, match=r"cache options \['threshold'\] given without a cache"):
@@ -101,6 +101,8 @@ def test_cache_config_bad_input_and_old_records(tmp_path):
     # a cache the model's family lacks: the run's record says so, nothing is generated
     r = run(dit_config(tmp_path, **{"model.name": "fmnist", "cache.name": "fbcache"}))
     assert r["status"] == "error" and "does not exist for a unet denoiser" in r["error"]
+    r = run(dit_config(tmp_path, **{"cache.name": "deepcache"}))  # DeepCache on a DiT
+    assert r["status"] == "error" and "does not exist for a pixart denoiser" in r["error"]
     # a record from before caches is the same point as one without a cache
     old = to_dict(dit_config(tmp_path))
     del old["cache"]

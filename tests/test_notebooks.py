@@ -98,7 +98,9 @@ def test_flux_study_notebook(tmp_path, monkeypatch, run_notebook):
 
 
 CACHES = ("cache_fmnist_dit", "cache_fmnist", "cache_fmnist_flux", "speedup_cache_fmnist_dit",
-          "speedup_cache_fmnist")  # fmt: skip
+          "speedup_cache_fmnist", "asyncdiff_fmnist_dit", "asyncdiff_fmnist",
+          "asyncdiff_fmnist_flux", "speedup_asyncdiff", "speedup_asyncdiff_fmnist",
+          "speedup_deepcache_fmnist")  # fmt: skip
 
 
 @pytest.mark.skipif(
@@ -109,6 +111,9 @@ def test_caches_notebook(tmp_path, monkeypatch, run_notebook):
     monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
     text, _ = run_notebook(NOTEBOOKS / "caches.ipynb")
     assert "| distrifusion + fbcache threshold=0.1 |" in text
+    if "asyncdiff_fmnist_dit" in found:
+        assert "| asyncdiff warmup_steps=9 | 2 |" in text
     for name in found:
         plot = "speedup" if name.startswith("speedup") else "psnr_vs_blocks_computed"
+        plot = "psnr_vs_bytes" if name.startswith("asyncdiff") else plot
         assert (tmp_path / name / "plots" / f"{plot}.png").stat().st_size > 0
