@@ -38,6 +38,8 @@ def _computed(state) -> int:
 
 @cache
 def run(name: str, devices: int, c, cfg: int = 1, **options):
+    """(final latent, state) of the micro SD UNet under a strategy with DeepCache `c`, at
+    this file's guidance (the reference's)."""
     fn, params = micro_unet("sd")
     x, _, cond = inputs("sd")
     smp = get_sampler("ddim")
@@ -126,7 +128,9 @@ def test_a_reused_step_keeps_the_deep_blocks_stale_buffers():
     _, ref_state = jax.jit(make_step(fn, plain, "steady", "row", GUIDANCE, mesh))(
         params, x, t, cond, stale
     )
-    plan = Plan(strategy, 2, cache=DeepCache(2))  # micro UNet: D0 D1 M U0 U1, shallow D0 U1
+    plan = Plan(
+        strategy, 2, cache=DeepCache(2)
+    )  # micro UNet: down 0, downsample 0, down 1, mid, up 0, up 1; shallow: down 0, up 1
     step = jax.jit(make_step(fn, plan, "steady", "row", GUIDANCE, mesh))
     state = step(params, x * 0.8, t, cond, stale)[1][CACHE]  # step 0: every block
     # reused: level 0's downsampler, level 1, the mid block, up block 0

@@ -192,52 +192,34 @@ def test_processes_run_and_sweep_record_layout_phases_and_speedups(micro_folder,
 
 
 @pytest.mark.slow
-def test_pipefusion_in_two_processes_equals_two_fake_devices(tmp_path):
-    """PipeFusion's own program (stages placed per process, hops and the latent's return by
-    collective-permute over gloo) on the trained fmnist-dit: the latent of 2 launched processes
-    equals that of 2 fake devices in this process."""
+@pytest.mark.parametrize(
+    "strategy, flags, options",
+    [
+        ("pipefusion", ["--num-patches", "4"], {"num_patches": 4}),
+        ("asyncdiff", ["--warmup-steps", "4"], {"warmup_steps": 4}),
+    ],
+)
+def test_own_programs_in_two_processes_equal_two_fake_devices(tmp_path, strategy, flags, options):
+    """The strategies that own their program on the trained fmnist-dit: PipeFusion (stages
+    placed per process, hops and the latent's return by collective-permute over gloo) and
+    AsyncDiff (a component per process, its output and the prediction passed the same way):
+    the latent of 2 launched processes equals that of 2 fake devices in this process."""
     from patchpar.lab.generate import GenerateConfig, generate
 
-    common = ["--model", "fmnist-dit", "--strategy", "pipefusion", "--devices", "2",
-              "--num-patches", "4", "--prompt", "a photo of a sneaker", "a photo of a bag"]  # fmt: skip
+    prompts = ("a photo of a sneaker", "a photo of a bag")
+    common = ["--model", "fmnist-dit", "--strategy", strategy, "--devices", "2", *flags,
+              "--prompt", *prompts]  # fmt: skip
     cmd = [sys.executable, "-m", "patchpar.lab.cli", "generate", *common, "--processes", "2",
            "--out", str(tmp_path / "mp")]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     here = GenerateConfig(
         model="fmnist-dit",
-        prompt=("a photo of a sneaker", "a photo of a bag"),
-        strategy="pipefusion",
+        prompt=prompts,
+        strategy=strategy,
         devices=2,
-        num_patches=4,
         out=tmp_path / "here",
-    )
-    generate(here)
-    got, want = (np.load(tmp_path / d / "latent.npy") for d in ("mp", "here"))
-    assert got.shape == want.shape == (2, 32, 32, 1)
-    assert _rel(got, want) <= 1e-5
-
-
-@pytest.mark.slow
-def test_asyncdiff_in_two_processes_equals_two_fake_devices(tmp_path):
-    """AsyncDiff's own program (a component per process, its output and the prediction passed
-    by collective-permute over gloo) on the trained fmnist-dit: the latent of 2 launched
-    processes equals that of 2 fake devices in this process."""
-    from patchpar.lab.generate import GenerateConfig, generate
-
-    common = ["--model", "fmnist-dit", "--strategy", "asyncdiff", "--devices", "2",
-              "--warmup-steps", "4", "--prompt", "a photo of a sneaker", "a photo of a bag"]  # fmt: skip
-    cmd = [sys.executable, "-m", "patchpar.lab.cli", "generate", *common, "--processes", "2",
-           "--out", str(tmp_path / "mp")]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    here = GenerateConfig(
-        model="fmnist-dit",
-        prompt=("a photo of a sneaker", "a photo of a bag"),
-        strategy="asyncdiff",
-        devices=2,
-        warmup_steps=4,
-        out=tmp_path / "here",
+        **options,
     )
     generate(here)
     got, want = (np.load(tmp_path / d / "latent.npy") for d in ("mp", "here"))

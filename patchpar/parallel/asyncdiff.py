@@ -35,7 +35,12 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models.sites import IDENTITY
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
-from patchpar.parallel.program import Program
+from patchpar.parallel.program import (
+    Program,
+    check_layer_split,
+    strip_device_axes,
+    with_device_axes,
+)
 from patchpar.parallel.sites import shapes_only
 from patchpar.parallel.sites.pipe import Relay
 from patchpar.sampling.loop import guided, run_steps
@@ -188,14 +193,6 @@ def _text(cond) -> tuple:
     )
 
 
-def _strip(tree):
-    return jax.tree.map(lambda a: a[0, 0, 0, 0], tree)
-
-
-def _with_axes(tree):
-    return jax.tree.map(lambda a: a[None, None, None, None], tree)
-
-
 def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale):
     """Steps span = [start, stop) of one phase of AsyncDiff, as `engine.denoise_phase`:
     (x, loop) -> (x, loop), where loop = ((latent, sampler history), the output of the
@@ -237,7 +234,7 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
     if first:
         lat, hist, inbox = x, sampler.init_carry(x), None
     else:
-        (lat, hist), inbox = _strip(x)
+        (lat, hist), inbox = strip_device_axes(x)
     passed, out_shape = boundaries(unet, tuple(bounds), _latent(lat), _text(cond), g * b)
     packing = Packing(passed)
     if inbox is None:
@@ -304,7 +301,7 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
 
     fn = warm if phase == "warmup" else steady
     lat, hist, inbox = run_steps(fn, sampler, schedule, lat, hist, inbox, start, stop)
-    return _with_axes((lat, hist)), _with_axes(inbox)
+    return with_device_axes((lat, hist)), with_device_axes(inbox)
 
 
 class AsyncProgram(Program):
@@ -322,12 +319,7 @@ class AsyncProgram(Program):
     )
 
     def validate(self, plan, unet, latent_hw, build_mesh=True) -> None:
-        s = plan.strategy
-        if plan.fsdp or plan.model > 1:
-            raise ValueError(
-                f"strategy {s.name!r} splits the blocks over the patch axis itself; it does "
-                f"not combine with fsdp or tensor parallelism (use fsdp=False)"
-            )
+        check_layer_split(plan)
         if not hasattr(unet.module, "blocks"):
             raise ValueError(
                 f"asyncdiff splits the denoiser's blocks into components; a {unet.family}'s "

@@ -50,7 +50,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
-from patchpar.parallel.program import Program
+from patchpar.parallel.program import (
+    Program,
+    check_layer_split,
+    strip_device_axes,
+    with_device_axes,
+)
 from patchpar.parallel.sites import STALE
 from patchpar.parallel.sites.pipe import SLOT, Hop, PipeKV
 from patchpar.sampling.loop import guided
@@ -154,14 +159,6 @@ def block_bytes_per_device(stack, params, stages: int) -> int:
     return size(stack.outer(params)) + share
 
 
-def _strip(tree):
-    return jax.tree.map(lambda a: a[0, 0, 0, 0], tree)
-
-
-def _with_axes(tree):
-    return jax.tree.map(lambda a: a[None, None, None, None], tree)
-
-
 def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale):
     """Steps span = [start, stop) of one phase of PipeFusion, as `engine.denoise_phase`:
     (x, loop) -> (x, loop), where loop = ((latent patches, sampler history), K/V buffers),
@@ -222,7 +219,7 @@ def _local(
         hist = jax.vmap(sampler.init_carry)(lat)
         kv = None
     else:
-        (lat, hist), kv = _strip(x)
+        (lat, hist), kv = strip_device_axes(x)
         patches = lat.shape[0]
     rows, width = lat.shape[2], lat.shape[3]  # one patch's latent rows, the latent's columns
     p = stack.patch_size
@@ -380,7 +377,7 @@ def _local(
 
         inbox = tuple(stack.zeros(g * b, tok, ctx) for _ in range(segments))
         lat, hist, kv, _ = lax.fori_loop(0, periods, period, (lat, hist, kv, inbox))
-    return _with_axes((lat, hist)), _with_axes(kv)
+    return with_device_axes((lat, hist)), with_device_axes(kv)
 
 
 def _whole(lat: jax.Array) -> jax.Array:
@@ -406,11 +403,7 @@ class PipelineProgram(Program):
 
     def validate(self, plan, unet, latent_hw, build_mesh=True) -> None:
         s = plan.strategy
-        if plan.fsdp or plan.model > 1:
-            raise ValueError(
-                f"strategy {s.name!r} splits the blocks over the patch axis itself; it does "
-                f"not combine with fsdp or tensor parallelism (use fsdp=False)"
-            )
+        check_layer_split(plan)
         stack = unet.stack
         if stack is None:
             raise ValueError(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import jax
+
 
 class Program:
     """What the engine asks of a program. Subclasses implement the methods."""
@@ -53,3 +55,24 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<program {self.name}>"
+
+
+def strip_device_axes(tree):
+    """One device's part of what a phase carries (leading (data, cfg, patch, model) axes of
+    size 1 inside `shard_map`) without those axes."""
+    return jax.tree.map(lambda a: a[0, 0, 0, 0], tree)
+
+
+def with_device_axes(tree):
+    """The inverse of `strip_device_axes`: what a phase carries out of `shard_map`."""
+    return jax.tree.map(lambda a: a[None, None, None, None], tree)
+
+
+def check_layer_split(plan) -> None:
+    """A strategy that splits the blocks over the patch axis places its own weights: no FSDP
+    or tensor parallelism beside it (ValueError)."""
+    if plan.fsdp or plan.model > 1:
+        raise ValueError(
+            f"strategy {plan.strategy.name!r} splits the blocks over the patch axis itself; it "
+            f"does not combine with fsdp or tensor parallelism (use fsdp=False)"
+        )
