@@ -77,7 +77,7 @@ def test_balanced_split():
         balanced_split([1.0] * 3, 4)
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_warmup_over_every_step_equals_single(devices):
     assert max_diff(sample("asyncdiff", devices, warmup_steps=STEPS), sample("single", 1)) <= 1e-4
 
@@ -154,6 +154,8 @@ def test_bad_input_names_what_would_fit():
         Plan(make_strategy("asyncdiff"), 2).validate(fn, hw, STEPS, GUIDANCE)  # default 9
     with pytest.raises(ValueError, match="does not combine with fsdp"):
         check(2, fsdp=True)
+    with pytest.raises(ValueError, match=r"latent rows=15 not divisible by patch size 2 = 2"):
+        check(2, latent=(15, 12))
     with pytest.raises(
         ValueError, match=r"cache 'fbcache' with strategy 'asyncdiff': not defined; .* at once"
     ):
@@ -163,7 +165,7 @@ def test_bad_input_names_what_would_fit():
     check(4, cfg=2)
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", pytest.param("sd3", marks=pytest.mark.slow)])
 def test_on_an_mmdit(family):
     """FLUX.1 (double- then single-stream blocks: the token pair (image, text) hops between
     components; the heavier double blocks balanced against the single ones by FLOPs) and SD3:

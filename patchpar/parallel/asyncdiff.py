@@ -1,4 +1,4 @@
-"""AsyncDiff (arXiv 2406.06911) as its own `shard_map` program per phase (docs/design.md §3b).
+"""AsyncDiff (arXiv 2406.06911) as its own `shard_map` program per phase (docs/design.md §3b').
 
 The denoiser's forward is prologue (embeddings), blocks [0, N) and epilogue (output layers),
 as its module gives them: a DiT's transformer blocks (FLUX.1: double-, then single-stream), a
@@ -326,6 +326,13 @@ class AsyncProgram(Program):
                 f"forward is not built as prologue, blocks and epilogue: use sync_patch, "
                 f"distrifusion or pcpp on it"
             )
+        for what, size in zip(("rows", "columns"), latent_hw, strict=True):
+            if size % unet.row_multiple:
+                raise ValueError(
+                    f"asyncdiff: latent {what}={size} not divisible by "
+                    f"{unet.row_multiple_reason} = {unet.row_multiple}; use a latent size that "
+                    f"is a multiple of {unet.row_multiple}"
+                )
         blocks = unet.module.num_blocks
         if plan.patch > blocks:
             raise ValueError(

@@ -29,8 +29,10 @@ class DecisionSum:
 
 @dataclass
 class ModelParts:
-    """One guidance stack's model call, as a step cache runs it: `whole()` or `head()`,
-    `tail(...)` and `epilogue(...)`; each part returns the stale buffers after its exchange."""
+    """One guidance stack's model call, as a step cache runs it: `whole()`; or `head()`,
+    `tail(...)` / `skip(...)` and `epilogue(...)` (a DiT's output layers have no site, so
+    `epilogue` keeps no buffer); or `prologue()`, `span(...)` and `close(...)`, which runs the
+    epilogue with its sites (a UNet's). Each returns the stale buffers after its exchange."""
 
     module: Any
     variables: dict

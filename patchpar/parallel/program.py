@@ -74,5 +74,6 @@ def check_layer_split(plan) -> None:
     if plan.fsdp or plan.model > 1:
         raise ValueError(
             f"strategy {plan.strategy.name!r} splits the blocks over the patch axis itself; it "
-            f"does not combine with fsdp or tensor parallelism (use fsdp=False)"
+            f"does not combine with fsdp or tensor parallelism (use fsdp=False and a strategy "
+            f"without a model degree)"
         )

@@ -396,7 +396,7 @@ class Pipeline:
             return None
         computed = to_local(state[CACHE]["computed"])  # one per device: all the same
         n = int(np.asarray(computed).reshape(-1)[0])
-        blocks = getattr(self.unet.module, "num_blocks", 1)  # a UNet: one whole call
+        blocks = getattr(self.unet.module, "num_blocks", 1)  # 1: a forward not in blocks
         return cache_report(plan.cache, blocks, steps, n)
 
     def _denoise_logged(self, cond, latents, sampler, steps, guidance_scale, plan, check_memory,

@@ -277,7 +277,6 @@ class DeepCache(StepCache):
 
         with model.quiet():  # a shape trace: its site calls are not the program's
             like = jax.eval_shape(computed)
-            skips = len(jax.eval_shape(lambda: model.span(down, up, shallow, carry)[0][1]))
         if state is None:
             state = {
                 "feature": _zeros(like[2]),
@@ -286,8 +285,8 @@ class DeepCache(StepCache):
             }
         step = state["step"]
 
-        def reused():  # the deep part consumed only the skips after the first `skips`
-            deep = (state["feature"], tuple(shallow[1][:skips]))
+        def reused():  # the deep part consumes as many skips as it adds: the shallow ones stay
+            deep = (state["feature"], tuple(shallow[1]))
             last, carry2 = model.span(up, n, deep, carry)
             return (*model.close(last, carry2), state["feature"])
 

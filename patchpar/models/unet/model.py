@@ -443,8 +443,9 @@ class UNet2DConditionModel(nn.Module):
 
     def branch_bounds(self, branch: int) -> tuple[int, int]:
         """DeepCache's shallow branch `branch` (0: the shallowest level): the blocks [0, lo)
-        and [hi, num_blocks) that run every step; [lo, hi) are reused (the levels below,
-        from the branch level's downsampler on)."""
+        and [hi, num_blocks) that run every step; [lo, hi) are reused (the branch level's
+        downsampler, the levels below and the mid block; at the deepest branch the mid
+        block alone). The reused blocks consume as many skip connections as they add."""
         return 2 * branch + 1, self.num_blocks - branch - 1
 
     def prologue(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
