@@ -5,7 +5,8 @@ released code's examples: 9 of 50); DistriFusion its default (FLUX.1 one synchro
 xDiT's). Latencies without the VAE decode (DistriFusion's and AsyncDiff's published latencies
 time the denoising) and with it on one device. A model, not a measurement: FLOPs and
 collectives of each phase's program lowered here with abstract weights, priced by the
-profile's fitted compute curve.
+profile's fitted compute curve. Stride 2 (the paper's stride denoising: S components on S + 1
+devices, a round every other step) on 3 and 4 devices.
 
     .venv/bin/python experiments/asyncdiff_projection.py                    # -> runs/asyncdiff_projection/
     .venv/bin/python experiments/asyncdiff_projection.py --out results/asyncdiff_projection
@@ -38,16 +39,19 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(POINTS), choices=list(POINTS))
     ap.add_argument("--hardware", default="a100-sxm")
     ap.add_argument("--devices", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--stride2-devices", type=int, nargs="*", default=[3, 4])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for model in args.models:
         resolution, steps, warmup, df_options = POINTS[model]
-        for devices in args.devices:
-            for strategy, options in (
-                ("asyncdiff", {"warmup_steps": warmup}),
-                ("distrifusion", df_options),
-            ):
+        for devices in sorted(set(args.devices) | set(args.stride2_devices)):
+            points = []
+            if devices in args.devices:
+                points += [("asyncdiff", {"warmup_steps": warmup}), ("distrifusion", df_options)]
+            if devices in args.stride2_devices:
+                points.append(("asyncdiff", {"warmup_steps": warmup, "stride": 2}))
+            for strategy, options in points:
                 print(f"{model}: {strategy} on {devices}", flush=True)
                 config = ProjectConfig(
                     model=model, resolution=resolution, steps=steps, strategy=strategy,

@@ -41,28 +41,47 @@ def sample(name: str, devices: int, cfg: int = 1, **options) -> np.ndarray:
     return np.asarray(out)
 
 
-def reference(fn, params, bounds, warmup, x, cond, smp, sched, scale) -> np.ndarray:
-    """AsyncDiff's schedule run eagerly on one device, from the model's own parts."""
+def reference(fn, params, bounds, warmup, x, cond, smp, sched, scale, stride=1) -> np.ndarray:
+    """AsyncDiff's schedule run eagerly on one device, from the model's own parts. Stride 2:
+    the model runs on odd steps (rounds), the components on the next step's timestep and the
+    last one again on this step's; an even step takes the round before's next-step prediction
+    (after warm-up on an even step: the last warm-up step's)."""
     module = fn.module.clone(ops=IDENTITY)
     v = {"params": params}
     g, b = cond.context.shape[:2]
     flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
     added = {k: flat(a) for k, a in cond.added().items()}
-    lat = x * sched.init_noise_sigma
-    carry, outs = smp.init_carry(lat), None
-    for i in range(sched.timesteps.shape[0]):
-        x_in = smp.scale_input(sched, i, lat)
+    steps = sched.timesteps.shape[0]
+
+    def prologue(x_in, i):
         xs = jnp.broadcast_to(x_in[None], (g,) + x_in.shape).reshape((g * b,) + x_in.shape[1:])
         ts = jnp.broadcast_to(sched.timesteps[i], (g * b,))
-        hs, aux = module.apply(v, xs, ts, flat(cond.context), **added, method="prologue")
-        new = []
-        for k, (lo, hi) in enumerate(bounds):
-            h_in = hs if i < warmup or k == 0 else outs[k - 1]
-            hs = module.apply(v, lo, hi, h_in, aux, method="blocks")
-            new.append(hs)
-        outs = new
+        return module.apply(v, xs, ts, flat(cond.context), **added, method="prologue")
+
+    def predict(hs, aux):
         out = fn.prediction(module.apply(v, hs, aux, method="epilogue"))
-        eps = guided(out.reshape((g, b) + out.shape[1:]), scale)
+        return guided(out.reshape((g, b) + out.shape[1:]), scale)
+
+    lat = x * sched.init_noise_sigma
+    carry, outs, pending = smp.init_carry(lat), None, None
+    for i in range(steps):
+        x_in = smp.scale_input(sched, i, lat)
+        if stride == 2 and i >= warmup and i % 2 == 0:
+            eps = pending
+        else:
+            nxt = min(i + 1, steps - 1) if stride == 2 and i >= warmup else i
+            hs, aux = prologue(x_in, nxt)
+            new = []
+            for k, (lo, hi) in enumerate(bounds):
+                h_in = hs if i < warmup or k == 0 else outs[k - 1]
+                hs = module.apply(v, lo, hi, h_in, aux, method="blocks")
+                new.append(hs)
+            eps = pending = predict(hs, aux)
+            if stride == 2 and i >= warmup:  # the last component on this step's timestep
+                _, aux = prologue(x_in, i)
+                h_in = outs[-2] if len(bounds) > 1 else prologue(x_in, i)[0]
+                eps = predict(module.apply(v, *bounds[-1], h_in, aux, method="blocks"), aux)
+            outs = new
         lat, carry = smp.step(sched, i, lat, eps, carry)
     return np.asarray(lat)
 
@@ -100,39 +119,62 @@ def test_asynchronous_steps_equal_the_reference(devices, warmup):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("devices, warmup", [(3, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_stride_two_equals_the_reference(devices, warmup):
+    """S = devices - 1 components; warm-up 1 starts on a round, 2 on a reused step."""
+    fn, params = micro_dit()
+    x, _, cond = inputs()
+    bounds = component_bounds(fn, devices - 1, x, cond)
+    got = sample("asyncdiff", devices, warmup_steps=warmup, stride=2)
+    smp, sched = _schedule()
+    want = reference(fn, params, bounds, warmup, x, cond, smp, sched, GUIDANCE, stride=2)
+    assert max_diff(got, want) <= 1e-4
+    stride1 = reference(fn, params, bounds, warmup, x, cond, smp, sched, GUIDANCE)
+    assert max_diff(got, stride1) > 1e-3  # not stride 1's schedule on the same components
+    assert max_diff(sample("asyncdiff", devices, warmup_steps=STEPS, stride=2),
+                    sample("single", 1)) <= 1e-4  # fmt: skip
+
+
 def test_cfg_split_equals_the_same_components_without():
     one = sample("asyncdiff", 2, warmup_steps=2)
     assert rel_err(sample("asyncdiff", 4, 2, warmup_steps=2), one) <= 1e-6
 
 
-@pytest.mark.parametrize("devices, cfg, data", [(2, 1, 1), (8, 2, 2)])
-def test_bytes_equal_the_analytic_model(devices, cfg, data):
-    """Steady step: device k > 0 receives component k-1's output (the tokens between blocks),
-    device 0 the guided prediction; warm-up: nothing but the guidance halves' gather. The
-    released code broadcasts each to every device."""
+@pytest.mark.parametrize("devices, cfg, data, stride", [(2, 1, 1, 1), (8, 2, 2, 1), (4, 1, 1, 2)])
+def test_bytes_equal_the_analytic_model(devices, cfg, data, stride):
+    """Steady step (stride 2: a round): device k > 0 receives component k-1's output (the
+    tokens between blocks; stride 2: the extra device the last component's input too), device
+    0 the guided prediction (stride 2: this step's and the next's); warm-up: nothing but the
+    guidance halves' gather. The released code broadcasts each to every device."""
     from patchpar.measure.cost import measure
 
     fn, params = micro_dit()
     x, _, _ = inputs(batch=2 * data)
-    plan = Plan(make_strategy("asyncdiff"), devices, cfg, data=data)
+    plan = Plan(make_strategy("asyncdiff", stride=stride), devices, cfg, data=data)
     rec = measure(fn, plan, x.shape[1:3], batch=x.shape[0], params=params, flops=False)
     b, h, w, c = x.shape
-    g, n = 2 // cfg, plan.patch
-    tokens, d = (h // 2) * (w // 2), fn.config.inner_dim
-    hidden, latent = g * (b // data) * tokens * d * 4, (b // data) * h * w * c * 4
+    g, d = 2 // cfg, plan.patch
+    n = d - stride + 1  # components
+    tokens, hid = (h // 2) * (w // 2), fn.config.inner_dim
+    hidden, latent = g * (b // data) * tokens * hid * 4, (b // data) * h * w * c * 4
     cfg_bytes = latent if cfg == 2 else 0
     steady, warm = rec["phases"]["steady"], rec["phases"]["warmup"]
     for entry in (steady, warm):
         assert entry["analytic_matches_hlo"], entry
     assert "pipe" not in warm["hlo"] and warm["hlo"]["all"]["max"] == cfg_bytes
-    per_device = [latent] + [hidden] * (n - 1)
-    assert steady["hlo"]["pipe"]["total"] == sum(per_device) * devices // n
+    per_device = [latent * stride] + [hidden] * (d - 1)
+    assert steady["hlo"]["pipe"]["total"] == sum(per_device) * devices // d
     assert steady["hlo"]["pipe"]["max"] == max(per_device)
-    # released: every device receives every other component's output and the prediction
-    released = sum(hidden * (n - 1 - (k < n - 1)) + latent * (k != n - 1) for k in range(n))
-    assert steady["released"]["pipe"]["total"] == released * devices // n
+    # released: every device receives every other component's output and the prediction(s)
+    senders = list(range(n - 1, d))  # of a prediction: the last component's devices
+    released = sum(
+        hidden * sum(k != p for k in range(n - 1)) + latent * sum(q != p for q in senders)
+        for p in range(d)
+    )
+    assert steady["released"]["pipe"]["total"] == released * devices // d
     assert rec["weight_bytes_per_device"] == sum(a.nbytes for a in jax.tree.leaves(params))
-    assert rec["stale_bytes_per_device"] == hidden  # the component before's output
+    # the component before's output (stride 2: and the next step's prediction)
+    assert rec["stale_bytes_per_device"] == hidden + (stride == 2) * latent
 
 
 def test_bad_input_names_what_would_fit():
@@ -160,8 +202,12 @@ def test_bad_input_names_what_would_fit():
         ValueError, match=r"cache 'fbcache' with strategy 'asyncdiff': not defined; .* at once"
     ):
         check(2, cache=FirstBlockCache())
-    with pytest.raises(ValueError, match=r"strategy 'asyncdiff' has no option\(s\) \['stride'\]"):
-        make_strategy("asyncdiff", stride=2)
+    with pytest.raises(ValueError, match=r"stride=3; known: \[1, 2\]"):
+        check(2, stride=3)
+    with pytest.raises(ValueError, match=r"stride=2 runs S >= 2 components on S \+ 1 .* 2 dev"):
+        check(2, stride=2)
+    with pytest.raises(ValueError, match=r"6 components \(7 devices .* stride 2\) .* at most 6"):
+        check(7, stride=2)  # 5 blocks
     check(4, cfg=2)
 
 
@@ -207,9 +253,14 @@ def test_on_an_mmdit(family):
 
 
 @pytest.mark.parametrize(
-    "kind, devices", [("sd", 2), pytest.param("sdxl", 3, marks=pytest.mark.slow)]
+    "kind, devices, stride",
+    [
+        ("sd", 2, 1),
+        pytest.param("sdxl", 3, 1, marks=pytest.mark.slow),
+        pytest.param("sd", 3, 2, marks=pytest.mark.slow),
+    ],
 )
-def test_on_a_unet(kind, devices):
+def test_on_a_unet(kind, devices, stride):
     """A UNet's blocks are its levels' down blocks, the mid block and its up blocks; the skip
     connections not yet consumed travel with the activation, so components pass activations
     of different shapes (each packed flat, its own size on the wire). Warm-up over every step
@@ -226,19 +277,21 @@ def test_on_a_unet(kind, devices):
     sched = smp.schedule(SchedulerConfig(), 4)
 
     def run(n, warmup):
-        plan = Plan(make_strategy("asyncdiff", warmup_steps=warmup), n)
+        plan = Plan(make_strategy("asyncdiff", warmup_steps=warmup, stride=stride), n)
         plan.validate(fn, x.shape[1:3], 4, scale)
         out, _ = denoise(fn, plan, smp, params, cond, sched, x * sched.init_noise_sigma, scale)
         return np.asarray(out)
 
-    single = run(1, 1)
+    single = np.asarray(denoise(fn, Plan(make_strategy("single"), 1), smp, params, cond, sched,
+                                x * sched.init_noise_sigma, scale)[0])  # fmt: skip
     assert max_diff(run(devices, 4), single) <= 1e-4
-    bounds = component_bounds(fn, devices, x, cond)
-    assert len(bounds) == devices and bounds[-1][1] == fn.module.num_blocks
+    parts = devices - stride + 1
+    bounds = component_bounds(fn, parts, x, cond)
+    assert len(bounds) == parts and bounds[-1][1] == fn.module.num_blocks
     got = run(devices, 1)
-    want = reference(fn, params, bounds, 1, x, cond, smp, sched, scale)
+    want = reference(fn, params, bounds, 1, x, cond, smp, sched, scale, stride=stride)
     assert max_diff(got, want) <= 1e-4 and max_diff(got, single) > 1e-4
-    plan = Plan(make_strategy("asyncdiff", warmup_steps=1), devices)
+    plan = Plan(make_strategy("asyncdiff", warmup_steps=1, stride=stride), devices)
     rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
     assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
     steady = rec["phases"]["steady"]["hlo"]["pipe"]
@@ -247,4 +300,6 @@ def test_on_a_unet(kind, devices):
     passed, _ = boundaries(fn, tuple(bounds), x.shape[1:] + (jnp.float32,), _text(cond), 4)
     sizes = [sum(a.size * 4 for a in jax.tree.leaves(t)) for t in passed]
     assert len(set(sizes)) == len(sizes) and min(sizes) > latent
-    assert steady["total"] == latent + sum(sizes) and steady["max"] == max(sizes)
+    # stride 2: two predictions to device 0, the last boundary to the last two devices
+    total = stride * latent + sum(sizes) + (stride == 2) * sizes[-1]
+    assert steady["total"] == total and steady["max"] == max(*sizes, stride * latent)

@@ -528,6 +528,19 @@ def test_workload_cache_lives_under_patchpar_home_and_skips_what_does_not_read(
     assert not list(tmp_path.glob(".workloads-*"))
 
 
+def test_a_stride_two_workload_runs_the_model_on_the_odd_steady_steps():
+    """AsyncDiff stride 2: one round (the steady program) per two steps, on the odd steps
+    after warm-up; a warm-up that ends on an odd count leaves one more step without the
+    model. Sync offset 0: warmup_steps exact steps."""
+    single = _workload([], flops=2e12, warmup_steps=None)
+    # the odd steps of [4, 10): 5 7 9; of [5, 10): 5 7 9; of [6, 10): 7 9
+    for warm, rounds in ((4, 3), (5, 3), (6, 2)):
+        w = dataclasses.replace(_workload([], warmup_steps=warm), sync_offset=0, step_stride=2)
+        p = project(w, single, _hw(), 10, overlap="none")
+        assert p.warmup_phase_steps == warm and p.steady_steps == 10 - warm
+        assert p.latency_s == pytest.approx(warm * 1.0 + rounds * 1.0)
+
+
 def test_compact_waits_for_its_compressed_exchange_and_stale_compression_does_not():
     """compact exchanges fresh (compressed) halos and K/V: the steady step waits for them;
     a stale strategy's compressed sends overlap as uncompressed ones do."""

@@ -77,6 +77,9 @@ class Workload:
     # full passes (0)
     sync_offset: int = 1
     drain_steps: int = 0  # loop iterations beyond the steady steps (a pipeline's drain)
+    # the steady model runs on one step in step_stride (AsyncDiff stride 2: the odd steps,
+    # each a round giving two steps' predictions)
+    step_stride: int = 1
     # what lowered it (WORKLOAD_VERSION): a cache line of another version is not served
     version: int = 1
 
@@ -177,6 +180,8 @@ def compute_workload(
         log("lowering the text encoders and the VAE decoder (their FLOPs)")
     halves = unet.guidance_halves  # prompts encoded per image: with a negative one, or not
     encode, decode = _encode_decode_flops(model, resolution, batch, jdtype, halves)
+    stride = getattr(plan.strategy, "stride", 1)
+    drain = 0 if stride == 2 else plan.strategy.phase_iterations("steady", 1, plan.patch) - 1
     return Workload(
         model=str(model),
         resolution=resolution,
@@ -196,7 +201,8 @@ def compute_workload(
         fsdp=plan.fsdp_degree > 1,
         comm_groups=plan.strategy.packed_groups(),
         sync_offset=plan.program.sync_offset,
-        drain_steps=plan.strategy.phase_iterations("steady", 1, plan.patch) - 1,
+        drain_steps=drain,
+        step_stride=stride,
         version=WORKLOAD_VERSION,
     )
 
@@ -481,7 +487,9 @@ def project(
         )
     other = encode + decode
     steady = steps - n_warm
-    runs = steady + (w.drain_steps if steady else 0)  # steady loop iterations
+    runs = steady + (w.drain_steps if steady else 0)  # steady loop iterations with the model
+    if w.step_stride == 2:  # the odd steps of [n_warm, steps)
+        runs = steps // 2 - n_warm // 2
     latency = n_warm * times["warmup"].step_s + runs * times["steady"].step_s + other
     single_step = m.get("single", hw.compute_s(single.phases["warmup"]["flops_per_device"]))
     single_latency = steps * single_step + encode + one_device

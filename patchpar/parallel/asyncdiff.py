@@ -17,6 +17,17 @@ device's model output, guided, hops to device 0, which takes the sampler step. O
 latent is kept current; the latent a phase returns is device 0's. Every component runs on this
 step's timestep (the released code's `time_shift=False`, its default).
 
+Stride 2 (S components on S + 1 devices), as the released code schedules it: the model runs on
+the odd steps after warm-up (rounds); an even step takes the prediction the round before gave
+it. In the round of step t, devices 0..S-1 run the components on the timestep of step t+1,
+device 0's on latent t, device k's on component k-1's output of the round before, and device S
+runs the last component on step t's timestep, on the same input as device S-1. Device S's
+prediction is step t's, device S-1's step t+1's: both go to device 0 (two permutes), which
+takes both sampler steps. When warm-up ends on an odd count the first steady step is even: it
+reuses the last warm-up step's prediction, as the released code does. The phase loop's body is
+one step (a `lax.cond` between a round and a step without the model); a record's steady bytes
+and FLOPs are a round's, which runs on `Strategy.phase_iterations` of the steps.
+
 What a component passes on is packed into one flat array (`Packing`), padded to the largest
 boundary's size so that every branch returns one shape; each boundary's own size goes on the
 wire (boundaries of one size in one permute). The released code broadcasts each component's
@@ -200,7 +211,8 @@ def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
     None before the first phase (then `x`, the whole latent, starts it)."""
     first = loop is None
     lead = x if first else loop[0][0][:, 0, 0, 0]
-    bounds = component_bounds(unet, plan.patch, lead.reshape((-1,) + lead.shape[-3:]), cond)
+    parts = plan.strategy.components(plan.patch)
+    bounds = component_bounds(unet, parts, lead.reshape((-1,) + lead.shape[-3:]), cond)
     body = partial(_local, unet, plan, sampler, phase, span, float(guidance_scale), first, bounds)
     g = CFG if plan.cfg == 2 else None
     fn = jax.shard_map(
@@ -223,22 +235,25 @@ def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
 def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, schedule, x):
     """Inside shard_map: one device (component) of one phase."""
     start, stop = span
-    n, s = plan.patch, lax.axis_index(PATCH)
+    d, s, stride = plan.patch, lax.axis_index(PATCH), plan.strategy.stride
+    n = len(bounds)  # components: d, or d - 1 with stride 2 (device d - 1 runs the last again)
     module = unet.module.clone(ops=IDENTITY)  # the whole image on every device
     variables = {"params": params}
     hop = Relay(local=not plan.comm)
+    again = Relay(local=not plan.comm, released=False)  # a second copy of one broadcast
     g, b = cond.context.shape[:2]
     flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
     added = {k: flat(v) for k, v in cond.added().items()}
     context = flat(cond.context)
     if first:
-        lat, hist, inbox = x, sampler.init_carry(x), None
+        lat, hist, state = x, sampler.init_carry(x), None
     else:
-        (lat, hist), inbox = strip_device_axes(x)
+        (lat, hist), state = strip_device_axes(x)
     passed, out_shape = boundaries(unet, tuple(bounds), _latent(lat), _text(cond), g * b)
     packing = Packing(passed)
-    if inbox is None:
-        inbox = jnp.zeros((packing.size,), packing.dtype)
+    if state is None:  # stride 2 also carries the prediction a round gave the next step
+        state = jnp.zeros((packing.size,), packing.dtype)
+        state = state if stride == 1 else (state, jnp.zeros_like(lat))
 
     def prologue(x_in, t):
         xs = jnp.broadcast_to(x_in[None], (g,) + x_in.shape).reshape((g * b,) + x_in.shape[1:])
@@ -256,19 +271,21 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
                 out = jnp.concatenate([out, out], axis=0)
         return guided(out, gs)
 
-    def warm(x_in, t, i, inbox):
-        del i, inbox
+    def warm(x_in, t, i, state):
+        del i
         hs, aux = prologue(x_in, t)
         mine = jnp.zeros((packing.size,), packing.dtype)  # device 0 reads no component's output
         for k, (lo, hi) in enumerate(bounds):
             hs = _blocks(module, variables, lo, hi, hs, aux)
-            if k < n - 1:  # the input of component k + 1
-                mine = jnp.where(s == k + 1, packing.pack(k, hs), mine)
-        out = module.apply(variables, hs, aux, method="epilogue")
-        return guide(out), mine
+            if k < n - 1:  # the input of component k + 1 (stride 2: also of device d - 1)
+                reads = (s == k + 1) | ((s == d - 1) & (k == n - 2))
+                mine = jnp.where(reads, packing.pack(k, hs), mine)
+        eps = guide(module.apply(variables, hs, aux, method="epilogue"))
+        return eps, (mine if stride == 1 else (mine, eps.astype(lat.dtype)))
 
-    def steady(x_in, t, i, inbox):
-        del i
+    def components(x_in, t, inbox):
+        """Each device's component at timestep `t` (per device); the guided prediction (the
+        last component's devices') and what each device receives for the next round."""
         hs0, aux = prologue(x_in, t)
 
         def component(k):
@@ -285,23 +302,43 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
         if n == 1:
             _, out = component(0)(inbox)
         else:
-            sent, out = lax.switch(s, [component(k) for k in range(n)], inbox)
-        eps = guide(out)  # the last device's is the step's prediction
+            runs = [component(min(k, n - 1)) for k in range(d)]
+            sent, out = lax.switch(s, runs, inbox)
+        eps = guide(out)
         nxt = jnp.zeros_like(inbox)
         by_size: dict[int, list[int]] = {}  # boundaries of one size go in one permute
         for k, size in enumerate(packing.sizes):
             by_size.setdefault(size, []).append(k)
-        for size, ks in by_size.items():
-            got = hop.send(sent[:size], tuple((k, k + 1) for k in ks))
-            got = jnp.pad(got, (0, packing.size - size))
-            receives = jnp.isin(s, jnp.asarray([k + 1 for k in ks]))
-            nxt = jnp.where(receives, got, nxt)
-        eps = hop.send(eps, ((n - 1, 0),)) if n > 1 else eps
+        sends = [(hop, size, tuple((k, k + 1) for k in ks)) for size, ks in by_size.items()]
+        if n < d and n > 1:  # stride 2: the last component's input to device d - 1 as well
+            sends.append((again, packing.sizes[n - 2], ((n - 2, d - 1),)))
+        for site, size, pairs in sends:
+            got = jnp.pad(site.send(sent[:size], pairs), (0, packing.size - size))
+            nxt = jnp.where(jnp.isin(s, jnp.asarray([dst for _, dst in pairs])), got, nxt)
         return eps, nxt
 
-    fn = warm if phase == "warmup" else steady
-    lat, hist, inbox = run_steps(fn, sampler, schedule, lat, hist, inbox, start, stop)
-    return with_device_axes((lat, hist)), with_device_axes(inbox)
+    def steady(x_in, t, i, inbox):
+        del i
+        eps, nxt = components(x_in, t, inbox)
+        return (hop.send(eps, ((n - 1, 0),)) if n > 1 else eps), nxt
+
+    def stride2(x_in, t, i, state):
+        inbox, pending = state
+
+        def round_(_):  # devices 0..n-1 on the next step's timestep, device n on this one's
+            t_next = schedule.timesteps[jnp.minimum(i + 1, schedule.timesteps.shape[0] - 1)]
+            eps, nxt = components(x_in, jnp.where(s == n, t, t_next), inbox)
+            now, later = hop.send(eps, ((n, 0),)), hop.send(eps, ((n - 1, 0),))
+            return now.astype(pending.dtype), (nxt, later.astype(pending.dtype))
+
+        def reuse(_):  # an even step: the prediction the round before gave it
+            return pending, (inbox, pending)
+
+        return lax.cond(i % 2 == 1, round_, reuse, None)
+
+    fn = warm if phase == "warmup" else steady if stride == 1 else stride2
+    lat, hist, state = run_steps(fn, sampler, schedule, lat, hist, state, start, stop)
+    return with_device_axes((lat, hist)), with_device_axes(state)
 
 
 class AsyncProgram(Program):
@@ -333,12 +370,13 @@ class AsyncProgram(Program):
                     f"{unet.row_multiple_reason} = {unet.row_multiple}; use a latent size that "
                     f"is a multiple of {unet.row_multiple}"
                 )
-        blocks = unet.module.num_blocks
-        if plan.patch > blocks:
+        blocks, parts = unet.module.num_blocks, plan.strategy.components(plan.patch)
+        if parts > blocks:
+            extra = plan.patch - parts
             raise ValueError(
-                f"asyncdiff: {plan.patch} components (devices on the patch axis) on a stack "
-                f"of {blocks} blocks: every component needs at least one block; use at most "
-                f"{blocks} devices on the patch axis"
+                f"asyncdiff: {parts} components ({plan.patch} devices on the patch axis, "
+                f"stride {plan.strategy.stride}) on a stack of {blocks} blocks: every component "
+                f"needs at least one block; use at most {blocks + extra} devices on the patch axis"
             )
 
     def place(self, plan, unet, params):

@@ -96,7 +96,12 @@ class Relay(Hop):
     """AsyncDiff's hops (`patchpar.parallel.asyncdiff`): each component's output to the
     device of the next, the last one's prediction to the first. patchpar sends each to the
     one device that reads it; the released code broadcasts every component's output, and the
-    prediction, from its device to every device (`released_bytes`)."""
+    prediction, from its device to every device (`released_bytes`); `released=False`: a
+    second send of an array the released code broadcasts once (counted with the first)."""
+
+    released: bool = True
 
     def released_bytes(self, info: dict, p: int) -> int:
+        if not self.released:
+            return 0
         return nbytes(info) * sum(1 for src, _ in info["pairs"] if src != p)
