@@ -401,24 +401,35 @@ def test_taylorseer_matches_diffusers(tmp_path, family, order):
     _check(ours, theirs, ours_dec, theirs_dec)
 
 
-def _teacache_reference(ref, call, x0: np.ndarray, ts, threshold: float):
-    """TeaCache4FLUX's rule (ali-vilab/TeaCache) on diffusers' FLUX transformer, by hooks: before
-    the first block, its norm1's modulated image input and the decision (the first and last
-    steps compute; else the rescaled relative L1 change accumulates, and a step computes, and
-    resets it, once it reaches the threshold); before norm_out, a computed step keeps the
-    blocks' image residual and a skipped one gets the entering tokens plus the last residual
-    (its blocks ran and are discarded: the same numbers as not running them). -> (final x,
-    decisions)."""
-    from patchpar.sampling.cache import FLUX_TEACACHE
+def _flux_modulated(block, args, kwargs):
+    """diffusers' FLUX double block: norm1's modulated image input."""
+    return block.norm1(kwargs["hidden_states"], emb=kwargs["temb"])[0]
 
+
+def _pixart_modulated(block, args, kwargs):
+    """diffusers' BasicTransformerBlock (ada_norm_single): norm1 with its shift and scale."""
+    hs = args[0] if args else kwargs["hidden_states"]
+    t = kwargs["timestep"]
+    mods = (block.scale_shift_table[None] + t.reshape(hs.shape[0], 6, -1)).chunk(6, dim=1)
+    return block.norm1(hs) * (1 + mods[1]) + mods[0]
+
+
+def _teacache_reference(ref, call, x0: np.ndarray, ts, threshold: float, coefficients, modulated):
+    """TeaCache4FLUX's rule (ali-vilab/TeaCache) on diffusers' transformer, by hooks: before
+    the first block, its modulated image input (`modulated`) and the decision (the first and
+    last steps compute; else the relative L1 change rescaled by `coefficients` accumulates, and
+    a step computes, and resets it, once it reaches the threshold); before norm_out, a computed
+    step keeps the blocks' image residual and a skipped one gets the entering tokens plus the
+    last residual (its blocks ran and are discarded: the same numbers as not running them).
+    -> (final x, decisions)."""
     torch = _torch()
     st = {"step": 0, "acc": 0.0, "prev": None, "res": None, "entering": None, "compute": True}
     decisions = []
-    rescale = np.poly1d(FLUX_TEACACHE)
+    rescale = np.poly1d(coefficients)
 
     def before_first(module, args, kwargs):
-        hs, temb = kwargs["hidden_states"], kwargs["temb"]
-        m = module.norm1(hs, emb=temb)[0]
+        hs = args[0] if args else kwargs["hidden_states"]
+        m = modulated(module, args, kwargs)
         if st["step"] in (0, len(ts) - 1):
             st["compute"], st["acc"] = True, 0.0
         else:
@@ -432,11 +443,11 @@ def _teacache_reference(ref, call, x0: np.ndarray, ts, threshold: float):
         decisions.append(bool(st["compute"]))
 
     def before_norm_out(module, args):
-        hs, temb = args
+        hs, rest = args[0], args[1:]
         if st["compute"]:
             st["res"] = hs - st["entering"]
             return None
-        return (st["entering"] + st["res"], temb)
+        return (st["entering"] + st["res"], *rest)
 
     hooks = [ref.transformer_blocks[0].register_forward_pre_hook(before_first, with_kwargs=True),
              ref.norm_out.register_forward_pre_hook(before_norm_out)]  # fmt: skip
@@ -451,14 +462,19 @@ def _teacache_reference(ref, call, x0: np.ndarray, ts, threshold: float):
     return x, decisions
 
 
-def test_teacache_matches_its_rule_on_diffusers_flux(tmp_path):
-    """patchpar's `teacache` on FLUX.1-dev-like weights takes the steps and gives the latents of
-    TeaCache4FLUX's rule run on diffusers' modules (the first and last steps computed)."""
+@pytest.mark.parametrize("family", ["flux"])
+def test_teacache_matches_its_rule_on_diffusers(tmp_path, family):
+    """patchpar's `teacache` takes the steps and gives the latents of TeaCache4FLUX's rule run
+    on diffusers' modules (the first and last steps computed), with the family's rescaling:
+    FLUX.1-dev-like weights with the published polynomial, PixArt with patchpar's own fit."""
+    from patchpar.models.flux.model import TEACACHE_COEFFICIENTS as FLUX_TEACACHE
     from patchpar.sampling.cache import TeaCache
 
-    ref, fn, params, call, cond, x0, ts = _flux(tmp_path)
-    threshold = 0.3
-    theirs, theirs_dec = _teacache_reference(ref, call, x0, ts, threshold)
+    build, threshold, coefficients, modulated = {
+        "flux": (_flux, 0.3, FLUX_TEACACHE, _flux_modulated),
+    }[family]
+    ref, fn, params, call, cond, x0, ts = build(tmp_path)
+    theirs, theirs_dec = _teacache_reference(ref, call, x0, ts, threshold, coefficients, modulated)
     ours, ours_dec = _ours(fn, params, TeaCache(threshold).bind(len(ts)), cond, x0, ts, 4)
     _check(ours, theirs, ours_dec, theirs_dec)
     assert theirs_dec[-1]

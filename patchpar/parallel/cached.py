@@ -48,6 +48,12 @@ class ModelParts:
     def num_blocks(self) -> int:
         return self.module.num_blocks
 
+    @property
+    def teacache_coefficients(self) -> tuple[float, ...]:
+        """TeaCache's rescaling polynomial of the family (highest power first): its module's
+        `teacache_coefficients`, published (FLUX.1) or patchpar's own fit (PixArt)."""
+        return self.module.teacache_coefficients
+
     quiet = staticmethod(shapes_only)  # a shape trace's site calls are not the program's
 
     def whole(self):

@@ -304,10 +304,6 @@ class DeepCache(StepCache):
         return out, stale, new
 
 
-# TeaCache4FLUX's rescaling polynomial (ali-vilab/TeaCache), highest power first
-FLUX_TEACACHE = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
-
-
 @dataclass(frozen=True)
 class TeaCache(StepCache):
     threshold: float = 0.25
@@ -319,10 +315,10 @@ class TeaCache(StepCache):
 
     name: ClassVar[str] = "teacache"
     summary: ClassVar[str] = (
-        "it skips every block while the first block's modulated input barely changes, with "
-        "TeaCache's published rescaling for FLUX.1 only"
+        "it skips every block while the first block's modulated input barely changes, "
+        "rescaled by a polynomial fitted on the family's trajectories: TeaCache's published "
+        "one for FLUX.1, patchpar's own fit (the trained fmnist-dit) for PixArt"
     )
-    coefficients: ClassVar[tuple[float, ...]] = FLUX_TEACACHE
 
     def __post_init__(self):
         _check_threshold("teacache", self.threshold, "TeaCache's FLUX.1 settings 0.25 to 0.8")
@@ -354,7 +350,9 @@ class TeaCache(StepCache):
         step, prev = state["step"], state["previous"]
         sums = reduce_sum(jnp.stack([jnp.sum(jnp.abs(m - prev)), jnp.sum(jnp.abs(prev))]))
         rel = sums[0] / jnp.where(sums[1] > 0, sums[1], 1.0)
-        grown = state["distance"] + jnp.polyval(jnp.asarray(self.coefficients, jnp.float32), rel)
+        grown = state["distance"] + jnp.polyval(
+            jnp.asarray(model.teacache_coefficients, jnp.float32), rel
+        )
         edge = step == 0
         if self.steps is not None:
             edge = jnp.logical_or(edge, step == self.steps - 1)

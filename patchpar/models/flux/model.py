@@ -297,6 +297,13 @@ class _PosEmbed(nn.Module):
         return self.ops.positions(self, lambda r, c: rope_table(self.config, r, c), rows, cols)
 
 
+# TeaCache4FLUX's published rescaling polynomial (ali-vilab/TeaCache, FLUX.1-dev), highest power
+# first: the first block's modulated input's relative L1 change -> the output's
+TEACACHE_COEFFICIENTS = (
+    4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01,
+)  # fmt: skip
+
+
 class FluxTransformer2DModel(nn.Module):
     """diffusers FluxTransformer2DModel on the unpacked latent. Runs unchanged on a row slab
     (rows a multiple of 2); the sites go through `ops`. The forward is its parts in order:
@@ -307,6 +314,8 @@ class FluxTransformer2DModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+
+    teacache_coefficients = TEACACHE_COEFFICIENTS  # the `teacache` cache's rescaling
 
     def setup(self):
         cfg, dt, ops = self.config, self.dtype, self.ops

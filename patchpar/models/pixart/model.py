@@ -195,8 +195,9 @@ class PixArtBlock(nn.Module):
     attn: AttentionSpec = AUTO
 
     @nn.compact
-    def __call__(self, x, context, context_mask, t6, row=None):
-        # x (B, T, D), t6 (B, 6, D), row: tokens per image row (W / p)
+    def __call__(self, x, context, context_mask, t6, row=None, modulated_only: bool = False):
+        # x (B, T, D), t6 (B, 6, D), row: tokens per image row (W / p); `modulated_only`: the
+        # self-attention's modulated input alone (what TeaCache watches)
         cfg, dt = self.config, self.dtype
         d = cfg.inner_dim
         table = self.param("scale_shift_table", nn.initializers.normal(d**-0.5), (6, d), dt)
@@ -218,6 +219,8 @@ class PixArtBlock(nn.Module):
             )
 
         h = _layer_norm(cfg.norm_eps, dt, "norm1")(x) * (1 + scale_msa) + shift_msa
+        if modulated_only:
+            return h
         x = gate_msa * attention("attn1")(h, row=row) + x  # the site: whole-image K/V
         # PixArt's cross-attention reads the residual stream without a norm
         x = attention("attn2")(x, context, context_mask) + x
@@ -378,6 +381,13 @@ class PixArtTransformer2DModel(nn.Module):
     def epilogue(self, hs, aux) -> jax.Array:
         temb, _, (h, w) = aux
         return self.head(hs[0], temb, h, w)
+
+    def modulated(self, hs, aux) -> jax.Array:
+        """The first block's modulated input to its self-attention (B, T, D): what TeaCache
+        compares."""
+        (x,), (temb, ctx, (_, w)) = hs, aux
+        row = w // self.config.patch_size
+        return self.transformer_blocks[0](x, ctx[0], ctx[1], temb[0], row, modulated_only=True)
 
     def embed(self, sample: jax.Array) -> jax.Array:
         """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions."""
