@@ -462,16 +462,18 @@ def _teacache_reference(ref, call, x0: np.ndarray, ts, threshold: float, coeffic
     return x, decisions
 
 
-@pytest.mark.parametrize("family", ["flux"])
+@pytest.mark.parametrize("family", ["flux", "pixart"])
 def test_teacache_matches_its_rule_on_diffusers(tmp_path, family):
     """patchpar's `teacache` takes the steps and gives the latents of TeaCache4FLUX's rule run
     on diffusers' modules (the first and last steps computed), with the family's rescaling:
     FLUX.1-dev-like weights with the published polynomial, PixArt with patchpar's own fit."""
     from patchpar.models.flux.model import TEACACHE_COEFFICIENTS as FLUX_TEACACHE
+    from patchpar.models.pixart.model import TEACACHE_COEFFICIENTS as PIXART_TEACACHE
     from patchpar.sampling.cache import TeaCache
 
     build, threshold, coefficients, modulated = {
         "flux": (_flux, 0.3, FLUX_TEACACHE, _flux_modulated),
+        "pixart": (_pixart, 0.5, PIXART_TEACACHE, _pixart_modulated),
     }[family]
     ref, fn, params, call, cond, x0, ts = build(tmp_path)
     theirs, theirs_dec = _teacache_reference(ref, call, x0, ts, threshold, coefficients, modulated)
@@ -558,7 +560,25 @@ def test_teacache_bad_input_is_named():
     with pytest.raises(ValueError, match=r"cache 'teacache' has no option \['steps'\]"):
         make_cache("teacache", steps=10)
     assert TeaCache(0.4).bind(28).describe() == "teacache(threshold=0.4)"
-    fn, _ = micro_dit()  # its published rescaling is FLUX.1's: a PixArt has no TeaCache
+    from test_parallel_sd3 import micro_sd3
+
+    fn, _ = micro_sd3()  # no published rescaling, and no trained SD3 to fit one on
     plan = Plan(make_strategy("single"), cache=TeaCache())
-    with pytest.raises(ValueError, match=r"cache 'teacache' does not exist for a pixart"):
-        plan.validate(fn, (16, 12), 4, GUIDANCE)
+    with pytest.raises(ValueError, match=r"cache 'teacache' does not exist for a sd3"):
+        plan.validate(fn, (16, 16), 4, GUIDANCE)
+
+
+def test_pixart_teacache_rescaling_is_the_recorded_fit():
+    """PixArt's TeaCache polynomial is the one `experiments/teacache_fit.py` recorded, from a
+    clean tree, on the trained fmnist-dit; it rescales the changes it was fitted on closely."""
+    import json
+
+    from patchpar.models.pixart.model import TEACACHE_COEFFICIENTS
+
+    rec = json.loads((Path(__file__).parents[1] / "results/teacache_fit/fit.json").read_text())
+    assert tuple(rec["coefficients"]) == TEACACHE_COEFFICIENTS
+    assert rec["model"] == "fmnist-dit" and not rec["provenance"]["git_dirty"]
+    x, y = np.asarray(rec["pairs"]).T
+    fitted = np.polyval(TEACACHE_COEFFICIENTS, x)
+    assert 1 - np.sum((y - fitted) ** 2) / np.sum((y - y.mean()) ** 2) == pytest.approx(rec["r2"])
+    assert rec["r2"] > 0.9

@@ -198,7 +198,7 @@ class CachedDecodeFlags(DecodeFlags):
     cache: str = "none"
     """A step cache (reuse across steps, with any one-call strategy): none, fbcache (the
     first-block cache of a transformer: PixArt, FLUX, SD3), taylorseer (the denoiser's output
-    predicted between computed steps; every family), teacache (FLUX.1) or deepcache (a UNet's
+    predicted between computed steps; every family), teacache (FLUX.1, PixArt) or deepcache (a UNet's
     deep features reused between full steps)."""
     cache_threshold: float | None = None
     """fbcache: skip the blocks after the first while its residual changed by at most this
@@ -299,7 +299,8 @@ class CacheConfig:
     while the first block's residual barely changes; PixArt, FLUX, SD3); taylorseer (after a
     warm-up, one step in `interval` runs the denoiser and the others predict its output by a
     Taylor expansion; every family); teacache (every block skipped while the first block's
-    modulated input barely changes; FLUX.1, with TeaCache's published rescaling); deepcache
+    modulated input barely changes; FLUX.1 with TeaCache's published rescaling, PixArt with
+    patchpar's own fit); deepcache
     (one step in `interval` runs the whole UNet, the others its shallow branch on the deep
     features kept; UNets)."""
     threshold: float | None = None

@@ -53,7 +53,11 @@ class PixArtFn:
     # measured (its pipelines read 120 / 300; only cross-attention's FLOPs depend on it)
     text_tokens = 77
     text_stream = False  # every device computes the text stream (`parallel.sites.text`)
-    caches = ("fbcache", "taylorseer")  # the step caches it has (`patchpar.sampling.cache`)
+    caches = (
+        "fbcache",
+        "taylorseer",
+        "teacache",
+    )  # the step caches it has (`patchpar.sampling.cache`)
     guidance_halves = 2  # classifier-free guidance
 
     @property
