@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from patchpar.models.sites import IDENTITY
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
 from patchpar.parallel.program import (
-    Program,
+    LoopProgram,
     check_layer_split,
     strip_device_axes,
     with_device_axes,
@@ -341,7 +341,7 @@ def _local(unet, plan, sampler, phase, span, gs, first, bounds, params, cond, sc
     return with_device_axes((lat, hist)), with_device_axes(state)
 
 
-class AsyncProgram(Program):
+class AsyncProgram(LoopProgram):
     """AsyncDiff's program: the blocks split into components over the patch axis, each run on
     the previous step's output of the one before (`run_phase`)."""
 
@@ -350,6 +350,7 @@ class AsyncProgram(Program):
     splits_rows = False  # every device holds the whole image
     gathers_output = False  # the prediction goes to the first device, the released code's too
     sync_offset = 0  # warmup_steps exact steps, no step counter offset
+    phase = staticmethod(run_phase)
     no_cache = (
         "its components run at once on different steps' activations, so no step has the "
         "whole image's first-block output and the last block's together"
@@ -386,13 +387,6 @@ class AsyncProgram(Program):
         from patchpar.parallel.rules import weight_bytes_per_device
 
         return weight_bytes_per_device(params, plan.rules(), plan.degrees(), unet.logical)
-
-    def run_phase(self, unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
-                  guidance_scale, watch=False):  # fmt: skip
-        out = run_phase(
-            unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale
-        )
-        return (*out, jnp.int32(-2)) if watch else out  # the step of a NaN is not known
 
 
 ASYNC = AsyncProgram()

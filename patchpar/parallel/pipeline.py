@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
 from patchpar.parallel.program import (
-    Program,
+    LoopProgram,
     check_layer_split,
     strip_device_axes,
     with_device_axes,
@@ -386,7 +386,7 @@ def _whole(lat: jax.Array) -> jax.Array:
     return jnp.moveaxis(lat, 0, 1).reshape(b, m * h, w, c)
 
 
-class PipelineProgram(Program):
+class PipelineProgram(LoopProgram):
     """PipeFusion's program: the layers of the denoiser's `stack` split into stages over the
     patch axis, patches streamed through them (`run_phase`)."""
 
@@ -396,6 +396,7 @@ class PipelineProgram(Program):
     gathers_output = False  # xDiT returns each latent patch to the first stage, as here
     sync_offset = 0  # warmup_steps full-image passes, no step counter offset
     rules_name = "stages"  # each device its stage's blocks (`Staged`)
+    phase = staticmethod(run_phase)
     no_cache = (
         "it streams patches through stages, so no step has the whole image's first-block "
         "residual at one point"
@@ -419,13 +420,6 @@ class PipelineProgram(Program):
 
     def weight_bytes(self, plan, unet, params) -> int:
         return block_bytes_per_device(unet.stack, params, plan.patch)
-
-    def run_phase(self, unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
-                  guidance_scale, watch=False):  # fmt: skip
-        out = run_phase(
-            unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale
-        )
-        return (*out, jnp.int32(-2)) if watch else out  # the step of a NaN is not known
 
 
 PIPELINE = PipelineProgram()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
 
 class Program:
@@ -55,6 +56,21 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<program {self.name}>"
+
+
+class LoopProgram(Program):
+    """A program whose phase is one function of its module, `phase(unet, plan, sampler, phase,
+    span, params, cond, schedule, x, loop, guidance_scale)` -> (x, loop), which does not
+    watch for a NaN (with `watch`, the step of one is not known: -2)."""
+
+    phase: ClassVar  # a staticmethod
+
+    def run_phase(self, unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
+                  guidance_scale, watch=False):  # fmt: skip
+        out = self.phase(
+            unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale
+        )
+        return (*out, jnp.int32(-2)) if watch else out
 
 
 def strip_device_axes(tree):
