@@ -100,7 +100,8 @@ def test_flux_study_notebook(tmp_path, monkeypatch, run_notebook):
 CACHES = ("cache_fmnist_dit", "cache_fmnist", "cache_fmnist_flux", "speedup_cache_fmnist_dit",
           "speedup_cache_fmnist", "asyncdiff_fmnist_dit", "asyncdiff_fmnist",
           "asyncdiff_fmnist_flux", "speedup_asyncdiff", "speedup_asyncdiff_fmnist",
-          "speedup_deepcache_fmnist")  # fmt: skip
+          "speedup_deepcache_fmnist", "asyncdiff_stride_fmnist_dit", "teacache_fmnist_dit",
+          "speedup_teacache_fmnist_dit")  # fmt: skip
 
 
 @pytest.mark.skipif(
@@ -117,3 +118,5 @@ def test_caches_notebook(tmp_path, monkeypatch, run_notebook):
         plot = "speedup" if name.startswith("speedup") else "psnr_vs_blocks_computed"
         plot = "psnr_vs_bytes" if name.startswith("asyncdiff") else plot
         assert (tmp_path / name / "plots" / f"{plot}.png").stat().st_size > 0
+    if "asyncdiff_stride_fmnist_dit" in found:
+        assert "| asyncdiff warmup_steps=9 stride=2 | 4 |" in text
