@@ -530,7 +530,7 @@ def test_workload_cache_lives_under_patchpar_home_and_skips_what_does_not_read(
 
 def test_a_stride_two_workload_runs_the_model_on_the_odd_steady_steps():
     """AsyncDiff stride 2: one round (the steady program) per two steps, on the odd steps
-    after warm-up; a warm-up that ends on an odd count leaves one more step without the
+    after warm-up; a warm-up of an even number of steps leaves one more step without the
     model. Sync offset 0: warmup_steps exact steps."""
     single = _workload([], flops=2e12, warmup_steps=None)
     # the odd steps of [4, 10): 5 7 9; of [5, 10): 5 7 9; of [6, 10): 7 9

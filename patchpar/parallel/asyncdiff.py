@@ -23,8 +23,8 @@ it. In the round of step t, devices 0..S-1 run the components on the timestep of
 device 0's on latent t, device k's on component k-1's output of the round before, and device S
 runs the last component on step t's timestep, on the same input as device S-1. Device S's
 prediction is step t's, device S-1's step t+1's: both go to device 0 (two permutes), which
-takes both sampler steps. When warm-up ends on an odd count the first steady step is even: it
-reuses the last warm-up step's prediction, as the released code does. The phase loop's body is
+takes both sampler steps. After a warm-up of an even number of steps the first steady step is
+even: it reuses the last warm-up step's prediction, as the released code does. The phase loop's body is
 one step (a `lax.cond` between a round and a step without the model); a record's steady bytes
 and FLOPs are a round's, which runs on `Strategy.phase_iterations` of the steps.
 
@@ -33,6 +33,13 @@ boundary's size so that every branch returns one shape; each boundary's own size
 wire (boundaries of one size in one permute). The released code broadcasts each component's
 output and the prediction from its device to every device (`Relay.released_bytes`), each
 device taking the sampler step; here each goes to the one device that reads it.
+
+Two differences from the released code. It caches and broadcasts every module of its split
+on its own (a UNet's each down, mid and up block, SD3's each transformer block), not only the
+components' outputs: `released_bytes` counts the boundaries and so undercounts its traffic.
+And on a UNet its up blocks read the skips of the round before, whichever component made them;
+here the skips travel with the activation, so with 3 or more components a skip is as many
+rounds old as the boundaries it crossed (2 components: the same).
 """
 
 from __future__ import annotations

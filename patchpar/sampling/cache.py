@@ -321,7 +321,11 @@ class TeaCache(StepCache):
     )
 
     def __post_init__(self):
-        _check_threshold("teacache", self.threshold, "TeaCache's FLUX.1 settings 0.25 to 0.8")
+        _check_threshold(
+            "teacache",
+            self.threshold,
+            "TeaCache's FLUX.1 settings 0.25 to 0.8; PixArt, with patchpar's own fit: 0.01 to 0.02",
+        )
 
     def bind(self, steps: int) -> TeaCache:
         return replace(self, steps=steps)

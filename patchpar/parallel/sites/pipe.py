@@ -96,8 +96,10 @@ class Relay(Hop):
     """AsyncDiff's hops (`patchpar.parallel.asyncdiff`): each component's output to the
     device of the next, the last one's prediction to the first. patchpar sends each to the
     one device that reads it; the released code broadcasts every component's output, and the
-    prediction, from its device to every device (`released_bytes`); `released=False`: a
-    second send of an array the released code broadcasts once (counted with the first)."""
+    prediction, from its device to every device (`released_bytes`: at the component
+    boundaries; the released code broadcasts each module of its split, more, so this is a lower
+    bound); `released=False`: a second send of an array the released code broadcasts once
+    (counted with the first)."""
 
     released: bool = True
 
