@@ -62,3 +62,25 @@ def single_guided(unet, params, x, t, cond):
     """The reference: the guided output of one UNet call on one device (one compiled program;
     run op by op, a micro UNet call takes ~300 small compiles)."""
     return guided(unet_on_stack(unet, params, x, t, cond), GUIDANCE)
+
+
+def denoise_cached(fn, params, x, cond, c, name, devices, cfg, gs, sampler, steps, **options):
+    """(final latent, state) of `fn` from the unit latent `x` over `steps` steps of `sampler`
+    on one device (`single`) or under strategy `name`, with step cache `c` (None: without)."""
+    from patchpar.parallel.engine import Plan, denoise
+    from patchpar.parallel.strategies import make_strategy
+    from patchpar.pipelines.text2img import _denoise_single
+    from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
+
+    smp = get_sampler(sampler)
+    sched = smp.schedule(SchedulerConfig(), steps)
+    x = x * sched.init_noise_sigma
+    if name == "single":
+        out, state = jax.jit(_denoise_single, static_argnums=(0, 1, 2, 7))(
+            fn, smp, c, params, cond, sched, x, gs
+        )
+    else:
+        plan = Plan(make_strategy(name, **options), devices, cfg, cache=c)
+        plan.validate(fn, x.shape[1:3], steps, gs)
+        out, state = denoise(fn, plan, smp, params, cond, sched, x, gs)
+    return np.asarray(out), state

@@ -16,12 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_parallel_dit import GUIDANCE, inputs, max_diff, micro_dit  # noqa: E402
 
-from patchpar.parallel.engine import Plan, denoise, make_step  # noqa: E402
+from patchpar.parallel.engine import Plan, make_step  # noqa: E402
 from patchpar.parallel.sites import STALE  # noqa: E402
 from patchpar.parallel.strategies import make_strategy  # noqa: E402
-from patchpar.pipelines.text2img import _denoise_single  # noqa: E402
 from patchpar.sampling.cache import CACHE, FirstBlockCache, TaylorSeer, make_cache  # noqa: E402
-from patchpar.sampling.schedulers import SchedulerConfig, get_sampler  # noqa: E402
 
 STEPS = 6
 THRESHOLD = 0.5  # on the micro DiT's 6 DDIM steps: 2 of them skipped
@@ -59,18 +57,9 @@ def _run_with(name: str, devices: int, cfg: int, c, model: str = "dit", **option
 
         fn, params = micro_unet("sd")
         x, _, cond = unet_inputs("sd")
-    smp = get_sampler(sampler)
-    sched = smp.schedule(SchedulerConfig(), STEPS)
-    x = x * sched.init_noise_sigma
-    if name == "single":
-        out, state = jax.jit(_denoise_single, static_argnums=(0, 1, 2, 7))(
-            fn, smp, c, params, cond, sched, x, gs
-        )
-    else:
-        plan = Plan(make_strategy(name, **options), devices, cfg, cache=c)
-        plan.validate(fn, x.shape[1:3], STEPS, gs)
-        out, state = denoise(fn, plan, smp, params, cond, sched, x, gs)
-    return np.asarray(out), state
+    from parallel_helpers import denoise_cached
+
+    return denoise_cached(fn, params, x, cond, c, name, devices, cfg, gs, sampler, STEPS, **options)
 
 
 def test_the_cache_skips_some_steps_and_sync_patch_equals_one_device():

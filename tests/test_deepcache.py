@@ -15,12 +15,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from parallel_helpers import GUIDANCE, inputs, micro_unet  # noqa: E402
+from parallel_helpers import GUIDANCE, denoise_cached, inputs, micro_unet  # noqa: E402
 
 from patchpar.models.sites import IDENTITY  # noqa: E402
-from patchpar.parallel.engine import Plan, denoise  # noqa: E402
+from patchpar.parallel.engine import Plan  # noqa: E402
 from patchpar.parallel.strategies import make_strategy  # noqa: E402
-from patchpar.pipelines.text2img import _denoise_single  # noqa: E402
 from patchpar.sampling.cache import CACHE, DeepCache, make_cache  # noqa: E402
 from patchpar.sampling.loop import guided  # noqa: E402
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler  # noqa: E402
@@ -42,18 +41,8 @@ def run(name: str, devices: int, c, cfg: int = 1, **options):
     this file's guidance (the reference's)."""
     fn, params = micro_unet("sd")
     x, _, cond = inputs("sd")
-    smp = get_sampler("ddim")
-    sched = smp.schedule(SchedulerConfig(), STEPS)
-    x = x * sched.init_noise_sigma
-    if name == "single":
-        out, state = jax.jit(_denoise_single, static_argnums=(0, 1, 2, 7))(
-            fn, smp, c, params, cond, sched, x, GUIDANCE
-        )
-    else:
-        plan = Plan(make_strategy(name, **options), devices, cfg, cache=c)
-        plan.validate(fn, x.shape[1:3], STEPS, GUIDANCE)
-        out, state = denoise(fn, plan, smp, params, cond, sched, x, GUIDANCE)
-    return np.asarray(out), state
+    return denoise_cached(fn, params, x, cond, c, name, devices, cfg, GUIDANCE, "ddim", STEPS,
+                          **options)  # fmt: skip
 
 
 def reference(c: DeepCache) -> np.ndarray:
