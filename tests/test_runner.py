@@ -123,6 +123,8 @@ def test_bad_override_names_the_key(overrides, message):
         ({"measure.quality": ["fid"], "prompts.seeds": [0]}, "at least 2 images in all"),
         ({"mesh.vae_parallel": "ring"}, "mesh.vae_parallel='ring'; known: .'off', 'rows'"),
         ({"mesh.vae_tile": -8}, "vae_tile=-8: must be 0"),
+        ({"model.quant": "int4"}, "model.quant='int4': int4 activations are not offered"),
+        ({"model.quant": "q8"}, "model.quant='q8': unknown; modes: none, w8"),
     ],
 )
 def test_bad_value_is_an_error_naming_it(overrides, message):

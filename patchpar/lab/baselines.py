@@ -39,8 +39,11 @@ def weights_sha256(config: RunConfig) -> str | None:
 
 
 def _baseline_id(config: RunConfig) -> dict:
-    """Same model weights, sampler and prompts (and code) -> same single-device outputs."""
+    """Same model weights, sampler and prompts (and code) -> same single-device outputs. A
+    quantized run's baseline is the unquantized model's (`model.quant` is not part of it):
+    its quality is then the quantization's cost and the strategy's together."""
     d = to_dict(config)
+    d["model"].pop("quant", None)
     return {
         **{k: d[k] for k in ("model", "sampler", "prompts")},
         "git_commit": git_commit(),
@@ -60,7 +63,8 @@ def baseline_folder(config: RunConfig) -> Path:
 
 def load_or_make_baseline(pipe, config: RunConfig, hw, log: Log, made=None) -> np.ndarray:
     """The single-device images for this model, sampler and prompts: from the cache, else made
-    now (or taken from `made`, the run's own single-device output) and cached atomically."""
+    now by `pipe` (unquantized: `_baseline_id`), or taken from `made` (the run's own
+    single-device output), and cached atomically."""
     folder = baseline_folder(config)
     if (folder / "images.npy").is_file():
         return np.load(folder / "images.npy")

@@ -240,6 +240,9 @@ class ModelConfig:
     """Chunked/splash attention: queries per block (MaxDiffusion's flash block_q)."""
     block_kv: int = 512
     """Chunked/splash attention: keys/values per block (MaxDiffusion's flash block_kv)."""
+    quant: str = "none"
+    """Quantized denoiser (Qwix, patchpar/quant.py): none; w8 or w4 (int8 / int4 weights,
+    activations in the compute dtype); int8 or fp8 (int8 / fp8 e4m3 weights x activations)."""
 
     def attention_spec(self):
         from patchpar.models.attention import AttentionSpec
@@ -423,9 +426,11 @@ class RunConfig:
     many seconds (a hung collective cannot block a sweep)."""
 
     def label(self) -> str:
-        """The strategy's label and the cache's, e.g. `pcpp send=band + fbcache threshold=0.1`."""
+        """The strategy's label, the cache's and the quant mode's, e.g. `pcpp send=band +
+        fbcache threshold=0.1`, `distrifusion + fp8`."""
         cache = "" if self.cache.name == "none" else f" + {self.cache.label()}"
-        return self.strategy.label() + cache
+        quant = "" if self.model.quant == "none" else f" + {self.model.quant}"
+        return self.strategy.label() + cache + quant
 
     def plan(self):
         return build_plan(
@@ -552,12 +557,17 @@ class RunConfig:
                 f"split evenly over the data axis; use a batch size and an image count that are "
                 f"multiples of {self.mesh.data}"
             )
+        from patchpar.quant import check_mode
         from patchpar.sampling.cache import make_cache
 
         try:
             make_cache(self.cache.name, **self.cache.options())
         except ValueError as e:
             raise ValueError(f"cache: {e}") from None
+        try:
+            check_mode(self.model.quant)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
         try:
             plan = self.plan()  # strategy options: unknown names and bad values
             plan.strategy.validate(s.steps, plan.patch, plan.cfg)
@@ -662,7 +672,13 @@ def point_config(config: RunConfig | dict) -> dict:
     d["cache"] = with_defaults(CacheConfig, d.get("cache", {}))
     d["measure"] = with_defaults(MeasureConfig, d.get("measure", {}))
     d["prompts"] = with_defaults(PromptsConfig, d.get("prompts", {}))
-    d["model"] = {"attention": "xla", "block_q": 256, "block_kv": 512, **d.get("model", {})}
+    d["model"] = {
+        "attention": "xla",
+        "block_q": 256,
+        "block_kv": 512,
+        "quant": "none",
+        **d.get("model", {}),
+    }
     d["sampler"] = {**d.get("sampler", {})}
     d["sampler"].setdefault("dtype", "float32")
     return d

@@ -44,6 +44,9 @@ class GenerateConfig(CachedDecodeFlags):
     """auto, float32 or bfloat16 (auto: bfloat16 for SD, SDXL and PixArt-size models, else float32)."""
     attention: str = "auto"
     """Attention kernel: auto, xla, chunked, cudnn or splash (patchpar/models/attention.py)."""
+    quant: str = "none"
+    """Quantized denoiser (patchpar/quant.py): none, w8 or w4 (int8 / int4 weights), int8 or
+    fp8 (int8 / fp8 e4m3 weights x activations)."""
     out: Path = Path("runs/generate")
     """Output folder."""
     processes: int = 0
@@ -58,9 +61,11 @@ def check(config: GenerateConfig) -> list[str]:
     naming the value and what fits); returns the options given that have no effect here."""
     from patchpar.lab.defaults import default_guidance, default_true_cfg
     from patchpar.pipelines.text2img import check_guidance, check_seed
+    from patchpar.quant import check_mode
 
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    check_mode(config.quant)
     for name in ("height", "width"):
         v = getattr(config, name)
         if v is not None and v <= 0:
@@ -127,6 +132,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         config.model,
         getattr(jnp, resolve_dtype(config.dtype, config.model)),
         resolve(AttentionSpec(config.attention)),
+        config.quant,
     ).with_true_cfg(true_cfg)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -154,6 +160,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         "sampler": sampler,
         "compute_dtype": jnp.dtype(pipe.unet.module.dtype).name,
         "attention": pipe.unet.module.attn.impl,
+        "quant": pipe.quant,
         "strategy": plan.strategy.describe(),
         "devices": plan.devices,
         "vae_parallel": vae_plan.mode,

@@ -10,9 +10,9 @@ from patchpar.lab.config import RunConfig
 _PIPELINES: dict = {}
 
 
-def get_pipeline(model: str, dtype: str, attention=None):
-    """One loaded pipeline per (model, dtype, attention) per process (a sweep loads each model
-    once). dtype `auto`: see `presets.default_dtype`."""
+def get_pipeline(model: str, dtype: str, attention=None, quant: str = "none"):
+    """One loaded pipeline per (model, dtype, attention, quant) per process (a sweep loads each
+    model once per quant mode). dtype `auto`: see `presets.default_dtype`."""
     import jax.numpy as jnp
 
     from patchpar.models.attention import AUTO
@@ -20,9 +20,9 @@ def get_pipeline(model: str, dtype: str, attention=None):
     from patchpar.pipelines import load_pipeline
 
     dtype = resolve_dtype(dtype, model)
-    key = (model, dtype, attention or AUTO)
+    key = (model, dtype, attention or AUTO, quant)
     if key not in _PIPELINES:
-        _PIPELINES[key] = load_pipeline(model, getattr(jnp, dtype), attention or AUTO)
+        _PIPELINES[key] = load_pipeline(model, getattr(jnp, dtype), attention or AUTO, quant)
     return _PIPELINES[key]
 
 

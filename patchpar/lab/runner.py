@@ -268,7 +268,8 @@ def preflight(config: RunConfig) -> None:
 
     config.validate()
     config.plan()
-    pipe = get_pipeline(config.model.name, config.sampler.dtype, config.model.attention_spec())
+    m = config.model
+    pipe = get_pipeline(m.name, config.sampler.dtype, m.attention_spec(), m.quant)
     pipe = pipe.with_true_cfg(config.sampler.true_cfg_scale)
     present = not config.mesh.processes and jax.device_count() >= config.mesh.devices
     checked_plan(config, pipe, devices_present=present)
@@ -289,11 +290,14 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
             f"(devices = processes x local devices)"
         )
     t0 = time.perf_counter()
-    pipe = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
+    pipe = get_pipeline(
+        config.model.name, s.dtype, config.model.attention_spec(), config.model.quant
+    )
     pipe = pipe.with_true_cfg(s.true_cfg_scale)
     metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
     metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
     metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded
+    metrics["quant"] = pipe.quant
     plan, hw = checked_plan(config, pipe)
     metrics["height"], metrics["width"] = hw
     metrics["strategy"] = plan.strategy.describe()
@@ -342,9 +346,15 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
         metrics.update(comm_metrics(pipe, plan, config, counted))
 
     if m.quality:
-        # the baseline is uncached `single`: a run on one device with a cache is not it
-        own = (images, latents) if not plan.strategy.parallel and plan.cache is None else None
-        ref = load_or_make_baseline(pipe, config, hw, log, made=own)
+        # the baseline is uncached `single`: a run on one device with a cache is not it,
+        # and it is the unquantized model's
+        exact = not plan.strategy.parallel and plan.cache is None and pipe.quant == "none"
+        own = (images, latents) if exact else None
+        base = pipe
+        if pipe.quant != "none":
+            base = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
+            base = base.with_true_cfg(s.true_cfg_scale)
+        ref = load_or_make_baseline(base, config, hw, log, made=own)
         metrics.update(quality_metrics(config, images, ref, log))
         base_lat = np.load(baseline_folder(config) / "latents.npy")
         metrics["latent_max_abs_diff"] = float(np.abs(latents - base_lat).max())

@@ -16,12 +16,15 @@ Use the pre-optimisation HLO to count bf16 as bf16: the CPU backend upcasts bf16
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-DTYPE_BYTES = {
+DTYPE_BYTES = {  # bytes per element (int4: half a byte, XLA's packed s4/u4)
+    "s4": 0.5,
+    "u4": 0.5,
     "pred": 1,
     "s8": 1,
     "u8": 1,
@@ -74,7 +77,9 @@ class Collective:
 
     def operand_bytes(self) -> int:
         """Bytes of one device's operand(s) (the unit S of the convention above)."""
-        return sum(int(np.prod(d, dtype=np.int64)) * DTYPE_BYTES[t] for t, d in self.operand)
+        return sum(
+            math.ceil(int(np.prod(d, dtype=np.int64)) * DTYPE_BYTES[t]) for t, d in self.operand
+        )
 
     def group_list(self, num_devices: int) -> tuple[tuple[int, ...], ...]:
         """The replica groups; `replica_groups={}` (or none) is one group of every device."""

@@ -31,11 +31,13 @@ import math
 import re
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec as P
 
 from patchpar.parallel.mesh import AXES, CFG, DATA, MODEL, PATCH, divisors
+from patchpar.parallel.sites.common import bits
 
 LOGICAL_AXES = ("heads", "mlp", "mlp_gated", "conv_mid", "embed", "conv_in", "conv_out")
 FSDP_AXES = (DATA, CFG, PATCH)  # the devices that hold the same weights (all but `model`)
@@ -114,6 +116,22 @@ def _leaves(params):
     return {"/".join(k): v for k, v in flatten_dict(params).items()}
 
 
+def _arrays(path: str, leaf, table: Table):
+    """A parameter's arrays with the logical axes of each, and how to put them back: a plain
+    parameter is its one array; a quantized weight (`patchpar.quant`: Qwix's quantized values
+    and their scales, a pytree) is its values, shaped as the weight, and its scales, of the
+    same rank with size 1 along the dimensions they are shared over (which then have no
+    logical axis: never split). The first array has the weight's shape."""
+    arrays, treedef = jax.tree.flatten(leaf)
+    shape = arrays[0].shape
+    names = logical_axes(path, len(shape), table)
+    each = [
+        tuple(n if a == w else None for n, a, w in zip(names, x.shape, shape, strict=True))
+        for x in arrays
+    ]
+    return arrays, each, treedef
+
+
 def _spec(names: tuple, rules: dict) -> tuple:
     """Mesh axis per dimension; a dimension of k > 1 parts becomes two, (k, dim / k), while
     placed (`parts`)."""
@@ -137,35 +155,46 @@ def placed(
     `local_shapes` (the modules' parameter shapes on one device) and the mesh `degrees` pad
     `heads` split over `model` with zero heads up to local x degree, where the heads do not
     divide (DistriFusion's tensor parallelism splits them unevenly instead; a zero head adds
-    nothing to the output). Dimensions sharded at rest (FSDP) must divide: `check_sharded`."""
+    nothing to the output). Dimensions sharded at rest (FSDP) must divide: `check_sharded`.
+    A quantized weight's values and scales are placed alike (`_arrays`)."""
     check_rules(rules, table)
     if degrees is not None:
         check_sharded(params, rules, degrees, table)
     local = _leaves(local_shapes) if local_shapes is not None else {}
     out, specs = {}, {}
     for path, leaf in _leaves(params).items():
-        names = logical_axes(path, leaf.ndim, table)
-        axes = _spec(names, rules)
-        if not any(axes):  # whole on every device, as it is
-            out[path], specs[path] = leaf, P()
-            continue
-        specs[path] = P(*axes)
-        if path in local:  # pad heads split over `model` to whole heads per device
-            pad = []
-            for i, name in enumerate(names):
-                split = MODEL in _rule(rules, name)
-                k = (degrees or {}).get(MODEL, 1) if split else 1
-                target = local[path].shape[i] * k
-                pad.append((0, target - leaf.shape[i]))
-                if target != leaf.shape[i] and name != "heads":
-                    raise ValueError(f"{path}: {name} of {leaf.shape[i]} does not split {k} ways")
-            leaf = jnp.pad(leaf, pad) if any(p for _, p in pad) else leaf
-        shape = []
-        for dim, name in zip(leaf.shape, names, strict=True):
-            k = parts(name)[1] if name else 1
-            shape += [k, dim // k] if k > 1 else [dim]
-        out[path] = jnp.reshape(leaf, tuple(shape))
+        arrays, each, treedef = _arrays(path, leaf, table)
+        mine = jax.tree.leaves(local[path]) if path in local else [None] * len(arrays)
+        laid, laid_specs = [], []
+        for x, names, shape in zip(arrays, each, mine, strict=True):
+            x, spec = _placed_array(path, x, names, rules, shape, degrees)
+            laid.append(x)
+            laid_specs.append(spec)
+        out[path] = jax.tree.unflatten(treedef, laid)
+        specs[path] = jax.tree.unflatten(treedef, laid_specs)
     return _tree(out), _tree(specs)
+
+
+def _placed_array(path: str, leaf, names: tuple, rules: dict, local, degrees):
+    """One array of a parameter laid out for placement, and its PartitionSpec (`placed`)."""
+    axes = _spec(names, rules)
+    if not any(axes):  # whole on every device, as it is
+        return leaf, P()
+    if local is not None:  # pad heads split over `model` to whole heads per device
+        pad = []
+        for i, name in enumerate(names):
+            split = MODEL in _rule(rules, name)
+            k = (degrees or {}).get(MODEL, 1) if split else 1
+            target = local.shape[i] * k
+            pad.append((0, target - leaf.shape[i]))
+            if target != leaf.shape[i] and name != "heads":
+                raise ValueError(f"{path}: {name} of {leaf.shape[i]} does not split {k} ways")
+        leaf = jnp.pad(leaf, pad) if any(p for _, p in pad) else leaf
+    shape = []
+    for dim, name in zip(leaf.shape, names, strict=True):
+        k = parts(name)[1] if name else 1
+        shape += [k, dim // k] if k > 1 else [dim]
+    return jnp.reshape(leaf, tuple(shape)), P(*axes)
 
 
 def _tree(flat: dict):
@@ -176,27 +205,35 @@ def unplaced(local_params, table: Table, rules: dict | None = None):
     """Inside `shard_map`: this device's shares back in the modules' shapes ((k, dim / k / m)
     -> k x dim / k / m for a dimension of k parts). With `rules`, a share sharded at rest over axes other than
     `model` (FSDP) comes boxed (`nn.Partitioned`, names = those axes per dimension) for the
-    layer that owns it to gather just before it runs (`PatchOps.layer`)."""
+    layer that owns it to gather just before it runs (`PatchOps.layer`); a quantized weight's
+    values and scales each on their own."""
     out = {}
     for path, leaf in _leaves(local_params).items():
-        names = logical_axes(path, leaf.ndim - 1, table)
-        multi = [i for i, n in enumerate(names) if n and parts(n)[1] > 1]
-        if multi and leaf.ndim == len(names) + 1:
-            at = multi[0]
-            leaf = leaf.reshape(leaf.shape[:at] + (-1,) + leaf.shape[at + 2 :])
-        names = logical_axes(path, leaf.ndim, table)
-        rest = [_rule(rules, n) if rules else () for n in names]
-        rest = [tuple(a for a in axes if a != MODEL) or None for axes in rest]
-        if any(rest):
-            leaf = nn.Partitioned(leaf, names=tuple(rest))
-        out[tuple(path.split("/"))] = leaf
+        arrays, treedef = jax.tree.flatten(leaf)
+        names = logical_axes(path, arrays[0].ndim - 1, table)  # if a dimension of k parts
+        laid = []
+        for x in arrays:
+            multi = [i for i, n in enumerate(names) if n and parts(n)[1] > 1]
+            if multi and x.ndim == len(names) + 1:
+                at = multi[0]
+                x = x.reshape(x.shape[:at] + (-1,) + x.shape[at + 2 :])
+            laid.append(x)
+        shape = laid[0].shape
+        names = logical_axes(path, len(shape), table)
+        out_arrays = []
+        for x in laid:
+            mine = [n if a == w else None for n, a, w in zip(names, x.shape, shape, strict=True)]
+            rest = [_rule(rules, n) if rules else () for n in mine]
+            rest = [tuple(a for a in axes if a != MODEL) or None for axes in rest]
+            out_arrays.append(nn.Partitioned(x, names=tuple(rest)) if any(rest) else x)
+        out[tuple(path.split("/"))] = jax.tree.unflatten(treedef, out_arrays)
     return unflatten_dict(out)
 
 
-def _split(path: str, ndim: int, rules: dict, degrees: dict[str, int], table: Table) -> list:
-    """(dimension, logical name, ways) of every dimension `rules` split, for one parameter."""
+def _split(names: tuple, rules: dict, degrees: dict[str, int]) -> list:
+    """(dimension, logical name, ways) of every dimension `rules` split, for one array."""
     out = []
-    for dim, name in enumerate(logical_axes(path, ndim, table)):
+    for dim, name in enumerate(names):
         ways = math.prod(degrees.get(a, 1) for a in _rule(rules, name))
         if ways > 1:
             out.append((dim, name, ways))
@@ -204,11 +241,14 @@ def _split(path: str, ndim: int, rules: dict, degrees: dict[str, int], table: Ta
 
 
 def weight_bytes_per_device(params, rules: dict, degrees: dict[str, int], table: Table) -> int:
-    """Parameter bytes one device holds under `rules` on a mesh of `degrees` ({axis: size})."""
+    """Parameter bytes one device holds under `rules` on a mesh of `degrees` ({axis: size});
+    a quantized weight: its values (int4: half a byte each) and its scales."""
     total = 0
     for path, leaf in _leaves(params).items():
-        split = math.prod(w for _, _, w in _split(path, leaf.ndim, rules, degrees, table))
-        total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
+        arrays, each, _ = _arrays(path, leaf, table)
+        for x, names in zip(arrays, each, strict=True):
+            split = math.prod(w for _, _, w in _split(names, rules, degrees))
+            total += math.prod(x.shape) * bits(x.dtype) // 8 // split
     return total
 
 
@@ -217,14 +257,16 @@ def check_sharded(params, rules: dict, degrees: dict[str, int], table: Table) ->
     degree; ValueError naming the parameter, the size and the degrees that divide them all."""
     bad, sizes = [], set()
     for path, leaf in _leaves(params).items():
-        for dim, name, _ in _split(path, leaf.ndim, rules, degrees, table):
-            axes = [a for a in _rule(rules, name) if a != MODEL]
-            ways = math.prod(degrees.get(a, 1) for a in axes)
-            if ways == 1:
-                continue
-            sizes.add(leaf.shape[dim])
-            if leaf.shape[dim] % ways:
-                bad.append((path, name, leaf.shape[dim], ways, axes))
+        arrays, each, _ = _arrays(path, leaf, table)
+        for x, names in zip(arrays, each, strict=True):
+            for dim, name, _ in _split(names, rules, degrees):
+                axes = [a for a in _rule(rules, name) if a != MODEL]
+                ways = math.prod(degrees.get(a, 1) for a in axes)
+                if ways == 1:
+                    continue
+                sizes.add(x.shape[dim])
+                if x.shape[dim] % ways:
+                    bad.append((path, name, x.shape[dim], ways, axes))
     if bad:
         path, name, size, ways, axes = bad[0]
         fits = [d for d in divisors(max(sizes)) if all(s % d == 0 for s in sizes)]

@@ -88,6 +88,20 @@ class Pipeline:
             return self
         return replace(self, text=replace(self.text, true_cfg_scale=float(scale)))
 
+    def quantized(self, mode: str) -> Pipeline:
+        """This pipeline with its denoiser quantized (`patchpar.quant`: w8, w4, int8, fp8;
+        `none`: itself), its weights stored quantized; the text encoders and the VAE stay in
+        the compute dtype. Quantizing a quantized denoiser again: ValueError."""
+        from patchpar.quant import quantize
+
+        unet, params = quantize(self.unet, self.unet_params, mode)
+        return self if unet is self.unet else replace(self, unet=unet, unet_params=params)
+
+    @property
+    def quant(self) -> str:
+        """The denoiser's quant mode (`none`: not quantized)."""
+        return getattr(self.unet.module, "quant_mode", None) or "none"
+
     @property
     def text_encoders(self) -> list:
         return self.text.encoders
@@ -536,16 +550,23 @@ def _single_phase(
 
 
 def load_pipeline(
-    path_or_preset: str | Path, dtype=jnp.float32, attention: AttentionSpec = AUTO
+    path_or_preset: str | Path,
+    dtype=jnp.float32,
+    attention: AttentionSpec = AUTO,
+    quant: str = "none",
 ) -> Pipeline:
     """A pipeline from a local diffusers folder of any supported family (SD, SDXL, PixArt-α/Σ),
     or a preset name with weights (`fmnist`, `tiny`, `tiny-xl`, `tiny-dit`). A folder without
     `vae/` is a pixel-space model. `attention` picks the attention kernel of the denoiser and
     the VAE (default `auto`: patchpar/models/attention.py). A folder of a family patchpar does
-    not run is an error naming it, before any component is read."""
+    not run is an error naming it, before any component is read. `quant` quantizes the
+    denoiser once its weights are loaded in `dtype` (`Pipeline.quantized`; Qwix's quantized
+    layout is its own, so a checkpoint is always read in floats and quantized here)."""
     from patchpar.models.attention import resolve
+    from patchpar.quant import check_mode
 
     name = str(path_or_preset)
+    check_mode(quant)  # an unknown mode before anything is read
     check_model(name)  # a preset or a folder, else the presets and the nearest names
     folder = preset_folder(name) if name in PRESETS or name in SHIPPED else Path(name)
     fam = model_family(folder)
@@ -557,7 +578,7 @@ def load_pipeline(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
     sched = replace(sched, flow_sigmas=fam.flow_sigmas)
-    return Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler)
+    return Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler).quantized(quant)
 
 
 def _model_index(folder: Path) -> dict:

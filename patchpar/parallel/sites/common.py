@@ -74,9 +74,21 @@ def note(op, **info) -> None:
         log.append((op, info))
 
 
+def bits(dtype) -> int:
+    """Bits per element (int4: 4, not its 1-byte itemsize)."""
+    dt = jnp.dtype(dtype)
+    for info in (jnp.iinfo, jnp.finfo):  # ml_dtypes' int4, float8 and bfloat16 included
+        try:
+            return info(dt).bits
+        except ValueError:
+            pass
+    return 8 * dt.itemsize
+
+
 def nbytes(info: dict) -> int:
-    """One device's operand bytes of a recorded site call."""
-    return math.prod(info["shape"]) * info["itemsize"]
+    """One device's operand bytes of a recorded site call (an itemsize of 0.5: int4 values,
+    packed two to a byte)."""
+    return math.ceil(math.prod(info["shape"]) * info["itemsize"])
 
 
 @dataclass(frozen=True)

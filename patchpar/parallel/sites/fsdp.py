@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from patchpar.parallel.sites.common import Site, nbytes, note
+from patchpar.parallel.sites.common import Site, bits, nbytes, note
 
 # The running layer's first input array, while its weights are gathered (`_after_input`)
 _AFTER: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
@@ -49,7 +49,7 @@ class FSDPGather(Site):
             shares = [leaves[i].value for i, _ in members]
             # each share flattened after the input exists, so that no copy is made earlier
             flat = jnp.concatenate([_after_input(x.reshape(-1)) for x in shares])  # (L,)
-            note(self, shape=flat.shape, itemsize=flat.dtype.itemsize)
+            note(self, shape=flat.shape, itemsize=bits(flat.dtype) / 8)  # int4: 0.5
             if self.local:  # stand-in: this device's buffer k times
                 full = jnp.broadcast_to(flat, (k,) + flat.shape)
             else:

@@ -1,0 +1,200 @@
+"""Quantized inference with Qwix (google/qwix, pinned 0.1.8; docs/design.md §6).
+
+A denoiser is quantized after loading, on every family alike: `quantize(fn, params, mode)`
+returns the same denoiser whose module is Qwix's post-training-quantization model of it and
+its parameters stored quantized (each matmul weight an integer or fp8 array and its scales;
+biases, norms and embeddings stay as they were). Modes:
+
+- `w8`, `w4`: weight-only int8 / int4, per output channel; activations stay in the model's
+  dtype (the weights are dequantized where they are used; the saving is memory);
+- `int8`: dynamic-range int8 weights x activations (each activation row scaled by its own
+  absolute maximum when it is used);
+- `fp8`: the same in float8 e4m3 (`float8_e4m3fn`), scaled into its range (its largest finite
+  value 448), so no value overflows.
+
+What is quantized: every `dot_general` and `einsum` whose right operand is one of the module's
+own weights (dense layers, projections, feed-forwards, the embedding and modulation layers).
+Not quantized: convolutions (a UNet's ResNets, every family's patch embedding; Qwix quantizes
+a convolution's input and kernel to one type, and with int8/fp8 its activation scale would
+span a device's whole row slab, not a token, so a patch would quantize differently from the
+whole image), and attention's products of two activations (queries x keys, probabilities x
+values: a rule with no types on the attention modules' paths).
+
+Qwix intercepts the JAX ops while a wrapped method of the module is traced, so the quantized
+module runs inside the strategies' `shard_map` programs unchanged (every method the engine,
+the caches and the programs call is wrapped). Dynamic activation scales are per token (per
+row of the contraction), so a row patch quantizes its tokens as the whole image does.
+Weight-only modes are then exact under the exact strategies (equal to one device <= 1e-4);
+with int8/fp8 activations a token's quantization is discontinuous at bucket edges, so float
+differences of one ulp between two programs (a patch's halo, an all-reduced statistic) can
+round a value into the next bucket: the exact strategies equal one device within the
+quantized model's own response to a 1e-7 relative change of its input (tests/test_quant.py).
+
+XLA:CPU has no int8 or fp8 matrix units: it converts the operands and multiplies in int32 /
+float32 (the same numbers, not faster). int4 activations are not offered (XLA:CPU cannot
+compile an s4 x s4 product).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("w8", "w4", "int8", "fp8")
+CONV = False
+ATTENTION = r"(.*/)?attn[12]?"  # the attention modules' paths in every family
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    weight: Any  # the weights' dtype
+    act: Any  # the activations' dtype, None: weight-only
+    summary: str
+
+    @property
+    def act_calibration(self) -> str:
+        """int8: each row's absolute maximum at 127 (Qwix's default puts it at 127.5, a
+        rounding tie, which XLA then breaks one way or the other depending on how it fuses
+        the division: the same model gave other numbers inside `shard_map` than outside)."""
+        return f"absmax,{127.5 / 127}" if self.act == jnp.int8 else "absmax"
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        ops = ("dot_general", "einsum")
+        # Qwix quantizes a convolution's input and kernel to one type: weights and activations
+        return ops + ("conv_general_dilated",) if self.act is not None and CONV else ops
+
+
+_MODES = {
+    "w8": Mode("w8", jnp.int8, None, "int8 weights, activations unquantized"),
+    "w4": Mode("w4", jnp.int4, None, "int4 weights, activations unquantized"),
+    "int8": Mode("int8", jnp.int8, jnp.int8, "int8 weights x int8 activations"),
+    "fp8": Mode("fp8", jnp.float8_e4m3fn, jnp.float8_e4m3fn, "fp8 e4m3 weights x activations"),
+}
+
+
+def check_mode(mode: Any) -> Mode | None:
+    """The mode named `mode` (None for `none`: not quantized), or a one-line error listing the
+    modes."""
+    if mode == "none":
+        return None
+    if mode in ("int4", "w4a4", "a4"):
+        raise ValueError(
+            f"quant={mode!r}: int4 activations are not offered (XLA cannot compile an int4 x "
+            f"int4 product on CPU, and their error is large); weight-only int4 is 'w4'; "
+            f"modes: {', '.join(MODES)}"
+        )
+    if mode not in _MODES:
+        raise ValueError(
+            f"quant={mode!r}: unknown; modes: none, "
+            + ", ".join(f"{m} ({_MODES[m].summary})" for m in MODES)
+        )
+    return _MODES[mode]
+
+
+def emulated(mode: str, device=None) -> str | None:
+    """Why `mode`'s products are emulated on `device` (default: JAX's first device), or None
+    where it has the matrix units (int8: GPUs of compute capability >= 7.5 and TPUs; fp8:
+    GPUs of compute capability >= 8.9, H100/H200/L40S/RTX 4090). Emulated: XLA converts the
+    operands and multiplies in a wider type: the numbers are the mode's, the speed is not."""
+    m = check_mode(mode)
+    if m is None or m.act is None:
+        return None  # weight-only: dequantized to the compute dtype where used, everywhere
+    device = device or jax.devices()[0]
+    if device.platform == "gpu":
+        cc = tuple(int(v) for v in str(getattr(device, "compute_capability", "0.0")).split("."))
+        need = (8, 9) if m.act == jnp.float8_e4m3fn else (7, 5)
+        if cc >= need:
+            return None
+        version = ".".join(map(str, cc))
+        return f"{device.device_kind} (compute capability {version}) has no {m.name} matrix units"
+    if device.platform == "tpu" and m.act == jnp.int8:
+        return None
+    return f"{device.platform} ({device.device_kind}) has no {m.name} matrix units"
+
+
+def mode_of(fn) -> str | None:
+    """The quant mode `fn`'s module was quantized with; None: not quantized."""
+    return getattr(fn.module, "quant_mode", None)
+
+
+def _methods(cls) -> tuple[str, ...]:
+    """Every public method a module class defines (above flax's Module), and `__call__`:
+    all that Qwix must wrap, since the engine, the caches and the programs call the forward
+    in parts (`method="blocks"` ...)."""
+    import flax.linen as nn
+
+    out = ["__call__"]
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            break
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name == "setup" or name in out:
+                continue
+            if inspect.isfunction(value):
+                out.append(name)
+    return tuple(out)
+
+
+def quantize(fn, params, mode: str):
+    """(`fn` with its module quantized, its parameters stored quantized) for `mode`; the
+    parameters as Qwix stores them (a weight: its quantized values and its scales)."""
+    import qwix
+
+    m = check_mode(mode)
+    if m is None:
+        return fn, params
+    why = emulated(mode)
+    if why is not None:
+        warnings.warn(
+            f"quant={mode!r}: emulated: {why}; XLA converts the operands and multiplies in "
+            f"a wider type (the numbers are {mode}'s, the speed is not)",
+            stacklevel=2,
+        )
+    done = mode_of(fn)
+    if done is not None:
+        raise ValueError(
+            f"quant={mode!r}: this {fn.family} denoiser is already quantized ({done!r}); "
+            f"quantize the float model once (load it again without quant)"
+        )
+    # the attention modules' own products (queries x keys, probabilities x values) have no
+    # weight: left unquantized (their projections are submodules, quantized by the rule after)
+    keep = qwix.QtRule(module_path=ATTENTION, weight_qtype=None, act_qtype=None)
+    rule = qwix.QtRule(
+        module_path=".*",
+        weight_qtype=m.weight,
+        act_qtype=m.act,
+        op_names=m.op_names,
+        act_calibration_method=m.act_calibration,
+    )
+    module = fn.module
+    provider = qwix.PtqProvider([keep, rule])
+    q = qwix.quantize_model(module, provider, methods=_methods(type(module)))
+    if type(q) is type(module):  # Qwix's model is a subclass made for this call
+        raise RuntimeError("qwix.quantize_model returned the module's own class")
+    type(q).quant_mode = mode  # a class attribute: clones (`clone(ops=...)`) keep it
+    # the template Qwix quantizes the float parameters to: the quantized model's own, traced
+    # abstractly on the smallest latent the family takes
+    side = fn.row_multiple
+    (x, t, ctx), added = fn.example_inputs(1, side, side)
+    abstract = jax.eval_shape(q.init, jax.random.key(0), x, t, ctx, **added)["params"]
+    qparams = qwix.quantize_params(jax.tree.map(jnp.asarray, params), abstract)
+    return replace(fn, module=q), qparams
+
+
+def weight_dtypes(params) -> dict[str, int]:
+    """Bytes of the parameters by dtype (the quantized weights' values, their scales and
+    what stays in the model's dtype; int4: half a byte per value)."""
+    from patchpar.parallel.sites.common import bits
+
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(params):
+        name = jnp.dtype(leaf.dtype).name
+        out[name] = out.get(name, 0) + leaf.size * bits(leaf.dtype) // 8
+    return out

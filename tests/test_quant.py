@@ -1,0 +1,158 @@
+"""Quantized inference with Qwix (`patchpar.quant`), on micro models of every family: the
+weights are stored quantized; a quantized model runs inside the strategies' programs, and an
+exact strategy equals one device: weight-only modes <= 1e-4 of the latent's scale; modes that
+quantize activations within the quantized model's own response to a 1e-7 relative
+perturbation of its input (activation quantization is discontinuous at bucket edges: float
+differences of one ulp between two programs flip buckets); bad input is a one-line error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_parallel_dit import GUIDANCE, inputs, max_diff
+from test_pipefusion import micro_dit
+
+from patchpar.parallel.engine import Plan, make_step
+from patchpar.parallel.strategies import make_strategy
+from patchpar.quant import MODES, check_mode, mode_of, quantize, weight_dtypes
+
+
+def _micro(family):
+    if family == "pixart":
+        fn, params = micro_dit()
+        x, t, cond = inputs()
+        return fn, params, x, t, cond, GUIDANCE
+    from parallel_helpers import GUIDANCE as scale
+    from parallel_helpers import inputs as unet_inputs
+    from parallel_helpers import micro_unet
+
+    fn, params = micro_unet("sd")
+    x, t, cond = unet_inputs("sd")
+    return fn, params, x, t, cond, scale
+
+
+def _call(fn, params, x, t, cond, scale, name="single", devices=1):
+    plan = Plan(make_strategy(name), devices)
+    step = jax.jit(make_step(fn, plan, "warmup", "row", scale, plan.mesh()))
+    out, _ = step(params, x, t, cond, None)
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_are_stored_quantized(mode):
+    fn, params = micro_dit()
+    qf, qp = quantize(fn, params, mode)
+    assert mode_of(qf) == mode and mode_of(fn) is None
+    want = {"w8": "int8", "w4": "int4", "int8": "int8", "fp8": "float8_e4m3fn"}[mode]
+    kinds = weight_dtypes(qp)
+    assert kinds[want] > 0.5 * sum(kinds.values()), kinds  # most bytes are the weights'
+    if mode == "w4":  # half a byte per int4 value: half of w8's bytes of values
+        values = sum(x.size for x in jax.tree.leaves(qp) if x.dtype == jnp.int4)
+        assert values > 0 and kinds["int4"] == values // 2
+        assert weight_dtypes(quantize(fn, params, "w8")[1])["int8"] == values
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "family, mode",
+    [
+        ("pixart", "w8"),
+        ("pixart", "int8"),
+        ("pixart", "fp8"),
+        ("unet", "w8"),
+        pytest.param("unet", "int8", marks=SLOW),
+        ("unet", "fp8"),
+    ],
+)
+def test_sync_patch_equals_one_device(family, mode):
+    fn, params, x, t, cond, scale = _micro(family)
+    qf, qp = quantize(fn, params, mode)
+    one = _call(qf, qp, x, t, cond, scale)
+    got = _call(qf, qp, x, t, cond, scale, "sync_patch", 2)
+    quant_error = max_diff(one, _call(fn, params, x, t, cond, scale))
+    assert quant_error > 1e-3  # the model is quantized
+    if mode == "w8":
+        assert max_diff(got, one) <= 1e-4 * max(1.0, float(np.abs(one).max()))
+        return
+    noise = jax.random.normal(jax.random.key(1), x.shape) * 1e-7
+    own = max_diff(_call(qf, qp, x * (1 + noise), t, cond, scale), one)
+    assert max_diff(got, one) <= 2 * own + 1e-5, (max_diff(got, one), own, quant_error)
+
+
+def test_bad_input_is_one_line():
+    fn, params = micro_dit()
+    with pytest.raises(
+        ValueError, match=r"quant='int3': unknown; modes: none, w8 \(.*\), w4 .* fp8"
+    ):
+        check_mode("int3")
+    with pytest.raises(ValueError, match=r"quant='int4': int4 activations are not offered"):
+        check_mode("int4")
+    qf, qp = quantize(fn, params, "w8")
+    with pytest.raises(ValueError, match=r"already quantized \('w8'\)"):
+        quantize(qf, qp, "fp8")
+    # fp8 (and int8) products on a CPU: emulated, said in a warning
+    with pytest.warns(UserWarning, match=r"quant='fp8': emulated: cpu .* no fp8 matrix units"):
+        quantize(fn, params, "fp8")
+    assert jnp.dtype(jnp.int4).name == "int4"
+
+
+@pytest.mark.parametrize(
+    "name, devices, options, fsdp, mode",
+    [
+        ("tensor", 2, {}, False, "w8"),
+        ("tensor", 4, {"tp_degree": 2}, True, "w8"),
+        ("sync_patch", 4, {}, True, "w8"),
+        pytest.param("tensor", 2, {}, False, "w4", marks=SLOW),
+        ("tensor", 4, {"tp_degree": 2}, True, "w4"),
+        pytest.param("sync_patch", 4, {}, True, "w4", marks=SLOW),
+    ],
+)
+def test_quantized_weights_are_placed_by_the_rules(name, devices, options, fsdp, mode):
+    """Tensor parallelism splits a quantized weight's values and per-channel scales over
+    `model` as the float weight; FSDP shards them at rest and each layer gathers them: the
+    output equals the quantized model on one device, the HLO bytes the analytic model (the
+    gathers carry the stored int8/int4 values), and a device holds its share of the
+    quantized bytes."""
+    from patchpar.measure.cost import measure
+    from patchpar.parallel.rules import weight_bytes_per_device
+
+    fn, params, x, t, cond, scale = _micro("pixart")
+    qf, qp = quantize(fn, params, mode)
+    plan = Plan(make_strategy(name, **options), devices, fsdp=fsdp)
+    plan.validate(qf, x.shape[1:3], 10, scale)
+    step = jax.jit(make_step(qf, plan, "warmup", "row", scale, plan.mesh()))
+    got, _ = step(qp, x, t, cond, None)
+    one = _call(qf, qp, x, t, cond, scale)
+    assert max_diff(got, one) <= 1e-4 * max(1.0, float(np.abs(one).max()))
+    rec = measure(qf, plan, x.shape[1:3], batch=2, params=qp, flops=False)
+    assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+    whole = weight_bytes_per_device(qp, {}, {}, qf.logical)
+    assert whole < weight_bytes_per_device(params, {}, {}, fn.logical) / 3
+    assert rec["weight_bytes_per_device"] < 0.75 * whole
+
+
+def test_a_run_records_its_quant_mode_against_the_unquantized_baseline(micro_folder, tmp_path):
+    """`model.quant` in a run: the pipeline's denoiser is quantized (its weights held as int8),
+    the record says so, its label carries the mode, and its quality is measured against the
+    unquantized single-device images (the quantization's own cost: not infinite PSNR)."""
+    from test_runner import micro_base
+
+    from patchpar.lab.cli import main
+    from patchpar.lab.results import read_records
+
+    base = micro_base(micro_folder, tmp_path)
+    args = ["--model.name", base["model"]["name"], "--results", str(tmp_path)]
+    args += ["--sampler.steps", "3", "--sampler.height", "32", "--sampler.width", "32"]
+    args += ["--prompts.prompts", "a red bag", "--prompts.seeds", "0", "--experiment", "q"]
+    args += ["--measure.warmup-runs", "0", "--measure.repeats", "1"]
+    assert main(["run", *args, "--measure.quality", "psnr"]) == 0
+    assert main(["run", *args, "--measure.quality", "psnr", "--model.quant", "w8"]) == 0
+    plain, quant = read_records(tmp_path / "q" / "runs.jsonl")
+    assert plain["metrics"]["psnr"] is None and plain["metrics"]["quant"] == "none"  # identical
+    assert quant["label"] == "single + w8" and quant["metrics"]["quant"] == "w8"
+    assert 15 < quant["metrics"]["psnr"] < float("inf")
+    # the micro UNet's weights are mostly convolutions, which stay in floats
+    w = [r["metrics"]["weight_bytes_per_device"] for r in (plain, quant)]
+    assert w[1] < 0.9 * w[0], w
