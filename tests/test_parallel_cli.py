@@ -104,7 +104,7 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
         ),
         (
             dict(strategy="sync_patch", devices=2, portion=0.3),
-            r"strategy 'sync_patch' has no option\(s\) \['portion'\]; its options: none",
+            r"strategy 'sync_patch' has no option\(s\) \['portion'\]; its options: \['wire'\]",
         ),
         (
             dict(strategy="distrifusion", devices=2, portion=0.3),

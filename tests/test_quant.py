@@ -31,8 +31,8 @@ def _micro(family):
     return fn, params, x, t, cond, scale
 
 
-def _call(fn, params, x, t, cond, scale, name="single", devices=1):
-    plan = Plan(make_strategy(name), devices)
+def _call(fn, params, x, t, cond, scale, name="single", devices=1, **options):
+    plan = Plan(make_strategy(name, **options), devices)
     step = jax.jit(make_step(fn, plan, "warmup", "row", scale, plan.mesh()))
     out, _ = step(params, x, t, cond, None)
     return np.asarray(out)

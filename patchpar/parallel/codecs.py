@@ -6,16 +6,27 @@ exactly the bytes the codec sends, and `payload_bytes` counts them analytically.
 
 An activation is seen as G matrices of N tokens x C channels: `lead` leading axes are the
 batch of matrices (K/V's (2, B): keys and values of each image apart; a halo's (B,)), the last
-axis the channels, the rest tokens. Scales are float16 (clipped to its range).
+axis the channels, the rest tokens. Scales are float16 (clipped to its range), but the
+per-token codecs' of `to_rows` (bfloat16: no activation is too large for them).
 
 | name | codes | scales | bytes per matrix |
 |---|---|---|---|
 | `none` | the activation itself | - | N C x itemsize |
 | `int8` | round(x / s) in [-127, 127] | per token: max abs / 127 | N C + 2 N |
+| `fp8` | x / s in float8 e4m3 | per token: max abs / 448 | N C + 2 N |
+| `fp8-e5m2` | x / s in float8 e5m2 | per token: max abs / 57344 | N C + 2 N |
 | `int4` | round((x - min) / s) in [0, 15] | per channel: min and (max - min) / 15 | N C / 2 + 4 C |
 | `int2` | 4 levels {-2, -1/2, 1/2, 2} x S | rank-1 S = u v^T of abs(x) | N C / 4 + 2 (N + C) |
 | `sign1` | sign(x) x S | rank-1 S = u v^T of abs(x) | N C / 8 + 2 (N + C) |
 | `lowrank-r` | x ~ P Q^T, P (N, r), Q (C, r) | - | 2 r (N + C) |
+
+The fp8 codecs scale each token into the format's finite range (its largest value, 448 for
+e4m3, 57344 for e5m2, is the token's largest magnitude), so no value overflows however large the
+activations are; e4m3 keeps 3 mantissa bits over a 2^17 range below the largest value, e5m2 2
+bits over 2^31 (for tokens whose channels span more). `int8`, `fp8` and `fp8-e5m2` are also
+the codecs of an exact strategy's `wire` (`to_rows`: stateless, each row's codes and its
+scale's two bytes side by side, so the payload keeps every axis but the last and goes through
+all-to-alls, ring hops and gathers as the activation would).
 
 `int2` and `sign1` follow CompactFusion (arXiv 2507.17511): signs or 2-bit levels times a rank-1
 approximation of |x|, found by two power iterations from the channel means (the Perron vectors
@@ -36,8 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-NAMES = ("none", "int8", "int4", "int2", "sign1", "lowrank-r")
-SCALE = jnp.float16  # the dtype of every scale on the wire
+NAMES = ("none", "int8", "fp8", "fp8-e5m2", "int4", "int2", "sign1", "lowrank-r")
+FP8 = {"fp8": jnp.float8_e4m3fn, "fp8-e5m2": jnp.float8_e5m2}
+ROWS = ("int8", "fp8", "fp8-e5m2")  # per-token codecs: an exact strategy's `wire` (`to_rows`)
+SCALE = jnp.float16  # the dtype of the scales on the wire (but `to_rows`')
+ROW_SCALE = jnp.bfloat16  # `to_rows`' per-row scales: float32's range
 _F16_MAX = float(np.finfo(np.float16).max)
 _INT2_LEVELS = (-2.0, -0.5, 0.5, 2.0)  # x S, codes 0..3
 _INT2_CUT = 1.25  # |x| / S above which a value takes the outer level
@@ -56,7 +70,7 @@ class Codec:
 
     @property
     def bits(self) -> int:
-        return {"int8": 8, "int4": 4, "int2": 2, "sign1": 1}.get(self.name, 0)
+        return {"int8": 8, "int4": 4, "int2": 2, "sign1": 1}.get(self.name, 8 * (self.name in FP8))
 
     def __str__(self) -> str:
         return f"lowrank-{self.rank}" if self.name == "lowrank" else self.name
@@ -75,7 +89,7 @@ class Codec:
 
     def _scales(self, n: int, c: int) -> int:
         """float16 scales per matrix."""
-        return {"int8": n, "int4": 2 * c}.get(self.name, n + c)
+        return {"int8": n, "fp8": n, "fp8-e5m2": n, "int4": 2 * c}.get(self.name, n + c)
 
     def check(self, shape: tuple[int, ...], lead: int, where: str) -> None:
         """A low rank must fit the matrices it compresses; ValueError naming them."""
@@ -108,6 +122,8 @@ class Codec:
         if self.name == "lowrank":
             p, q = jax.vmap(_power_step)(m, state)
             return jnp.concatenate([_f16_bytes(p), _f16_bytes(q)]), q
+        if self.name in FP8:
+            return to_rows(m, self).reshape(-1), None
         if self.name == "int8":
             s = jnp.max(jnp.abs(m), axis=2, keepdims=True) / 127  # (G, N, 1)
             s = _f16(s)
@@ -141,6 +157,8 @@ class Codec:
         if self.name == "lowrank":
             p, q = _split(payload, [(g, n, self.rank), (g, c, self.rank)])
             m = jnp.einsum("gnr,gcr->gnc", p, q)
+        elif self.name in FP8:
+            m = from_rows(payload.reshape(g, n, c + 2), self, jnp.float32)
         elif self.name == "int8":
             codes, (s,) = _cut(payload, g * n * c, [(g, n, 1)])
             q = lax.bitcast_convert_type(codes, jnp.int8).reshape(g, n, c)
@@ -171,6 +189,76 @@ def parse(name: str) -> Codec:
     if name not in NAMES or name == "lowrank-r":
         raise ValueError(f"unknown codec {name!r}; known: {list(NAMES)} (r a rank >= 1)")
     return Codec(name)
+
+
+def wire_codec(name: str, where: str) -> Codec | None:
+    """A codec for an exact strategy's wire (`ROWS`; `none`: None), or a ValueError naming
+    `where` and the codecs that fit."""
+    try:
+        codec = parse(name)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if codec.exact:
+        return None
+    if codec.name not in ROWS:
+        raise ValueError(
+            f"{where}: codec {name!r} keeps state between steps or scales over many tokens; an "
+            f"exact strategy's wire takes a per-token codec: {['none', *ROWS]}"
+        )
+    return codec
+
+
+def wire_codecs(spec: str, kinds: tuple[str, ...], who: str) -> dict[str, Codec]:
+    """An exact strategy's `wire` option -> {tensor or site kind: codec} of those coded: one
+    codec for all of `kinds` (`fp8`), or kind=codec pairs (`q=fp8,v=fp8,o=fp8`; the kinds
+    not named go as they are); ValueError naming what is wrong and what fits."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{who}: wire={spec!r}: give a codec name or kind=codec pairs")
+    where = f"{who}: wire={spec!r}"
+    if "=" not in spec:
+        codec = wire_codec(spec.strip(), where)
+        return {} if codec is None else dict.fromkeys(kinds, codec)
+    out: dict[str, Codec] = {}
+    for part in spec.split(","):
+        kind, _, name = (p.strip() for p in part.partition("="))
+        if kind not in kinds or kind in out:
+            why = "named twice" if kind in out else f"unknown {kind!r}"
+            raise ValueError(f"{where}: {why}; {who} sends {list(kinds)} (e.g. {kinds[0]}=fp8)")
+        codec = wire_codec(name, where)
+        if codec is not None:
+            out[kind] = codec
+    return out
+
+
+def to_rows(x: jax.Array, codec: Codec) -> jax.Array:
+    """(..., C) -> (..., C + 2) uint8: each row's codes, then the two bytes of its bfloat16
+    scale (the row's largest magnitude at the format's largest value, rounded up: nothing
+    overflows, and a bfloat16 scale has float32's range, so no activation is too large)."""
+    m = x.astype(jnp.float32)
+    top = 127.0 if codec.name == "int8" else float(jnp.finfo(FP8[codec.name]).max)
+    s = jnp.max(jnp.abs(m), axis=-1, keepdims=True) / top
+    s = (s * (1 + 2**-7)).astype(ROW_SCALE).astype(jnp.float32)  # >= s: rounded to nearest
+    r = jnp.clip(m / _safe(s), -top, top)
+    q = jnp.round(r).astype(jnp.int8) if codec.name == "int8" else r.astype(FP8[codec.name])
+    codes = lax.bitcast_convert_type(q, jnp.uint8)
+    scale = lax.bitcast_convert_type(s.astype(ROW_SCALE), jnp.uint8)  # (..., 1, 2)
+    return jnp.concatenate([codes, scale.reshape(s.shape[:-1] + (2,))], axis=-1)
+
+
+def from_rows(w: jax.Array, codec: Codec, dtype) -> jax.Array:
+    """`to_rows`'s payload (..., C + 2) -> the (..., C) activation in `dtype`."""
+    kind = jnp.int8 if codec.name == "int8" else FP8[codec.name]
+    q = lax.bitcast_convert_type(w[..., :-2], kind).astype(jnp.float32)
+    pairs = w[..., -2:].reshape(w.shape[:-1] + (1, 2))
+    s = lax.bitcast_convert_type(pairs, ROW_SCALE).astype(jnp.float32)  # (..., 1)
+    return (q * s).astype(dtype)
+
+
+def rows_bytes(shape: tuple[int, ...], itemsize: int, codec: Codec | None) -> int:
+    """Bytes of an activation of `shape` on an exact strategy's wire (None: as it is)."""
+    if codec is None:
+        return math.prod(shape) * itemsize
+    return math.prod(shape[:-1]) * (shape[-1] * codec.bits // 8 + 2)
 
 
 def matrices(shape: tuple[int, ...], lead: int) -> tuple[int, int, int]:

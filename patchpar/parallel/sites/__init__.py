@@ -41,7 +41,7 @@ from patchpar.parallel.sites.common import (
     record_sites,
     shapes_only,
 )
-from patchpar.parallel.sites.context import ContextAttention
+from patchpar.parallel.sites.context import QKVO, ContextAttention
 from patchpar.parallel.sites.fsdp import FSDPGather
 from patchpar.parallel.sites.groupnorm import GroupStats
 from patchpar.parallel.sites.halo import Halo
@@ -152,6 +152,7 @@ def patch_ops(
     packed: bool = False,
     links: dict | None = None,
     text: str = "own",
+    wire: dict | None = None,
 ) -> PatchOps:
     """The ops of the row-patch sites on `n` patch devices in `phase`, by mode words (see each
     site's module): halo fresh | stale | zero, gn sync | separate | stale | corrected, kv all |
@@ -159,14 +160,16 @@ def patch_ops(
     attention (Ring x Ulysses, ring degree n / d). `exchange=False` is DistriFusion's no_sync;
     `packed`: steady sends go to the engine's packed exchange; `links`: {site kind: Link}, how the
     steady phase's halos and K/V are compressed and extrapolated (`sites.compress`); `text`: how
-    an MMDiT's text stream is kept (`sites.text`: own | mean | first)."""
+    an MMDiT's text stream is kept (`sites.text`: own | mean | first); `wire`: an exact
+    strategy's per-token codecs ({halo, kv: Codec}, or with `ulysses` {q, k, v, o: Codec}:
+    `codecs.to_rows`)."""
     if not exchange and gn != "separate":
         raise ValueError(
             f"exchange=False (no_sync) keeps no GroupNorm statistics fresh: gn must be "
             f"'separate' (local after warm-up), got gn={gn!r}"
         )
     common = dict(n=n, phase=phase, packed=packed)
-    links = links or {}
+    links, wire = links or {}, wire or {}
     if ulysses is None:
         attn = KV(
             **common,
@@ -176,11 +179,13 @@ def patch_ops(
             align=align,
             exchange=exchange,
             link=links.get("kv"),
+            wire=wire.get("kv"),
         )
     else:
-        attn = ContextAttention(n=n, phase=phase, ulysses=ulysses)
+        codecs = tuple(wire.get(t) for t in QKVO)
+        attn = ContextAttention(n=n, phase=phase, ulysses=ulysses, codecs=codecs)
     return PatchOps(
-        Halo(**common, mode=halo, exchange=exchange, link=links.get("halo")),
+        Halo(**common, mode=halo, exchange=exchange, link=links.get("halo"), wire=wire.get("halo")),
         GroupStats(**common, mode=gn),
         attn,
         text_op=TextStream(n=n, phase=phase, mode=text),

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from patchpar.parallel.codecs import Codec, from_rows, rows_bytes, to_rows
 from patchpar.parallel.mesh import PATCH
 from patchpar.parallel.sites.compress import Link
 
@@ -120,12 +121,15 @@ class PatchSite(Site):
     in the steady phase, leave the sends for the engine's packed exchange
     (`patchpar.parallel.exchange`) instead of exchanging at the site. `link`: how the steady
     phase's payloads are compressed and extrapolated (`sites.compress.Link`; None: sent as
-    they are)."""
+    they are). `wire`: a per-token codec (`codecs.to_rows`) every exact exchange of the site
+    goes through (an exact strategy's fp8 on the wire; stateless: each payload is coded, sent
+    and decoded in the same step; None: sent as they are)."""
 
     n: int = 1
     phase: str = "warmup"
     packed: bool = False
     link: Link | None = None
+    wire: Codec | None = None
     buffers: ClassVar[tuple[str, ...]] = ()  # the stale buffers a send of this site refreshes
 
     def __post_init__(self):
@@ -152,6 +156,10 @@ class PatchSite(Site):
         """A fresh exchange at the site: what was received, or with a link in the steady phase
         the estimate of it (its variables updated)."""
         if self.link is None or self.warmup:
+            if self.wire is not None:
+                wire = {c: to_rows(x, self.wire) for c, x in sends.items()}
+                got = exchange(self.kind, [wire], self.n, self.local)[0]
+                return {c: from_rows(got[c], self.wire, sends[c].dtype) for c in got}
             got = exchange(self.kind, [sends], self.n, self.local)[0]
             if self.link is not None:
                 self.link.start(mod, self.kind, sends, got)
@@ -175,7 +183,7 @@ class PatchSite(Site):
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int) -> int:
         """Bytes one payload of `shape` takes on the wire in this phase."""
         if self.warmup or self.link is None:
-            return math.prod(shape) * itemsize
+            return rows_bytes(shape, itemsize, self.wire)
         return self.link.wire_bytes(shape, itemsize)
 
     def receive(self, got: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -16,6 +16,14 @@ equals attention over the whole image's tokens.
 
 Every collective sits in `pp_kv` (the self-attention site), and `context_bytes` is its analytic
 byte model (the convention of `patchpar.measure.comm`). `ContextAttention` is the site op.
+
+fp8 (or int8) on the wire (`codecs`, one per tensor of Q, K, V and the output O; cache-dit's
+FP8 all-to-all sends Q, V and O in fp8 and K as it is): each coded tensor goes as
+`codecs.to_rows` payloads, a scale per token and head (the last axis is a head's D channels),
+so an all-to-all moves whole heads of codes and their scales together. The tensors of one
+all-to-all that share a codec go in one collective; the ring passes the coded K/V blocks as
+they were coded (each device codes its own once; the hops do not code again), and each device
+attends its own block exactly. The text heads an MMDiT gathers stay exact (S tokens, small).
 """
 
 from __future__ import annotations
@@ -27,8 +35,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from patchpar.models.attention import AttentionSpec, OnlineSoftmax, attend, attend_joint
+from patchpar.parallel.codecs import Codec, from_rows, rows_bytes, to_rows
 from patchpar.parallel.mesh import PATCH, divisors
 from patchpar.parallel.sites.common import PatchSite, note
+
+QKVO = ("q", "k", "v", "o")  # the tensors of a context-parallel attention on the wire
+Codecs = tuple  # (Codec | None,) x 4, for Q, K, V, O (None: as it is)
+EXACT: Codecs = (None,) * 4
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,7 @@ class ContextAttention(PatchSite):
 
     kind = "kv"
     ulysses: int = 1
+    codecs: Codecs = EXACT  # Q, K, V, O on the wire (module docstring)
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,7 +62,9 @@ class ContextAttention(PatchSite):
         note(self, shape=q.shape, itemsize=q.dtype.itemsize, heads=heads)
         if self.n == 1:
             return attend(spec, q, k, v, heads)
-        return context_attention(q, k, v, heads, spec, self.n, self.ulysses, self.local)
+        return context_attention(
+            q, k, v, heads, spec, self.n, self.ulysses, self.local, self.codecs
+        )
 
     def joint(self, mod, q, text_k, text_v, k, v, heads: int, spec: AttentionSpec, row=None):
         """An MMDiT's joint attention (`SiteOps.joint_attention`): the image tokens' Q/K/V go
@@ -61,13 +77,15 @@ class ContextAttention(PatchSite):
             return attend_joint(spec, q, text_k, text_v, k, v, heads)
         return joint_context_attention(
             q[:, :s], text_k, text_v, q[:, s:], k, v, heads, spec, self.n, self.ulysses,
-            self.local,
+            self.local, self.codecs,
         )  # fmt: skip
 
     def received_bytes(self, info, p):
         if self.n == 1:
             return 0
-        total = context_bytes(info["shape"], info["itemsize"], info["heads"], self.n, self.ulysses)
+        total = context_bytes(
+            info["shape"], info["itemsize"], info["heads"], self.n, self.ulysses, self.codecs
+        )
         if info.get("text") and self.ulysses > 1:  # the text output's heads, all-gathered
             b, _, inner = info["shape"]
             hp = padded_heads(info["heads"], self.ulysses)
@@ -103,10 +121,11 @@ def context_attention(
     n: int,
     ulysses: int,
     local: bool = False,
+    codecs: Codecs = EXACT,
 ) -> jax.Array:
     """Self-attention of the local queries over the keys/values of all n patches.
     q, k, v: (B, L, H*D) of this device's patch -> (B, L, H*D). `local`: stand-ins of the same
-    shapes instead of collectives (compute-only timing)."""
+    shapes instead of collectives (compute-only timing); `codecs`: Q, K, V, O on the wire."""
     b, length, inner = q.shape
     d = inner // heads
     hp = padded_heads(heads, ulysses)
@@ -115,21 +134,21 @@ def context_attention(
     if hp != heads:
         qkv = jnp.pad(qkv, ((0, 0),) * 3 + ((0, hp - heads), (0, 0)))
     if ulysses > 1:  # sequence-sharded -> head-sharded: (3, B, u*L, Hp/u, D)
-        qkv = _all_to_all(qkv, split=3, concat=2, n=n, ulysses=ulysses, local=local)
+        qkv = _all_to_all(qkv, 3, 2, n, ulysses, local, codecs[:3])
     lh = hp // ulysses  # local heads
-    qkv = qkv.reshape(qkv.shape[:3] + (lh * d,))  # (3, B, T, Hp/u * D), T = u*L
-    q, kv = qkv[0], qkv[1:]
+    q, kv = qkv[0].reshape(qkv.shape[1:3] + (lh * d,)), qkv[1:]  # (B, T, Hp/u * D), T = u*L
     if r == 1:
-        out = attend(spec, q, kv[0], kv[1], lh)
+        out = attend(spec, q, *(a.reshape(q.shape) for a in kv), lh)
     else:
-        out = _ring(q, kv, lh, spec, n, ulysses, r, local)
+        out = _ring(q, kv, lh, spec, n, ulysses, r, local, codecs=codecs[1:3])
     out = out.reshape(b, -1, lh, d)
     if ulysses > 1:  # head-sharded -> sequence-sharded: (B, L, Hp, D)
-        out = _all_to_all(out, split=1, concat=2, n=n, ulysses=ulysses, local=local)
+        out = _all_to_all(out[None], 2, 3, n, ulysses, local, codecs[3:])[0]
     return out[:, :, :heads].reshape(b, length, inner)
 
 
-def joint_context_attention(tq, tk, tv, q, k, v, heads, spec, n, ulysses, local=False):
+def joint_context_attention(tq, tk, tv, q, k, v, heads, spec, n, ulysses, local=False,
+                            codecs: Codecs = EXACT):  # fmt: skip
     """Joint attention of text queries tq and image queries q (this device's patch) over the
     text keys/values tk, tv (B, S, H*D, whole on every device) and the image's of all n
     patches: -> (B, S + L, H*D), text first. The image part is `context_attention`'s; each
@@ -145,21 +164,22 @@ def joint_context_attention(tq, tk, tv, q, k, v, heads, spec, n, ulysses, local=
         pad = ((0, 0),) * 3 + ((0, hp - heads), (0, 0))
         qkv, text = jnp.pad(qkv, pad), jnp.pad(text, pad)
     if ulysses > 1:
-        qkv = _all_to_all(qkv, split=3, concat=2, n=n, ulysses=ulysses, local=local)
+        qkv = _all_to_all(qkv, 3, 2, n, ulysses, local, codecs[:3])
         j = 0 if local else lax.axis_index(PATCH) % ulysses  # this device's heads in its group
         text = lax.dynamic_slice_in_dim(text, j * lh, lh, axis=3)
-    qkv = qkv.reshape(qkv.shape[:3] + (lh * d,))  # (3, B, T, lh * D)
+    flat = qkv.reshape(qkv.shape[:3] + (lh * d,))  # (3, B, T, lh * D)
     text = text.reshape(3, b, s, lh * d)
-    queries = jnp.concatenate([text[0], qkv[0]], axis=1)  # (B, S + T, lh * D)
+    queries = jnp.concatenate([text[0], flat[0]], axis=1)  # (B, S + T, lh * D)
     if r == 1:
-        keys = jnp.concatenate([text[1], qkv[1]], axis=1)
-        out = attend(spec, queries, keys, jnp.concatenate([text[2], qkv[2]], axis=1), lh)
+        keys = jnp.concatenate([text[1], flat[1]], axis=1)
+        out = attend(spec, queries, keys, jnp.concatenate([text[2], flat[2]], axis=1), lh)
     else:
-        out = _ring(queries, qkv[1:], lh, spec, n, ulysses, r, local, first=text[1:])
+        out = _ring(queries, qkv[1:], lh, spec, n, ulysses, r, local, first=text[1:],
+                    codecs=codecs[1:3])  # fmt: skip
     out = out.reshape(b, -1, lh, d)
     t_out, i_out = out[:, :s], out[:, s:]
     if ulysses > 1:
-        i_out = _all_to_all(i_out, split=1, concat=2, n=n, ulysses=ulysses, local=local)
+        i_out = _all_to_all(i_out[None], 2, 3, n, ulysses, local, codecs[3:])[0]
         t_out = _gather_heads(t_out, n, ulysses, local)
     t_out = t_out[:, :, :heads].reshape(b, s, inner)
     return jnp.concatenate([t_out, i_out[:, :, :heads].reshape(b, length, inner)], axis=1)
@@ -173,25 +193,58 @@ def _gather_heads(x, n: int, ulysses: int, local: bool):
         return lax.all_gather(x, PATCH, axis=2, axis_index_groups=_groups(n, ulysses), tiled=True)
 
 
-def _all_to_all(x, split: int, concat: int, n: int, ulysses: int, local: bool):
-    if local:  # same shapes, no exchange
-        parts = jnp.split(x, ulysses, axis=split)
-        return jnp.concatenate(parts, axis=concat)
-    with jax.named_scope("pp_kv"):
-        return lax.all_to_all(
-            x, PATCH, split, concat, axis_index_groups=_groups(n, ulysses), tiled=True
-        )
+def _all_to_all(x, split: int, concat: int, n: int, ulysses: int, local: bool,
+                codecs: Codecs = EXACT):  # fmt: skip
+    """x: (k, B, tokens, heads, D), k stacked tensors (Q, K, V or the output) -> heads split
+    over the Ulysses group, tokens concatenated. The tensors that share a codec (`codecs[i]`
+    for x[i]) go in one all-to-all, coded (`to_rows`: codes and a scale per token and head)."""
+    groups: dict[Codec | None, list[int]] = {}
+    for i in range(x.shape[0]):
+        groups.setdefault(codecs[i] if i < len(codecs) else None, []).append(i)
+    out = [None] * x.shape[0]
+    for codec, members in groups.items():
+        part = x[jnp.asarray(members)] if len(members) < x.shape[0] else x
+        wire = part if codec is None else to_rows(part, codec)
+        if local:  # same shapes, no exchange
+            got = jnp.concatenate(jnp.split(wire, ulysses, axis=split), axis=concat)
+        else:
+            with jax.named_scope("pp_kv"):
+                got = lax.all_to_all(
+                    wire, PATCH, split, concat, axis_index_groups=_groups(n, ulysses), tiled=True
+                )
+        got = got if codec is None else from_rows(got, codec, x.dtype)
+        for j, i in enumerate(members):
+            out[i] = got[j]
+    return jnp.stack(out)
 
 
 def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, local: bool,
-          first=None):  # fmt: skip
+          first=None, codecs: Codecs = (None, None)):  # fmt: skip
     """Online softmax over the r K/V blocks of the ring (Python-unrolled: r <= devices, and
     each hop is its own collective in the program, so its bytes are counted). With the `xla`
     kernel each hop's block is one whole-logits block (no inner loop: XLA's cost analysis
-    counts a loop body once, so FLOP counts need it); otherwise the spec's block sizes."""
+    counts a loop body once, so FLOP counts need it); otherwise the spec's block sizes.
+    kv: (2, B, T, heads, D); `codecs`: K's and V's on the wire (the blocks travel coded, as
+    their owner coded them; the own block is attended exactly)."""
+    b, t = kv.shape[1:3]
+    own = kv.reshape(2, b, t, -1)
+    k_codec, v_codec = codecs
+    if k_codec == v_codec:  # one payload
+        parts, kinds = [kv if k_codec is None else to_rows(kv, k_codec)], [(k_codec, (0, 1))]
+    else:
+        parts = [a if c is None else to_rows(a, c) for a, c in ((kv[0], k_codec), (kv[1], v_codec))]
+        kinds = [(k_codec, (0,)), (v_codec, (1,))]
+
+    def block(payloads):  # what was received -> (2, B, T, heads * D)
+        out = []
+        for w, (c, _) in zip(payloads, kinds, strict=True):
+            x = w if c is None else from_rows(w, c, kv.dtype)
+            out.append(x if x.ndim == 5 else x[None])
+        return jnp.concatenate(out).reshape(2, b, t, -1)
+
     whole = spec.impl == "xla"
     block_q = q.shape[1] if whole else spec.block_q
-    block_kv = kv.shape[2] if whole else spec.block_kv
+    block_kv = t if whole else spec.block_kv
     state = OnlineSoftmax.start(q, heads, block_q)
     if first is not None:  # keys/values every device holds (an MMDiT's text): folded once
         state = state.update(first[0], first[1], None, first.shape[2] if whole else block_kv)
@@ -200,28 +253,38 @@ def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, 
         nxt = None
         if hop < r - 1:  # issued before this block's compute: free to overlap with it
             if local:
-                nxt = kv
+                nxt = parts
             else:
                 with jax.named_scope("pp_kv"):
-                    nxt = lax.ppermute(kv, PATCH, pairs)
-        state = state.update(kv[0], kv[1], None, block_kv)
-        kv = nxt
+                    nxt = [lax.ppermute(w, PATCH, pairs) for w in parts]
+        cur = own if hop == 0 else block(parts)
+        state = state.update(cur[0], cur[1], None, block_kv)
+        parts = nxt
     return state.finish(q.dtype)
 
 
-def context_bytes(q_shape: tuple[int, ...], itemsize: int, heads: int, n: int, ulysses: int) -> int:
+def context_bytes(q_shape: tuple[int, ...], itemsize: int, heads: int, n: int, ulysses: int,
+                  codecs: Codecs = EXACT) -> int:  # fmt: skip
     """Bytes one device receives for one context-parallel self-attention (every device the
     same): Ulysses' two all-to-alls ((u-1)/u of the stacked Q, K, V, then of the output, with
-    padded heads), and r-1 ring hops of the (head-sharded) K/V."""
+    padded heads; one all-to-all per codec among them), and r-1 ring hops of the
+    (head-sharded) K/V; a coded tensor is `rows_bytes` of its (tokens, heads, D)."""
     b, length, inner = q_shape
     d = inner // heads
     hp = padded_heads(heads, ulysses)
-    one = b * length * hp * d * itemsize  # one of Q, K, V or the output, padded, per device
     r = n // ulysses
+
+    def one(codec):  # one of Q, K, V or the output, padded, per device, on the wire
+        return rows_bytes((b, length, hp, d), itemsize, codec)
+
     total = 0
     if ulysses > 1:
-        total += (ulysses - 1) * (3 * one) // ulysses + (ulysses - 1) * one // ulysses
-    total += (r - 1) * 2 * one  # after the all-to-all: u*L tokens of Hp/u heads = `one`
+        for tensors in (codecs[:3], codecs[3:]):
+            for codec in set(tensors):
+                size = one(codec) * tensors.count(codec)
+                total += (ulysses - 1) * size // ulysses
+    # after the all-to-all: u*L tokens of Hp/u heads = `one`
+    total += (r - 1) * (one(codecs[1]) + one(codecs[2]))
     return total
 
 

@@ -40,7 +40,8 @@ class Halo(PatchSite):
         would be last step's input (with Euler, under last step's input scaling), so it is
         exchanged fresh (2 rows x W x C_in per neighbour). `zero` (naive patch) stays zero."""
         mode = "fresh" if self.mode == "stale" else self.mode
-        return replace(self, mode=mode, input=True, link=None)  # exact: the latent is small
+        # exact: the latent is small
+        return replace(self, mode=mode, input=True, link=None, wire=None)
 
     def __call__(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
         """(B, h, W, C) -> (B, top + h + bottom, W, C)."""

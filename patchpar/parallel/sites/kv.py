@@ -137,8 +137,8 @@ class KV(PatchSite):
         if self.n == 2:
             return _pair(kv, got["other"])
         full = _whole(got["gather"])
-        if self.link is None or self.warmup:
-            return full
+        if (self.link is None or self.warmup) and self.wire is None:
+            return full  # own slot: its own K/V, exact (a codec's: decoded, so replaced)
         idx = lax.axis_index(PATCH)
         return lax.dynamic_update_slice_in_dim(full, kv, idx * kv.shape[2], axis=2)
 

@@ -114,8 +114,8 @@ class StaleStrategy(Strategy):
     codec: str = option(
         "none",
         "compress the steady phase's exchange of activations: one codec for K/V (int2) or one "
-        "per site kind (kv=sign1,halo=int8); codecs none (default), int8, int4, int2, sign1, "
-        "lowrank-r; GroupNorm statistics stay exact (CompactFusion, arXiv 2507.17511).",
+        "per site kind (kv=sign1,halo=int8); codecs none (default), int8, fp8, fp8-e5m2, int4, "
+        "int2, sign1, lowrank-r; GroupNorm statistics stay exact (CompactFusion, arXiv 2507.17511).",
         quiet=True,
     )
     residual: str = option(

@@ -27,7 +27,7 @@ class Compact(StaleStrategy):
     codec: str = option(
         "int2",
         "one codec for K/V (default int2, CompactFusion's 2-bit) or one per site kind "
-        "(kv=sign1,halo=int8); codecs none, int8, int4, int2, sign1, lowrank-r; GroupNorm "
+        "(kv=sign1,halo=int8); codecs none, int8, fp8, fp8-e5m2, int4, int2, sign1, lowrank-r; GroupNorm "
         "statistics stay exact.",
     )
 

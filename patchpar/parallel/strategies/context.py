@@ -8,9 +8,11 @@ The output equals `single`."""
 from dataclasses import dataclass
 from typing import ClassVar
 
+from patchpar.parallel.codecs import wire_codecs
 from patchpar.parallel.sites import PatchOps, patch_ops
-from patchpar.parallel.sites.context import check_degrees
+from patchpar.parallel.sites.context import QKVO, check_degrees
 from patchpar.parallel.strategies.base import Strategy, option
+from patchpar.parallel.strategies.sync_patch import WIRE_HELP
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,20 @@ class ContextParallel(Strategy):
         "devices in each Ulysses all-to-all group (xDiT's ulysses_degree; ulysses' default: the "
         "whole patch axis). Heads that do not divide it are padded with zero heads.",
     )
+    wire: str = option(
+        "none",
+        WIRE_HELP.format(
+            kinds="q, k, v, o (attention's) and halo",
+            example="q=fp8,v=fp8,o=fp8: cache-dit's FP8 all-to-all, K as it is",
+        ),
+        quiet=True,
+    )
+
+    def __post_init__(self):
+        self.codecs()
+
+    def codecs(self) -> dict:
+        return wire_codecs(self.wire, (*QKVO, "halo"), self.name)
 
     def degrees(self, patch: int) -> tuple[int, int]:
         """(ring, ulysses) on a patch axis of `patch` devices."""
@@ -38,7 +54,7 @@ class ContextParallel(Strategy):
     def ops(self, phase: str, n: int) -> PatchOps:
         del phase
         _, ulysses = self.degrees(n)
-        return patch_ops(n, ulysses=ulysses)
+        return patch_ops(n, ulysses=ulysses, wire=self.codecs())
 
     def validate(self, steps: int, patch: int, cfg: int) -> None:
         self.degrees(patch)

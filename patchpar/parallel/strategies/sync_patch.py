@@ -1,15 +1,31 @@
 """`sync_patch`: exact patch parallelism. Every step exchanges fresh halos, all-reduces GroupNorm
-statistics and all-gathers self-attention K/V; the output equals `single` (docs/design.md §4)."""
+statistics and all-gathers self-attention K/V; the output equals `single` (docs/design.md §4).
+With `wire` the halos and K/V go coded (fp8 or int8 per token: `codecs.to_rows`); GroupNorm
+statistics stay exact."""
 
 from dataclasses import dataclass
 
+from patchpar.parallel.codecs import wire_codecs
 from patchpar.parallel.sites import PatchOps, patch_ops
-from patchpar.parallel.strategies.base import Strategy
+from patchpar.parallel.strategies.base import Strategy, option
+
+WIRE_HELP = (
+    "codes every exchange of activations on the wire, per token (a scale per token, so nothing "
+    "overflows): none (default), fp8 (e4m3), fp8-e5m2, int8, for all of {kinds}, or kind=codec "
+    "pairs ({example}); the output then differs from single by the codec's rounding."
+)
 
 
 @dataclass(frozen=True)
 class SyncPatch(Strategy):
     name = "sync_patch"
+    wire: str = option("none", WIRE_HELP.format(kinds="halo, kv", example="kv=fp8"), quiet=True)
+
+    def __post_init__(self):
+        self.codecs()
+
+    def codecs(self) -> dict:
+        return wire_codecs(self.wire, ("halo", "kv"), self.name)
 
     def ops(self, phase: str, n: int) -> PatchOps:
-        return patch_ops(n)
+        return patch_ops(n, wire=self.codecs())
