@@ -147,15 +147,35 @@ def quantize(fn, params, mode: str):
     parameters as Qwix stores them (a weight: its quantized values and its scales)."""
     import qwix
 
-    m = check_mode(mode)
-    if m is None:
+    if check_mode(mode) is None:
         return fn, params
-    why = emulated(mode)
+    qf, template = _quantized(fn, mode)
+    return qf, qwix.quantize_params(jax.tree.map(jnp.asarray, params), template)
+
+
+def quantize_abstract(fn, params, mode: str):
+    """`quantize` on abstract parameters (`ShapeDtypeStruct`s, e.g. `Denoiser.abstract_params`
+    of a full-size model): the quantized denoiser and its parameters' shapes and dtypes, no
+    weight read or made."""
+    import qwix
+
+    if check_mode(mode) is None:
+        return fn, params
+    qf, template = _quantized(fn, mode, warn=False)
+    return qf, jax.eval_shape(lambda p: qwix.quantize_params(p, template), params)
+
+
+def _quantized(fn, mode: str, warn: bool = True):
+    """(`fn` with Qwix's quantized model of its module, the quantized parameters' template)."""
+    import qwix
+
+    m = check_mode(mode)
+    why = emulated(mode) if warn else None
     if why is not None:
         warnings.warn(
             f"quant={mode!r}: emulated: {why}; XLA converts the operands and multiplies in "
             f"a wider type (the numbers are {mode}'s, the speed is not)",
-            stacklevel=2,
+            stacklevel=3,
         )
     done = mode_of(fn)
     if done is not None:
@@ -184,8 +204,7 @@ def quantize(fn, params, mode: str):
     side = fn.row_multiple
     (x, t, ctx), added = fn.example_inputs(1, side, side)
     abstract = jax.eval_shape(q.init, jax.random.key(0), x, t, ctx, **added)["params"]
-    qparams = qwix.quantize_params(jax.tree.map(jnp.asarray, params), abstract)
-    return replace(fn, module=q), qparams
+    return replace(fn, module=q), abstract
 
 
 def weight_dtypes(params) -> dict[str, int]:

@@ -14,7 +14,7 @@ from test_pipefusion import micro_dit
 
 from patchpar.parallel.engine import Plan, make_step
 from patchpar.parallel.strategies import make_strategy
-from patchpar.quant import MODES, check_mode, mode_of, quantize, weight_dtypes
+from patchpar.quant import MODES, check_mode, mode_of, quantize, quantize_abstract, weight_dtypes
 
 
 def _micro(family):
@@ -46,6 +46,10 @@ def test_weights_are_stored_quantized(mode):
     want = {"w8": "int8", "w4": "int4", "int8": "int8", "fp8": "float8_e4m3fn"}[mode]
     kinds = weight_dtypes(qp)
     assert kinds[want] > 0.5 * sum(kinds.values()), kinds  # most bytes are the weights'
+    # the abstract quantization (full-size memory tables) lays out the same tree
+    _, shapes = quantize_abstract(fn, jax.eval_shape(lambda: params), mode)
+    same = jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype), shapes, qp)
+    assert all(jax.tree.leaves(same))
     if mode == "w4":  # half a byte per int4 value: half of w8's bytes of values
         values = sum(x.size for x in jax.tree.leaves(qp) if x.dtype == jnp.int4)
         assert values > 0 and kinds["int4"] == values // 2
