@@ -4,7 +4,9 @@
 #   2. shard_timing.py     one device's program of an N-way distrifusion step (N = 1, 2, 4, 8 at
 #                          1024², collectives stood in), the stale sends packed (one group, the
 #                          default) and per site: what packing costs a device's compute
-#   3. speedup_cores.sh    the CPU side of the machine: single vs sync_patch / distrifusion on 4
+#   3. quant_timing.py     one PixArt-α call at 1024² in bf16 against w8, int8 and fp8 (Qwix):
+#                          time, memory, difference; whether the GPU runs fp8 natively
+#   4. speedup_cores.sh    the CPU side of the machine: single vs sync_patch / distrifusion on 4
 #                          and 8 launched processes, and the gloo collective benchmark
 # Each part has a time budget; a part that fails or runs out of time leaves what it finished and
 # the next part runs. Results go to $DEST/<part>/ (default results/device/); when the device tool
@@ -42,12 +44,15 @@ if [ -n "${MINI:-}" ]; then  # the same path in seconds, on a CPU
   part shard_per_site 120 $PY experiments/device/shard_timing.py "${M[@]}" \
     --resolutions "${RES:-128}" --patches 2 --hardware cpu-gloo \
     --option comm_groups=per_site --out "$DEST/shard_per_site"
+  part quant 120 $PY experiments/device/quant_timing.py --model "${MODEL:-tiny}" \
+    --resolution "${RES:-128}" --dtype float32 --repeats 1 --out "$DEST/quant"
 else
-  part attention 170 $PY experiments/device/attention_sdxl.py --repeats 5 --out "$DEST/attention"
-  part shard_packed 170 $PY experiments/device/shard_timing.py --resolutions 1024 \
-    --patches 1 2 4 8 --budget-s 140 --out "$DEST/shard_packed"
-  part shard_per_site 110 $PY experiments/device/shard_timing.py --resolutions 1024 \
-    --patches 2 8 --budget-s 80 --option comm_groups=per_site --out "$DEST/shard_per_site"
+  part attention 150 $PY experiments/device/attention_sdxl.py --repeats 5 --out "$DEST/attention"
+  part shard_packed 150 $PY experiments/device/shard_timing.py --resolutions 1024 \
+    --patches 1 2 4 8 --budget-s 120 --out "$DEST/shard_packed"
+  part shard_per_site 90 $PY experiments/device/shard_timing.py --resolutions 1024 \
+    --patches 2 8 --budget-s 60 --option comm_groups=per_site --out "$DEST/shard_per_site"
+  part quant 120 $PY experiments/device/quant_timing.py --repeats 5 --out "$DEST/quant"
   left=$((570 - ($(date +%s) - START)))
   if [ "$left" -gt 60 ]; then
     part cpu_cores "$left" env OUT="$DEST/cpu_cores" bash experiments/device/speedup_cores.sh

@@ -1,0 +1,128 @@
+"""Quantized inference on a lent GPU: one denoiser call (random weights, CFG batch 2) at 1024²
+in bf16 against the same call quantized (patchpar/quant.py: w8, int8, fp8), timed, with its
+memory (XLA's buffer assignment and the device's peak) and its difference from bf16.
+
+    device run: python experiments/device/quant_timing.py              (PixArt-α, ~2 minutes)
+                python experiments/device/quant_timing.py --model flux-dev
+    here, in miniature: python experiments/device/quant_timing.py --model tiny-dit \
+        --resolution 64 --dtype float32 --repeats 2 --out /tmp/quant_timing
+
+The device machine needs qwix (pure Python; its wheel carried in .whl/ with the others that
+experiments/device/speedup_cores.sh lists). On a GPU without fp8 (or int8) matrix units the
+mode runs emulated and its record says so (`emulated`). Records: <out>/records.jsonl (one per
+mode, a failed one with its error); <out>/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="pixart-alpha")
+    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--modes", nargs="+", default=["none", "w8", "int8", "fp8"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", type=Path, default=Path("results/quant_device"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from patchpar.lab.results import append_record, provenance
+    from patchpar.measure.cost import memory_per_device
+    from patchpar.models.presets import abstract_denoiser, latent_factor
+    from patchpar.quant import emulated, quantize, weight_dtypes
+
+    dtype = getattr(jnp, a.dtype)
+    fn = abstract_denoiser(a.model, dtype)
+    params = fn.init(0)
+    latent = a.resolution // latent_factor(a.model)
+    (x, t, ctx), added = fn.example_inputs(2, latent, latent)
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(*x.shape), dtype)
+    ctx = jnp.asarray(rng.randn(*ctx.shape), dtype)
+    t = jnp.full(t.shape, 500.0, jnp.float32)
+    added = {  # a mask (integers): every text token present; others uniform in [0, 1)
+        k: jnp.ones(v.shape, v.dtype)
+        if jnp.issubdtype(v.dtype, jnp.integer)
+        else jnp.asarray(rng.rand(*v.shape), v.dtype)
+        for k, v in added.items()
+    }
+    dev = jax.devices()[0]
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows, ref = [], None
+    for mode in a.modes:
+        rec = {"model": a.model, "resolution": a.resolution, "dtype": a.dtype, "batch": 2,
+               "mode": mode, "device_kind": dev.device_kind, "emulated": emulated(mode)}  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # `emulated` says it in the record
+                qf, qp = quantize(fn, params, mode)
+            rec["quantize_s"] = time.perf_counter() - t0
+            rec["weight_bytes_by_dtype"] = weight_dtypes(qp)
+            f = jax.jit(qf)
+            t0 = time.perf_counter()
+            compiled = f.lower(qp, x, t, ctx, **added).compile()
+            rec["compile_s"] = time.perf_counter() - t0
+            rec["memory_compiled"] = memory_per_device(compiled)
+            out = jax.block_until_ready(compiled(qp, x, t, ctx, **added))
+            times = []
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(qp, x, t, ctx, **added))
+                times.append(time.perf_counter() - t0)
+            rec["step_s_median"] = statistics.median(times)
+            rec["step_s_all"] = times
+            rec["peak_bytes_in_use"] = (dev.memory_stats() or {}).get("peak_bytes_in_use")
+            o = np.asarray(out, np.float32)
+            ref = o if ref is None else ref
+            rec["rel_diff_vs_first"] = float(np.abs(o - ref).max() / max(np.abs(ref).max(), 1e-30))
+            rec["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - every mode gets a record, also a failed one
+            rec["status"] = "error"
+            rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        append_record(a.out / "records.jsonl", {**rec, **provenance()})
+        rows.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k != "step_s_all"}), flush=True)
+    gib = 2**30
+    first = next((r["step_s_median"] for r in rows if "step_s_median" in r), None)
+    lines = [
+        f"{a.model} denoiser call, {a.resolution}px, {a.dtype}, CFG batch 2, {dev.device_kind} "
+        f"(experiments/device/quant_timing.py)",
+        "",
+        "| quant | ms per call | vs first | weights GiB | compiled GiB | rel. diff | emulated | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = r.get("step_s_median")
+        w = sum((r.get("weight_bytes_by_dtype") or {}).values()) / gib
+        mem = (r.get("memory_compiled") or {}).get("total")
+        lines.append(
+            f"| {r['mode']} | {ms * 1e3:.1f} | {first / ms:.2f}x | {w:.2f} | "
+            f"{(mem or 0) / gib:.2f} | {r.get('rel_diff_vs_first', float('nan')):.3g} | "
+            f"{'yes' if r['emulated'] else 'no'} | {r['status']} |"
+            if ms
+            else f"| {r['mode']} | - | - | - | - | - | - | {r['status']} |"
+        )
+    (a.out / "table.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
