@@ -4,7 +4,7 @@
 # gloo collective benchmark at 8 processes, on the CPUs of the lent device machine (the GPU is
 # not used: JAX_PLATFORMS=cpu). Records land in $OUT (default results/speedup_cpu_cores).
 #
-# Here, once: pip download --no-deps the tyro, docstring-parser, typeguard and open-clip-torch
+# Here, once: pip download --no-deps the tyro, docstring-parser, typeguard, qwix and open-clip-torch
 # (its BPE vocabulary builds the `tiny` preset there) wheels into .whl/; then
 #   device run: bash experiments/device/speedup_cores.sh   (carry .whl)
 # (or copy the `tiny` preset folder into .devcarry/home/models/ and carry that as well)

@@ -29,6 +29,10 @@ class CommConfig(PlanFlags):
     """Chunked/splash attention: queries per block."""
     block_kv: int = 512
     """Chunked/splash attention: keys/values per block."""
+    quant: str = "none"
+    """Quantized denoiser (patchpar/quant.py): none, w8, w4, int8, fp8; weights per device and
+    FSDP's gathers count its quantized weights (on this CPU int8/fp8 products are emulated:
+    memory then includes dequantized copies no GPU program holds)."""
     memory: bool = True
     """Compile each phase and report memory per device (`--no-memory`: lower only, faster)."""
     json: bool = False
@@ -46,6 +50,9 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
     from patchpar.models.presets import latent_factor
+    from patchpar.quant import check_mode
+
+    check_mode(config.quant)
 
     f = latent_factor(config.model)
     if config.resolution <= 0 or config.resolution % f:
@@ -68,9 +75,16 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
     dtype = getattr(jnp, config.dtype)
     spec = resolve(AttentionSpec(config.attention, config.block_q, config.block_kv), dtype)
     unet = abstract_denoiser(config.model, dtype, spec)
+    params = None
+    if config.quant != "none":
+        from patchpar.quant import quantize_abstract
+
+        unet, params = quantize_abstract(unet, unet.abstract_params(), config.quant)
     latent = config.resolution // f
     batch = config.batch or plan.data
-    r = measure(unet, plan, (latent, latent), batch=batch, memory=config.memory, log=log)
+    r = measure(
+        unet, plan, (latent, latent), batch=batch, params=params, memory=config.memory, log=log
+    )
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
     memory = {}
     if config.memory:
@@ -86,6 +100,7 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
         "cfg": plan.cfg,
         "strategy": plan.strategy.describe(),
         "dtype": config.dtype,
+        "quant": config.quant,
         "batch": batch,
         "steady_bytes_per_device": st["hlo"]["all"]["max"],
         "warmup_bytes_per_device": wu["hlo"]["all"]["max"],
