@@ -108,7 +108,10 @@ def emulated(mode: str, device=None) -> str | None:
         return None  # weight-only: dequantized to the compute dtype where used, everywhere
     device = device or jax.devices()[0]
     if device.platform == "gpu":
-        cc = tuple(int(v) for v in str(getattr(device, "compute_capability", "0.0")).split("."))
+        try:
+            cc = tuple(int(v) for v in str(device.compute_capability).split("."))
+        except (AttributeError, ValueError):  # not CUDA (ROCm's gfx90a ...): not known to have them
+            cc = (0, 0)
         need = (8, 9) if m.act == jnp.float8_e4m3fn else (7, 5)
         if cc >= need:
             return None
@@ -198,7 +201,8 @@ def _quantized(fn, mode: str, warn: bool = True):
     q = qwix.quantize_model(module, provider, methods=_methods(type(module)))
     if type(q) is type(module):  # Qwix's model is a subclass made for this call
         raise RuntimeError("qwix.quantize_model returned the module's own class")
-    type(q).quant_mode = mode  # a class attribute: clones (`clone(ops=...)`) keep it
+    type(q).quant_mode = mode  # class attributes: clones (`clone(ops=...)`) keep them
+    type(q).quant_activations = m.act is not None
     # the template Qwix quantizes the float parameters to: the quantized model's own, traced
     # abstractly on the smallest latent the family takes
     side = fn.row_multiple

@@ -120,3 +120,19 @@ def test_caches_notebook(tmp_path, monkeypatch, run_notebook):
         assert (tmp_path / name / "plots" / f"{plot}.png").stat().st_size > 0
     if "asyncdiff_stride_fmnist_dit" in found:
         assert "| asyncdiff warmup_steps=9 stride=2 | 4 |" in text
+
+
+@pytest.mark.skipif(
+    not (RESULTS / "quant_fmnist_dit" / "runs.jsonl").is_file(), reason="no quant records"
+)
+def test_quant_notebook(tmp_path, monkeypatch, run_notebook):
+    """Quantization under patch parallelism: the mode x strategy table and figures."""
+    found = copy_records(
+        tmp_path, "quant_fmnist_dit", "quant_fmnist_flux", "quant_speed_fmnist_dit"
+    )
+    monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
+    text, _ = run_notebook(NOTEBOOKS / "quant.ipynb")
+    assert "| strategy | none | w8 | w4 | int8 | fp8 |" in text and "| distrifusion |" in text
+    for name in found:
+        plot = "quant_speed" if "speed" in name else "quant_quality"
+        assert (tmp_path / name / "plots" / f"{plot}.png").stat().st_size > 0

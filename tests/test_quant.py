@@ -96,6 +96,10 @@ def test_bad_input_is_one_line():
     qf, qp = quantize(fn, params, "w8")
     with pytest.raises(ValueError, match=r"already quantized \('w8'\)"):
         quantize(qf, qp, "fp8")
+    # tensor parallelism splits a row-parallel layer's inputs: no per-token activation scale
+    qa, _ = quantize(fn, params, "int8")
+    with pytest.raises(ValueError, match=r"tensor parallelism over 2 devices .*\(quant='int8'\)"):
+        Plan(make_strategy("tensor"), 2).validate(qa, (8, 8), 4, GUIDANCE)
     # fp8 (and int8) products on a CPU: emulated, said in a warning
     with pytest.warns(UserWarning, match=r"quant='fp8': emulated: cpu .* no fp8 matrix units"):
         quantize(fn, params, "fp8")
@@ -181,3 +185,21 @@ def test_fp8_on_a_gpu(tmp_path):
     cc = tuple(int(v) for v in str(getattr(dev, "compute_capability", "0.0")).split("."))
     assert (recs[3]["emulated"] is None) == (dev.platform == "gpu" and cc >= (8, 9))
     assert all(r["rel_diff_vs_first"] < 0.2 for r in recs), recs
+
+
+def test_a_quantized_mmdit_runs_exact_strategies_and_sd3_refuses_its_layer_split():
+    """FLUX.1 and SD3 quantized: w8 under sync_patch equals the quantized model on one device;
+    SD3's layer-splitting stack (PipeFusion, AsyncDiff) runs blocks outside the quantized
+    module: a one-line error."""
+    import test_parallel_flux as flux
+    import test_parallel_sd3 as sd3
+
+    for m, fn, params in ((flux, *flux.micro_flux()), (sd3, *sd3.micro_sd3())):
+        x, t, cond = m.inputs()
+        qf, qp = quantize(fn, params, "w8")
+        one = _call(qf, qp, x, t, cond, m.GUIDANCE)
+        assert max_diff(one, _call(fn, params, x, t, cond, m.GUIDANCE)) > 1e-4  # quantized
+        got = _call(qf, qp, x, t, cond, m.GUIDANCE, "sync_patch", 2)
+        assert max_diff(got, one) <= 1e-4 * max(1.0, float(np.abs(one).max()))
+    with pytest.raises(ValueError, match=r"quant='w8': SD3's layer-splitting stack"):
+        Plan(make_strategy("pipefusion"), 2).validate(qf, x.shape[1:3], 10, m.GUIDANCE)

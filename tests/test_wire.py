@@ -155,3 +155,9 @@ def test_coded_strategies_count_their_bytes(family, name, devices, options):
 def test_bad_wire_is_one_line(name, wire, message):
     with pytest.raises(ValueError, match=message):
         make_strategy(name, wire=wire)
+
+
+def test_a_pure_ring_sends_no_queries_or_outputs():
+    with pytest.raises(ValueError, match=r"ring: wire='q=fp8,v=fp8' codes \['q'\], which only"):
+        make_strategy("ring", wire="q=fp8,v=fp8").validate(10, 4, 1)
+    make_strategy("ring", ulysses_degree=2, wire="q=fp8,v=fp8").validate(10, 4, 1)

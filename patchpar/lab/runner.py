@@ -350,8 +350,8 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
         # and it is the unquantized model's
         exact = not plan.strategy.parallel and plan.cache is None and pipe.quant == "none"
         own = (images, latents) if exact else None
-        base = pipe
-        if pipe.quant != "none":
+        base = pipe  # the float model is loaded only to make a baseline not yet cached
+        if pipe.quant != "none" and not (baseline_folder(config) / "images.npy").is_file():
             base = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
             base = base.with_true_cfg(s.true_cfg_scale)
         ref = load_or_make_baseline(base, config, hw, log, made=own)

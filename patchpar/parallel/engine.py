@@ -136,6 +136,13 @@ class Plan:
         if build_mesh:
             make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
         unet.check_split(self.model)
+        if self.model > 1 and getattr(unet.module, "quant_activations", False):
+            raise ValueError(
+                f"tensor parallelism over {self.model} devices splits a row-parallel layer's "
+                f"inputs, so a quantized activation's per-token scale would be each device's "
+                f"share's, not the token's (quant={unet.module.quant_mode!r}): use a weight-only "
+                f"mode (w8, w4) with tensor parallelism"
+            )
         if self.fsdp_degree > 1:
             check_sharded(_param_shapes(unet), self.rules(), self.degrees(), unet.logical)
         if not s.parallel and self.devices != 1:

@@ -57,6 +57,7 @@ from patchpar.parallel.program import (
     with_device_axes,
 )
 from patchpar.parallel.sites import STALE
+from patchpar.parallel.sites.common import bits
 from patchpar.parallel.sites.pipe import SLOT, Hop, PipeKV
 from patchpar.sampling.loop import guided
 
@@ -150,8 +151,8 @@ def staged(stack, params, plan) -> Staged:
 def block_bytes_per_device(stack, params, stages: int) -> int:
     """Parameter bytes one device holds: the outer parameters whole, its (padded) share of
     each segment's blocks."""
-    size = lambda tree: sum(  # noqa: E731
-        math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
+    size = lambda tree: sum(  # noqa: E731 (int4: half a byte)
+        math.ceil(math.prod(a.shape) * bits(a.dtype) / 8) for a in jax.tree.leaves(tree)
     )
     share = sum(
         max(layer_counts(len(b), stages)) * size(b[0]) for b in stack.segment_blocks(params)

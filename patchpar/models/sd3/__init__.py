@@ -55,7 +55,17 @@ class SD3Fn:
 
     @property
     def stack(self) -> Stack:
-        """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
+        """The forward's parts, for a strategy that splits the layers (PipeFusion, AsyncDiff).
+        Not of a quantized module: the stack runs its blocks as plain joint blocks outside the
+        module (the last block lifted to its run's kind), where Qwix does not reach."""
+        mode = getattr(self.module, "quant_mode", None)
+        if mode is not None:
+            raise ValueError(
+                f"quant={mode!r}: SD3's layer-splitting stack runs its blocks outside the "
+                f"quantized module (the last block lifted to a plain one), where Qwix does not "
+                f"reach; use a one-call strategy (sync_patch, distrifusion, pcpp, ulysses) with a "
+                f"quantized SD3, or PipeFusion/AsyncDiff unquantized"
+            )
         return Stack(self.module)
 
     @property

@@ -23,7 +23,9 @@ FP8 all-to-all sends Q, V and O in fp8 and K as it is): each coded tensor goes a
 so an all-to-all moves whole heads of codes and their scales together. The tensors of one
 all-to-all that share a codec go in one collective; the ring passes the coded K/V blocks as
 they were coded (each device codes its own once; the hops do not code again), and each device
-attends its own block exactly. The text heads an MMDiT gathers stay exact (S tokens, small).
+attends its own block exactly. In the Ring x Ulysses hybrid the K/V decoded after the
+all-to-all are coded again for the ring (two roundings), and a device's "own" ring block holds
+its group's decoded tokens. The text heads an MMDiT gathers stay exact (S tokens, small).
 """
 
 from __future__ import annotations

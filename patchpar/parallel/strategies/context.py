@@ -57,7 +57,15 @@ class ContextParallel(Strategy):
         return patch_ops(n, ulysses=ulysses, wire=self.codecs())
 
     def validate(self, steps: int, patch: int, cfg: int) -> None:
-        self.degrees(patch)
+        _, ulysses = self.degrees(patch)
+        named = "=" in self.wire  # one codec for all: what the ring sends of them
+        idle = sorted(set(self.codecs()) & {"q", "o"}) if ulysses == 1 and named else []
+        if idle:
+            raise ValueError(
+                f"{self.name}: wire={self.wire!r} codes {idle}, which only Ulysses' all-to-alls "
+                f"send; a ring of {patch} devices sends K and V (use k=, v=, or ulysses_degree "
+                f"> 1)"
+            )
 
 
 @dataclass(frozen=True)
