@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calls import median, random_inputs, timed  # noqa: E402
 
 
 def parse(argv):
@@ -46,7 +47,7 @@ def main(argv=None) -> None:
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import memory_per_device
     from patchpar.models.attention import AttentionSpec, available, resolve
-    from patchpar.models.presets import abstract_denoiser, latent_factor
+    from patchpar.models.presets import abstract_denoiser
 
     dtype = getattr(jnp, a.dtype)
     impls = a.attention or available()
@@ -54,13 +55,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     params = unet.init(0)  # NumPy draws, then one transfer
     init_s = time.perf_counter() - t0
-    latent = a.resolution // latent_factor(a.model)
-    (x, t, ctx), added = unet.example_inputs(2, latent, latent)
-    rng = np.random.RandomState(0)
-    x = jnp.asarray(rng.randn(*x.shape), dtype)
-    ctx = jnp.asarray(rng.randn(*ctx.shape), dtype)
-    t = jnp.full(t.shape, 500.0, jnp.float32)
-    added = {k: jnp.asarray(rng.rand(*v.shape), v.dtype) for k, v in added.items()}
+    x, t, ctx, added = random_inputs(unet, a.model, a.resolution, dtype)
     dev = jax.devices()[0]
     a.out.mkdir(parents=True, exist_ok=True)
     rows, ref = [], None
@@ -87,13 +82,8 @@ def main(argv=None) -> None:
             compiled = f.lower(params, x, t, ctx, **added).compile()
             rec["compile_s"] = time.perf_counter() - t0
             rec["memory_compiled"] = memory_per_device(compiled)
-            out = jax.block_until_ready(compiled(params, x, t, ctx, **added))
-            times = []
-            for _ in range(a.repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(compiled(params, x, t, ctx, **added))
-                times.append(time.perf_counter() - t0)
-            rec["step_s_median"] = statistics.median(times)
+            out, times = timed(compiled, (params, x, t, ctx), added, a.repeats)
+            rec["step_s_median"] = median(times)
             rec["step_s_all"] = times
             stats = dev.memory_stats() or {}
             rec["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")

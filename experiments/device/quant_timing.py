@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calls import median, random_inputs, timed  # noqa: E402
 
 
 def parse(argv):
@@ -46,24 +47,13 @@ def main(argv=None) -> None:
 
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import memory_per_device
-    from patchpar.models.presets import abstract_denoiser, latent_factor
+    from patchpar.models.presets import abstract_denoiser
     from patchpar.quant import emulated, quantize, weight_dtypes
 
     dtype = getattr(jnp, a.dtype)
     fn = abstract_denoiser(a.model, dtype)
     params = fn.init(0)
-    latent = a.resolution // latent_factor(a.model)
-    (x, t, ctx), added = fn.example_inputs(2, latent, latent)
-    rng = np.random.RandomState(0)
-    x = jnp.asarray(rng.randn(*x.shape), dtype)
-    ctx = jnp.asarray(rng.randn(*ctx.shape), dtype)
-    t = jnp.full(t.shape, 500.0, jnp.float32)
-    added = {  # a mask (integers): every text token present; others uniform in [0, 1)
-        k: jnp.ones(v.shape, v.dtype)
-        if jnp.issubdtype(v.dtype, jnp.integer)
-        else jnp.asarray(rng.rand(*v.shape), v.dtype)
-        for k, v in added.items()
-    }
+    x, t, ctx, added = random_inputs(fn, a.model, a.resolution, dtype)
     dev = jax.devices()[0]
     a.out.mkdir(parents=True, exist_ok=True)
     rows, ref = [], None
@@ -82,13 +72,8 @@ def main(argv=None) -> None:
             compiled = f.lower(qp, x, t, ctx, **added).compile()
             rec["compile_s"] = time.perf_counter() - t0
             rec["memory_compiled"] = memory_per_device(compiled)
-            out = jax.block_until_ready(compiled(qp, x, t, ctx, **added))
-            times = []
-            for _ in range(a.repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(compiled(qp, x, t, ctx, **added))
-                times.append(time.perf_counter() - t0)
-            rec["step_s_median"] = statistics.median(times)
+            out, times = timed(compiled, (qp, x, t, ctx), added, a.repeats)
+            rec["step_s_median"] = median(times)
             rec["step_s_all"] = times
             rec["peak_bytes_in_use"] = (dev.memory_stats() or {}).get("peak_bytes_in_use")
             o = np.asarray(out, np.float32)

@@ -1,0 +1,48 @@
+"""What the device scripts share: a denoiser's call inputs with random values, and a compiled
+call timed (experiments/device/attention_sdxl.py, quant_timing.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def random_inputs(fn, model: str, resolution: int, dtype, batch: int = 2):
+    """(x, t, ctx, added) for one call of `fn` (a preset's denoiser) at `resolution` pixels:
+    normal latent and text states, timestep 500, a text mask with every token present, the
+    other keyword inputs uniform in [0, 1)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from patchpar.models.presets import latent_factor
+
+    latent = resolution // latent_factor(model)
+    (x, t, ctx), added = fn.example_inputs(batch, latent, latent)
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(*x.shape), dtype)
+    ctx = jnp.asarray(rng.randn(*ctx.shape), dtype)
+    t = jnp.full(t.shape, 500.0, jnp.float32)
+    added = {
+        k: jnp.ones(v.shape, v.dtype)
+        if jnp.issubdtype(v.dtype, jnp.integer)
+        else jnp.asarray(rng.rand(*v.shape), v.dtype)
+        for k, v in added.items()
+    }
+    return x, t, ctx, added
+
+
+def timed(compiled, args, kwargs, repeats: int) -> tuple[object, list[float]]:
+    """(the first call's output, the seconds of `repeats` calls after it)."""
+    import jax
+
+    out = jax.block_until_ready(compiled(*args, **kwargs))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args, **kwargs))
+        times.append(time.perf_counter() - t0)
+    return out, times
+
+
+def median(times: list[float]) -> float:
+    return statistics.median(times)
