@@ -221,3 +221,91 @@ def weight_dtypes(params) -> dict[str, int]:
         name = jnp.dtype(leaf.dtype).name
         out[name] = out.get(name, 0) + leaf.size * bits(leaf.dtype) // 8
     return out
+
+
+# ---------------------------------------------------------------- quantized checkpoints
+
+
+def checkpoint_paths(folder, mode: str):
+    """(arrays, metadata) of a denoiser folder's quantized checkpoint for `mode`."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    return folder / f"quantized-{mode}.npz", folder / f"quantized-{mode}.json"
+
+
+def save_quantized(fn, qparams, folder, config: dict) -> None:
+    """Write a quantized denoiser's parameters beside its float checkpoint (`folder`: the
+    denoiser's folder; `config`: its config.json, which the checkpoint keeps to be checked on
+    load). Arrays are stored by their path in Qwix's tree, in bits (fp8 and bfloat16 as
+    unsigned integers, int4 one per int8); the metadata names each one's dtype."""
+    import json
+    import os
+    from importlib.metadata import version
+
+    import numpy as np
+
+    mode = mode_of(fn)
+    if mode is None:
+        raise ValueError("save_quantized: this denoiser is not quantized (quantize it first)")
+    arrays, dtypes = {}, {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(qparams)[0]:
+        key = jax.tree_util.keystr(path)
+        a = np.asarray(leaf)
+        dtypes[key] = a.dtype.name
+        if a.dtype.name == "int4":
+            a = a.astype(np.int8)
+        elif a.dtype.kind not in "iuf" or a.dtype.name.startswith(("float8", "bfloat16")):
+            a = a.view(f"u{a.dtype.itemsize}")
+        arrays[key] = a
+    npz, meta = checkpoint_paths(folder, mode)
+    tmp = npz.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, npz)  # arrays first: a metadata file means a whole checkpoint
+    info = {"mode": mode, "qwix": version("qwix"), "dtypes": dtypes, "config": config}
+    meta.with_suffix(".tmp").write_text(json.dumps(info, sort_keys=True))
+    os.replace(meta.with_suffix(".tmp"), meta)
+
+
+def load_quantized(fn, folder, mode: str, config: dict):
+    """(the quantized denoiser, its parameters) from `folder`'s checkpoint for `mode`, checked
+    against `config` (the denoiser folder's config.json) and against the tree the quantized
+    model of `fn` takes; ValueError naming what differs and how to make it again."""
+    import json
+
+    import numpy as np
+
+    check_mode(mode)
+    npz, meta = checkpoint_paths(folder, mode)
+    info = json.loads(meta.read_text())
+    again = f"quantize the float model again (Pipeline.quantized({mode!r}).save_quantized())"
+    if info["config"] != config:
+        keys = sorted(
+            k for k in set(info["config"]) | set(config) if info["config"].get(k) != config.get(k)
+        )
+        raise ValueError(
+            f"quantized checkpoint {str(npz)!r} was made from a denoiser of another config "
+            f"(differs in {keys[:5]}); {again}"
+        )
+    qf, template = quantize_abstract(fn, fn.abstract_params(), mode)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
+    stored = np.load(npz)
+    leaves = []
+    for path, want in flat:
+        key = jax.tree_util.keystr(path)
+        if key not in stored or info["dtypes"].get(key) != jnp.dtype(want.dtype).name:
+            have = info["dtypes"].get(key, "nothing")
+            raise ValueError(
+                f"quantized checkpoint {str(npz)!r}: {key} holds {have}, the model takes "
+                f"{jnp.dtype(want.dtype).name} {tuple(want.shape)} (another compute dtype or "
+                f"qwix version: {info['qwix']}); {again}"
+            )
+        a = stored[key]
+        a = a.astype(jnp.int4) if want.dtype == jnp.int4 else a.view(want.dtype)
+        if a.shape != tuple(want.shape):
+            raise ValueError(
+                f"quantized checkpoint {str(npz)!r}: {key} is {a.shape}, the model takes "
+                f"{tuple(want.shape)}; {again}"
+            )
+        leaves.append(jnp.asarray(a))
+    return qf, jax.tree_util.tree_unflatten(treedef, leaves)

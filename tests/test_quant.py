@@ -203,3 +203,38 @@ def test_a_quantized_mmdit_runs_exact_strategies_and_sd3_refuses_its_layer_split
         assert max_diff(got, one) <= 1e-4 * max(1.0, float(np.abs(one).max()))
     with pytest.raises(ValueError, match=r"quant='w8': SD3's layer-splitting stack"):
         Plan(make_strategy("pipefusion"), 2).validate(qf, x.shape[1:3], 10, m.GUIDANCE)
+
+
+def test_a_quantized_checkpoint_loads_without_the_floats(micro_folder, tmp_path, monkeypatch):
+    """`save_quantized` writes a quantized denoiser beside its float checkpoint; loading the
+    folder with that mode reads it (no float weights read) and gives the same parameters; a
+    checkpoint of another config or compute dtype is a one-line error."""
+    import json
+    import shutil
+
+    from patchpar.models.presets import model_family
+    from patchpar.pipelines import load_pipeline
+
+    folder = tmp_path / "model"
+    shutil.copytree(micro_folder, folder)
+    pipe = load_pipeline(folder, quant="w8")
+    path = pipe.save_quantized()
+    assert path.is_file()
+    fam = type(model_family(folder))
+    monkeypatch.setattr(fam, "load_denoiser", lambda *a, **k: pytest.fail("floats read"))
+    again = load_pipeline(folder, quant="w8")
+    assert again.quant == "w8"
+    same = jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
+                        again.unet_params, pipe.unet_params)  # fmt: skip
+    assert all(jax.tree.leaves(same))
+    with pytest.raises(ValueError, match=r"holds float32, the model takes bfloat16"):
+        load_pipeline(folder, jnp.bfloat16, quant="w8")
+    meta = path.with_suffix(".json")
+    info = json.loads(meta.read_text())
+    info["config"]["cross_attention_dim"] = 64
+    meta.write_text(json.dumps(info))
+    with pytest.raises(ValueError, match=r"made from a denoiser of another config \(differs in "
+                       r"\['cross_attention_dim'\]\); quantize the float model again"):  # fmt: skip
+        load_pipeline(folder, quant="w8")
+    with pytest.raises(ValueError, match=r"save_quantized: 'fmnist-dit' is not a local model"):
+        load_pipeline("fmnist-dit", quant="w8").save_quantized()

@@ -97,6 +97,24 @@ class Pipeline:
         unet, params = quantize(self.unet, self.unet_params, mode)
         return self if unet is self.unet else replace(self, unet=unet, unet_params=params)
 
+    def save_quantized(self) -> Path:
+        """Write this quantized denoiser's parameters beside its float checkpoint (a local
+        model folder), so that `load_pipeline(folder, quant=mode)` reads them instead of the
+        floats; the path written."""
+        from patchpar.quant import checkpoint_paths, save_quantized
+
+        folder = self._denoiser_folder()
+        save_quantized(self.unet, self.unet_params, folder, read_config(folder))
+        return checkpoint_paths(folder, self.quant)[0]
+
+    def _denoiser_folder(self) -> Path:
+        if self.name in PRESETS or self.name in SHIPPED or not Path(self.name).is_dir():
+            raise ValueError(
+                f"save_quantized: {self.name!r} is not a local model folder (a preset's folder "
+                f"is the package's); copy it to a folder of your own first"
+            )
+        return Path(self.name) / model_family(Path(self.name)).denoiser_folder
+
     @property
     def quant(self) -> str:
         """The denoiser's quant mode (`none`: not quantized)."""
@@ -560,10 +578,11 @@ def load_pipeline(
     `vae/` is a pixel-space model. `attention` picks the attention kernel of the denoiser and
     the VAE (default `auto`: patchpar/models/attention.py). A folder of a family patchpar does
     not run is an error naming it, before any component is read. `quant` quantizes the
-    denoiser once its weights are loaded in `dtype` (`Pipeline.quantized`; Qwix's quantized
-    layout is its own, so a checkpoint is always read in floats and quantized here)."""
+    denoiser once its weights are loaded in `dtype` (`Pipeline.quantized`), or reads the
+    folder's quantized checkpoint for that mode where `save_quantized` wrote one (its config
+    checked against the folder's; no float weight read)."""
     from patchpar.models.attention import resolve
-    from patchpar.quant import check_mode
+    from patchpar.quant import check_mode, checkpoint_paths, load_quantized
 
     name = str(path_or_preset)
     check_mode(quant)  # an unknown mode before anything is read
@@ -571,14 +590,22 @@ def load_pipeline(
     folder = preset_folder(name) if name in PRESETS or name in SHIPPED else Path(name)
     fam = model_family(folder)
     index = _model_index(folder)
-    denoiser = fam.load_denoiser(folder / fam.denoiser_folder, dtype, resolve(attention, dtype))
+    sub = folder / fam.denoiser_folder
+    if quant != "none" and checkpoint_paths(sub, quant)[1].is_file():  # quantized, no floats read
+        from patchpar.models.presets import abstract_denoiser
+
+        fn = abstract_denoiser(folder, dtype, resolve(attention, dtype))
+        denoiser = load_quantized(fn, sub, quant, read_config(sub))
+    else:
+        denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
     text = fam.load_text(folder, index, dtype)
     vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
     sched = replace(sched, flow_sigmas=fam.flow_sigmas)
-    return Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler).quantized(quant)
+    pipe = Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler)
+    return pipe if pipe.quant == quant else pipe.quantized(quant)
 
 
 def _model_index(folder: Path) -> dict:
