@@ -106,7 +106,9 @@ def test_coded_ring_attends_its_own_block_exactly_and_the_others_coded():
         ("pixart", "sync_patch", 4, {"wire": "fp8"}),
         ("unet", "sync_patch", 2, {"wire": "kv=fp8-e5m2,halo=int8"}),
         ("pixart", "ulysses", 4, {"wire": "q=fp8,v=fp8,o=fp8"}),
-        ("unet", "ulysses", 4, {"ring_degree": 2, "wire": "fp8"}),
+        pytest.param(
+            "unet", "ulysses", 4, {"ring_degree": 2, "wire": "fp8"}, marks=pytest.mark.slow
+        ),
         ("pixart", "ring", 4, {"wire": "fp8"}),
     ],
 )
