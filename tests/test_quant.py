@@ -238,3 +238,63 @@ def test_a_quantized_checkpoint_loads_without_the_floats(micro_folder, tmp_path,
         load_pipeline(folder, quant="w8")
     with pytest.raises(ValueError, match=r"save_quantized: 'fmnist-dit' is not a local model"):
         load_pipeline("fmnist-dit", quant="w8").save_quantized()
+
+
+def test_quantized_products_are_counted_apart_and_priced_at_their_peak():
+    """`quantized_flops` counts the int8/fp8 dots of a quantized program (2 x out x k each,
+    a loop's as often as it runs), and the projection prices them at the chip's int8/fp8 peak
+    (H100: 2x bf16), or at its bf16 peak where it has no such units (A100's fp8: emulated)."""
+    import flax.linen as nn
+    import qwix
+
+    from patchpar import hardware
+    from patchpar.measure.comm import hlo_text_with_metadata
+    from patchpar.measure.flops import quantized_flops
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(32, use_bias=False)(x)  # 2 x (4 x 16) x 32 quantized
+            w = self.param("w", nn.initializers.normal(), (3, 32, 32))
+
+            def body(h, wi):  # a loop of 3: never quantized by the rule (no Dense), float
+                return h @ wi, None
+
+            x, _ = jax.lax.scan(body, x, w)
+            return nn.Dense(8, use_bias=False)(x)  # 2 x (4 x 32) x 8 quantized
+
+    net, x = Net(), jnp.ones((4, 16))
+    rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn,
+                       act_qtype=jnp.float8_e4m3fn, op_names=("dot_general",))  # fmt: skip
+    q = qwix.quantize_model(net, qwix.PtqProvider([rule]))
+    params = qwix.quantize_params(net.init(jax.random.key(0), x)["params"],
+                                  jax.eval_shape(q.init, jax.random.key(0), x)["params"])  # fmt: skip
+    low = jax.jit(lambda p: q.apply({"params": p}, x)).lower(params)
+    flops, kinds = quantized_flops(hlo_text_with_metadata(low))
+    assert (flops, kinds) == (2 * 4 * 16 * 32 + 2 * 4 * 32 * 8, ["fp8"])
+    low = jax.jit(lambda p: net.apply({"params": p}, x)).lower(
+        net.init(jax.random.key(0), x)["params"]
+    )
+    assert quantized_flops(hlo_text_with_metadata(low)) == (0.0, [])
+    # an int8 product inside a loop of 3 (fori_loop: a while with a constant bound) counts 3x
+
+    def looped(x, w):
+        def body(_, h):
+            y = jax.lax.dot_general(h, w, (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.int32)  # fmt: skip
+            return y.astype(jnp.int8)
+
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    xi, wi = jnp.ones((4, 16), jnp.int8), jnp.ones((16, 16), jnp.int8)
+    low = jax.jit(looped).lower(xi, wi)
+    assert quantized_flops(hlo_text_with_metadata(low)) == (3 * 2 * 4 * 16 * 16, ["int8"])
+
+    h100, a100 = hardware.load("h100-sxm"), hardware.load("a100-sxm")
+    f, qf = 1e12, 6e11
+    for hw, kind, peak in ((h100, "fp8", 1979e12), (a100, "int8", 624e12), (a100, "fp8", 312e12)):
+        e, c = hw.flop_efficiency, hw.call_overhead_s
+        want = (f - qf) / (hw.peak_flops * e) + qf / (peak * e) + c
+        assert hw.compute_s(f, qf, kind) == pytest.approx(want)
+        assert hw.emulates(kind) == (peak == hw.peak_flops)
+    assert h100.compute_s(f) == h100.compute_s(f, 0.0, None)

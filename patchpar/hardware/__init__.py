@@ -64,13 +64,30 @@ class Profile:
     call_overhead_s: float  # fitted: fixed time per model call (launches, small kernels)
     compute_note: str  # fitted on what (or borrowed from which profile)
     sources: dict[str, str] = field(default_factory=dict)
+    # dense int8 / fp8 matrix peaks (None: no such units, the products are emulated)
+    peak_flops_int8: float | None = None
+    peak_flops_fp8: float | None = None
     collective_bytes_per_s: dict[str, float] = field(default_factory=dict)  # measured, per op
     path: str = ""
 
-    def compute_s(self, flops: float) -> float:
+    def compute_s(self, flops: float, quantized: float = 0.0, kind: str | None = None) -> float:
         """Seconds for one model call of `flops` on one device: flops / (peak x e) + c, i.e. an
-        efficiency e x w / (w + c x peak x e) that falls for small work w per device."""
-        return flops / (self.peak_flops * self.flop_efficiency) + self.call_overhead_s
+        efficiency e x w / (w + c x peak x e) that falls for small work w per device. Of them,
+        `quantized` FLOPs are products of `kind` (int8, fp8: a quantized model's) at that
+        peak, where the chip has it (`quantized_peak`; else at `peak_flops`: emulated)."""
+        e = self.flop_efficiency
+        rest = (flops - quantized) / (self.peak_flops * e)
+        return rest + quantized / (self.quantized_peak(kind) * e) + self.call_overhead_s
+
+    def quantized_peak(self, kind: str | None) -> float:
+        """The dense peak of `kind`'s products (int4 runs on the int8 units); `peak_flops`
+        where the chip has none (emulated: `emulates`)."""
+        peak = {"int8": self.peak_flops_int8, "int4": self.peak_flops_int8,
+                "fp8": self.peak_flops_fp8}.get(kind or "")  # fmt: skip
+        return peak or self.peak_flops
+
+    def emulates(self, kind: str | None) -> bool:
+        return kind is not None and self.quantized_peak(kind) == self.peak_flops
 
     def efficiency(self, flops: float) -> float:
         """Fraction of peak one call of `flops` reaches under the fitted model."""
@@ -150,6 +167,13 @@ def _parse(raw: dict, path: Path) -> Profile:
         raise ValueError(
             f"hardware profile {where}: collective_latency_s needs ops from {list(OPS)}; got {bad or 'none'}"
         )
+    for key in ("peak_flops_int8", "peak_flops_fp8"):  # optional: each with its source
+        if key in raw and not str(raw["sources"].get(key, "")).strip():
+            raise ValueError(f"hardware profile {where}: no source given for ['{key}']")
+        if key in raw and (not isinstance(raw[key], (int, float)) or raw[key] <= 0):
+            raise ValueError(
+                f"hardware profile {where}: {key}={raw[key]!r} must be a positive number"
+            )
     for key in ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "link_efficiency"):
         if not isinstance(raw[key], (int, float)) or raw[key] <= 0:
             raise ValueError(
@@ -206,4 +230,6 @@ def _parse(raw: dict, path: Path) -> Profile:
             k: float(v) for k, v in (raw.get("collective_bytes_per_s") or {}).items()
         },
         path=where,
+        peak_flops_int8=float(raw["peak_flops_int8"]) if "peak_flops_int8" in raw else None,
+        peak_flops_fp8=float(raw["peak_flops_fp8"]) if "peak_flops_fp8" in raw else None,
     )

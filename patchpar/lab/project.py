@@ -47,6 +47,10 @@ class ProjectConfig(CachedDecodeFlags):
     timings: Path | None = None
     """Records of experiments/device/shard_timing.py: where one matches a profile and this
     point, its timed per-device program replaces the fitted compute curve."""
+    quant: str = "none"
+    """The denoiser quantized (patchpar/quant.py: w8, w4, int8, fp8): its int8/fp8 products
+    priced at the profile's int8/fp8 peak (emulated at its bf16 peak where it has none); the
+    speedup is against the unquantized one-device run."""
     json: bool = False
     """Print one JSON object per profile instead of the table."""
 
@@ -69,6 +73,9 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
         raise ValueError(f"steps={config.steps!r}: must be a positive integer")
     if config.batch < 1:
         raise ValueError(f"batch={config.batch!r}: must be >= 1")
+    from patchpar.quant import check_mode
+
+    check_mode(config.quant)
     profiles = hardware.load_all() if config.hardware == "all" else [hardware.load(config.hardware)]
     timings = []
     if config.timings is not None:
@@ -102,18 +109,22 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
         )
     cache = WorkloadCache(config.workloads, log)
 
-    def workload(p):
-        return cache.get(config.model, config.resolution, p, config.batch, config.dtype)
+    def workload(p, quant=config.quant):
+        return cache.get(config.model, config.resolution, p, config.batch, config.dtype, quant)
 
     one = build_plan("single", {}, 1, 1)
-    w, single = workload(replace(plan, cache=None)), workload(one)
+    w, single = workload(replace(plan, cache=None)), workload(one, "none")
     cached = None
     if computed is not None:  # each kind of step's programs: computed, skipped (predicted)
         cached = {
-            (where, kind): workload(replace(p, cache=Forced(plan.cache, kind == "computed")))
+            (where, kind): workload(
+                replace(p, cache=Forced(plan.cache, kind == "computed")),
+                config.quant if where == "plan" else "none",
+            )
             for where, p in (("plan", plan), ("single", one))
             for kind in ("computed", "skipped")
         }
+    kinds = w.phases["warmup"].get("quantized_types") or [None]
     n = plan.devices // plan.data
     if n > 1 and not pixel_space:
         log(f"lowering the VAE decoder on {n} row patches (its collectives)")
@@ -156,6 +167,8 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
                 "batch": config.batch,
                 "steps": config.steps,
                 "dtype": config.dtype,
+                "quant": config.quant,
+                "quant_emulated": hw.emulates(kinds[0]),
                 **p.to_json(),
                 "latency_decode_one_device_s": by_vae["off"].latency_s,
                 "latency_decode_rows_s": by_rows.latency_s if by_rows else None,
@@ -252,6 +265,13 @@ def format_project(rows: list[dict]) -> str:
         f"(cfg={r0['cfg']})"
     )
     where = "row patches" if r0["vae"] == "rows" else "one device"
+    if r0.get("quant", "none") != "none":
+        emulated = [r["hardware"] for r in rows if r.get("quant_emulated")]
+        head += (
+            f" | quant {r0['quant']} (1 device: unquantized"
+            + (f"; emulated on {', '.join(emulated)}" if emulated else "")
+            + ")"
+        )
     lines = [
         head + f" | VAE decode: {'none (pixel space)' if r0.get('pixel_space') else where}",
         "",

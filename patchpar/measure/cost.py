@@ -19,7 +19,7 @@ from patchpar.measure.comm import (
     hlo_text_with_metadata,
     parse_collectives,
 )
-from patchpar.measure.flops import program_flops
+from patchpar.measure.flops import program_flops, quantized_flops
 from patchpar.models.family import Denoiser
 from patchpar.parallel.engine import (
     Plan,
@@ -220,6 +220,9 @@ def count_lowered(
     }
     if flops:
         entry["flops_per_device"] = program_flops(lowered, outer_once=phase_loop, text=text)
+        # of them, a quantized model's int8/fp8 products (priced at those units' peak)
+        q, kinds = quantized_flops(text, outer_once=phase_loop)
+        entry["quantized_flops_per_device"], entry["quantized_types"] = q, kinds
     return entry
 
 

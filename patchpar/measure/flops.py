@@ -49,6 +49,7 @@ class _Instr:
     args: str  # the text inside the opcode's parentheses
     attrs: str  # what follows them
     root: bool
+    type: str = ""  # the result's HLO type (`s32[2,64,32]{2,1,0}`)
 
 
 @dataclass
@@ -121,7 +122,10 @@ def _parse(text: str) -> dict[str, _Computation]:
         if not m:
             continue
         close = _closing(rest, m.end())
-        instr = _Instr(name.lstrip("%"), m.group("op"), rest[m.end() : close], rest[close:], root)
+        instr = _Instr(
+            name.lstrip("%"), m.group("op"), rest[m.end() : close], rest[close:], root,
+            rest[:after].strip(),
+        )  # fmt: skip
         current.instrs[instr.name] = instr
         if root:
             current.root = instr.name
@@ -273,3 +277,62 @@ def program_flops(
             stacklevel=2,
         )
         return xla_flops
+
+
+# ---------------------------------------------------------------- quantized products
+
+QUANTIZED_TYPES = {"s8": "int8", "u8": "int8", "s4": "int4", "u4": "int4",
+                   "f8e4m3fn": "fp8", "f8e5m2": "fp8"}  # fmt: skip
+_ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+class _QuantizedFlops(HloFlops):
+    """`HloFlops` counting only the dots whose operands are int8/int4/fp8 (Qwix's quantized
+    products), 2 x the result's elements x the contracted size each, loops unrolled as
+    `HloFlops` unrolls XLA's count; `kinds` says which quantized types were met."""
+
+    def __init__(self, text: str):
+        super().__init__(text, backend=None)
+        self.kinds: set[str] = set()
+
+    def xla(self, name: str) -> float:
+        if name in self._x:
+            return self._x[name]
+        comp = self.comps.get(name)
+        total = 0.0
+        for instr in comp.instrs.values() if comp else ():
+            if instr.op == "dot":
+                total += self._dot(comp, instr)
+            called = list(_called(instr))
+            branches = [c for k, c in called if k in _BRANCH_KINDS]
+            total += sum(self.xla(c) for k, c in called if k not in _BRANCH_KINDS)
+            total += max((self.xla(c) for c in branches), default=0.0)
+        self._x[name] = total
+        return total
+
+    def _dot(self, comp: _Computation, instr: _Instr) -> float:
+        operands = _OPERANDS.findall(instr.args)
+        lhs = comp.instrs.get(operands[0]) if operands else None
+        m = _ARRAY.match(lhs.type) if lhs is not None else None
+        if m is None or m.group(1) not in QUANTIZED_TYPES:
+            return 0.0
+        self.kinds.add(QUANTIZED_TYPES[m.group(1)])
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        contracted = _LHS_CONTRACTING.search(instr.attrs)
+        k = 1
+        for i in contracted.group(1).split(",") if contracted and contracted.group(1) else []:
+            k *= dims[int(i)]
+        out = _ARRAY.match(instr.type)
+        n = 1
+        for d in out.group(2).split(",") if out and out.group(2) else []:
+            n *= int(d)
+        return 2.0 * n * k
+
+
+def quantized_flops(text: str, outer_once: bool = False) -> tuple[float, list[str]]:
+    """(FLOPs of the quantized products, int8/int4/fp8 operands, of a program's
+    pre-optimisation HLO `text`, loops counted as `program_flops` counts them; the quantized
+    types met)."""
+    q = _QuantizedFlops(text)
+    return q.total(outer_once), sorted(q.kinds)

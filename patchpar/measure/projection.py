@@ -80,6 +80,7 @@ class Workload:
     # the steady model runs on one step in step_stride (AsyncDiff stride 2: the odd steps,
     # each a round giving two steps' predictions)
     step_stride: int = 1
+    quant: str = "none"  # the denoiser's quant mode (patchpar.quant)
     # what lowered it (WORKLOAD_VERSION): a cache line of another version is not served
     version: int = 1
 
@@ -94,6 +95,7 @@ class Workload:
             self.dtype,
             self.data,
             self.fsdp,
+            self.quant,
         )
 
     def to_json(self) -> dict:
@@ -112,7 +114,7 @@ def plan_label(plan) -> str:
 
 
 def workload_key(
-    model, resolution, strategy, devices, cfg, batch, dtype, data=1, fsdp=False
+    model, resolution, strategy, devices, cfg, batch, dtype, data=1, fsdp=False, quant="none"
 ) -> tuple:
     return (
         str(model),
@@ -124,6 +126,7 @@ def workload_key(
         str(dtype),
         int(data),
         bool(fsdp),
+        str(quant),
     )
 
 
@@ -145,13 +148,15 @@ def synchronous_sites(plan, phase: str) -> list[str]:
 
 
 def compute_workload(
-    model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16", log=None
-):
+    model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16", log=None,
+    quant: str = "none",
+):  # fmt: skip
     """Lower one denoiser call per phase with abstract parameters (no weights) and read its FLOPs
     and collectives, plus the text encoders' and the VAE decoder's FLOPs. The attention kernel
     is `xla` here, the reference, whose program is the quickest to lower (the FLOPs are counted
     with loops unrolled, `measure.flops`, and the bytes are the same for every kernel).
-    Validates like `run`."""
+    Validates like `run`. `quant`: the denoiser quantized (`patchpar.quant`, abstract weights):
+    its int8/fp8 products' FLOPs are counted apart (`quantized_flops_per_device`)."""
     import jax.numpy as jnp
 
     from patchpar.measure.cost import measure
@@ -167,15 +172,18 @@ def compute_workload(
         )
     jdtype = getattr(jnp, dtype)
     unet = abstract_denoiser(model, jdtype, XLA)
+    params = None
+    if quant != "none":
+        from patchpar.quant import quantize_abstract
+
+        unet, params = quantize_abstract(unet, unet.abstract_params(), quant)
     latent = resolution // f
-    r = measure(unet, plan, (latent, latent), batch=batch, flops=True, memory=False, log=log)
-    phases = {
-        name: {
-            "flops_per_device": r["phases"][name]["flops_per_device"],
-            "collectives": r["phases"][name]["collectives"],
-        }
-        for name in PHASES
-    }
+    r = measure(
+        unet, plan, (latent, latent), batch=batch, params=params, flops=True, memory=False,
+        log=log,
+    )  # fmt: skip
+    keys = ("flops_per_device", "collectives", "quantized_flops_per_device", "quantized_types")
+    phases = {name: {k: r["phases"][name].get(k) for k in keys} for name in PHASES}
     if log is not None:
         log("lowering the text encoders and the VAE decoder (their FLOPs)")
     halves = unet.guidance_halves  # prompts encoded per image: with a negative one, or not
@@ -203,6 +211,7 @@ def compute_workload(
         sync_offset=plan.program.sync_offset,
         drain_steps=drain,
         step_stride=stride,
+        quant=quant,
         version=WORKLOAD_VERSION,
     )
 
@@ -335,7 +344,7 @@ class WorkloadCache:
                 os.unlink(tmp)
             raise
 
-    def get(self, model, resolution, plan, batch=1, dtype="bfloat16") -> Workload:
+    def get(self, model, resolution, plan, batch=1, dtype="bfloat16", quant="none") -> Workload:
         key = workload_key(
             model,
             resolution,
@@ -346,6 +355,7 @@ class WorkloadCache:
             dtype,
             plan.data,
             plan.fsdp_degree > 1,
+            quant,
         )
         if key not in self._items:
             if self.log is not None:
@@ -353,7 +363,7 @@ class WorkloadCache:
                     f"{model} {resolution}px {plan.strategy.name} on {plan.devices} device(s): "
                     f"not in the workload cache ({self.path}); lowering it with abstract weights"
                 )
-            w = compute_workload(model, resolution, plan, batch, dtype, self.log)
+            w = compute_workload(model, resolution, plan, batch, dtype, self.log, quant)
             self._write(w)
             self._items[key] = w
         return self._items[key]
@@ -402,7 +412,10 @@ def phase_time(
 ) -> PhaseTime:
     """One denoising step of `phase` on the busiest device."""
     p = w.phases[phase]
-    compute = hw.compute_s(p["flops_per_device"]) if compute_s is None else compute_s
+    compute = compute_s
+    if compute_s is None:  # a quantized model's int8/fp8 products at those units' peak
+        quantized, kinds = p.get("quantized_flops_per_device") or 0.0, p.get("quantized_types")
+        compute = hw.compute_s(p["flops_per_device"], quantized, (kinds or [None])[0])
     stale = 0.0
     if compute_s is None and w.stale_bytes_per_device:  # a timed program already holds it
         stale = (2 if phase == "steady" else 1) * w.stale_bytes_per_device / hw.hbm_bytes_per_s
