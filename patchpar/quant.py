@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("w8", "w4", "int8", "fp8")
-CONV = False
+OPS = ("dot_general", "einsum")  # the products quantized (not convolutions: module docstring)
 ATTENTION = r"(.*/)?attn[12]?"  # the attention modules' paths in every family
 
 
@@ -63,12 +63,6 @@ class Mode:
         rounding tie, which XLA then breaks one way or the other depending on how it fuses
         the division: the same model gave other numbers inside `shard_map` than outside)."""
         return f"absmax,{127.5 / 127}" if self.act == jnp.int8 else "absmax"
-
-    @property
-    def op_names(self) -> tuple[str, ...]:
-        ops = ("dot_general", "einsum")
-        # Qwix quantizes a convolution's input and kernel to one type: weights and activations
-        return ops + ("conv_general_dilated",) if self.act is not None and CONV else ops
 
 
 _MODES = {
@@ -193,7 +187,7 @@ def _quantized(fn, mode: str, warn: bool = True):
         module_path=".*",
         weight_qtype=m.weight,
         act_qtype=m.act,
-        op_names=m.op_names,
+        op_names=OPS,
         act_calibration_method=m.act_calibration,
     )
     module = fn.module
