@@ -29,7 +29,7 @@ from pathlib import Path
 ENV = "PATCHPAR_COMPILE_CACHE"
 OFF = ("0", "off", "false", "no")
 
-_state: dict = {"folder": None, "done": False, "hits": 0}
+_state: dict = {"folder": None, "done": False, "hits": 0, "requests": 0}
 
 
 def _warn(msg: str) -> None:
@@ -118,9 +118,17 @@ def hits() -> int:
     return _state["hits"]
 
 
+def compiled() -> int:
+    """Programs this process has compiled since the cache was on (not found in it, or not
+    readable: each then written to it)."""
+    return _state["requests"] - _state["hits"]
+
+
 def _count(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         _state["hits"] += 1
+    elif event == "/jax/compilation_cache/compile_requests_use_cache":  # one per program
+        _state["requests"] += 1
 
 
 def _install(folder: Path) -> None:

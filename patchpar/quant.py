@@ -228,10 +228,30 @@ def checkpoint_paths(folder, mode: str):
     return folder / f"quantized-{mode}.npz", folder / f"quantized-{mode}.json"
 
 
+FLOATS = "*.safetensors"  # the float weights a quantized checkpoint is bound to
+
+
+def float_digest(folder) -> str:
+    """SHA-256 (16 hex digits) of the float weight files of a denoiser folder (their names and
+    contents), the binding of a quantized checkpoint to the weights it was made from;
+    ValueError when the folder holds none."""
+    from pathlib import Path
+
+    from patchpar.models.loading import weights_digest
+
+    if not any(Path(folder).glob(FLOATS)):
+        raise ValueError(
+            f"{str(folder)!r} holds no float weights ({FLOATS}): a quantized checkpoint is made "
+            f"from, and checked against, the float checkpoint beside it"
+        )
+    return weights_digest(folder, FLOATS)
+
+
 def save_quantized(fn, qparams, folder, config: dict) -> None:
     """Write a quantized denoiser's parameters beside its float checkpoint (`folder`: the
-    denoiser's folder; `config`: its config.json, which the checkpoint keeps to be checked on
-    load). Arrays are stored by their path in Qwix's tree, in bits (fp8 and bfloat16 as
+    denoiser's folder, whose float weights `fn` and `qparams` were made from; `config`: its
+    config.json). The metadata keeps the config and the float weights' digest, both checked
+    on load. Arrays are stored by their path in Qwix's tree, in bits (fp8 and bfloat16 as
     unsigned integers, int4 one per int8); the metadata names each one's dtype."""
     import json
     import os
@@ -242,6 +262,7 @@ def save_quantized(fn, qparams, folder, config: dict) -> None:
     mode = mode_of(fn)
     if mode is None:
         raise ValueError("save_quantized: this denoiser is not quantized (quantize it first)")
+    floats = float_digest(folder)
     arrays, dtypes = {}, {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(qparams)[0]:
         key = jax.tree_util.keystr(path)
@@ -256,40 +277,72 @@ def save_quantized(fn, qparams, folder, config: dict) -> None:
     tmp = npz.with_suffix(".tmp.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, npz)  # arrays first: a metadata file means a whole checkpoint
-    info = {"mode": mode, "qwix": version("qwix"), "dtypes": dtypes, "config": config}
+    info = {"mode": mode, "qwix": version("qwix"), "dtypes": dtypes, "config": config,
+            "float_weights_sha256": floats}  # fmt: skip
     meta.with_suffix(".tmp").write_text(json.dumps(info, sort_keys=True))
     os.replace(meta.with_suffix(".tmp"), meta)
 
 
 def load_quantized(fn, folder, mode: str, config: dict):
     """(the quantized denoiser, its parameters) from `folder`'s checkpoint for `mode`, checked
-    against `config` (the denoiser folder's config.json) and against the tree the quantized
-    model of `fn` takes; ValueError naming what differs and how to make it again."""
+    against `config` (the denoiser folder's config.json), against the digest of the float
+    weights beside it (a checkpoint of other weights is never used), against the tree the
+    quantized model of `fn` takes, and for NaN/Inf in its float arrays (scales, fp8 values);
+    ValueError (`CheckpointError`) naming the file, what differs and how to make it again."""
     import json
+    import zipfile
 
     import numpy as np
+    import qwix
+
+    from patchpar.models.loading import CheckpointError, check_finite_tensor
 
     check_mode(mode)
     npz, meta = checkpoint_paths(folder, mode)
-    info = json.loads(meta.read_text())
     again = f"quantize the float model again (Pipeline.quantized({mode!r}).save_quantized())"
+    try:
+        info = json.loads(meta.read_text())
+        keys = {"config", "dtypes", "qwix"} - set(info)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(
+            f"quantized checkpoint metadata {str(meta)!r} does not read ({type(e).__name__}: "
+            f"{e}); delete it or {again}"
+        ) from None
+    if keys:
+        raise CheckpointError(
+            f"quantized checkpoint metadata {str(meta)!r} lacks {sorted(keys)}; {again}"
+        )
     if info["config"] != config:
         keys = sorted(
             k for k in set(info["config"]) | set(config) if info["config"].get(k) != config.get(k)
         )
-        raise ValueError(
+        raise CheckpointError(
             f"quantized checkpoint {str(npz)!r} was made from a denoiser of another config "
             f"(differs in {keys[:5]}); {again}"
         )
-    qf, template = quantize_abstract(fn, fn.abstract_params(), mode)
+    have, made = float_digest(folder), info.get("float_weights_sha256")
+    if have != made:
+        raise CheckpointError(
+            f"quantized checkpoint {str(npz)!r} was made from other float weights than "
+            f"{str(folder)!r} holds now (sha256 {made or 'not recorded'} then, {have} now); "
+            f"{again}"
+        )
+    qf, template = _quantized(fn, mode)  # (warns where the products are emulated)
+    template = jax.eval_shape(lambda p: qwix.quantize_params(p, template), fn.abstract_params())
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
-    stored = np.load(npz)
+    try:
+        stored = np.load(npz)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise CheckpointError(
+            f"quantized checkpoint {str(npz)!r} does not read ({type(e).__name__}: {e}) though "
+            f"its metadata {str(meta)!r} is there; {again}"
+        ) from None
     leaves = []
     for path, want in flat:
         key = jax.tree_util.keystr(path)
         if key not in stored or info["dtypes"].get(key) != jnp.dtype(want.dtype).name:
             have = info["dtypes"].get(key, "nothing")
-            raise ValueError(
+            raise CheckpointError(
                 f"quantized checkpoint {str(npz)!r}: {key} holds {have}, the model takes "
                 f"{jnp.dtype(want.dtype).name} {tuple(want.shape)} (another compute dtype or "
                 f"qwix version: {info['qwix']}); {again}"
@@ -297,9 +350,10 @@ def load_quantized(fn, folder, mode: str, config: dict):
         a = stored[key]
         a = a.astype(jnp.int4) if want.dtype == jnp.int4 else a.view(want.dtype)
         if a.shape != tuple(want.shape):
-            raise ValueError(
+            raise CheckpointError(
                 f"quantized checkpoint {str(npz)!r}: {key} is {a.shape}, the model takes "
                 f"{tuple(want.shape)}; {again}"
             )
+        check_finite_tensor(a, key, f"quantized checkpoint {str(npz)!r}")
         leaves.append(jnp.asarray(a))
     return qf, jax.tree_util.tree_unflatten(treedef, leaves)

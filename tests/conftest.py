@@ -2,7 +2,10 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM at -O0: the same programs, compiled 20-30% faster (the Makefile says why)
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -12,9 +15,26 @@ import tempfile  # noqa: E402
 # Generated model folders (tiny presets) go to a fresh place per test session.
 os.environ["PATCHPAR_HOME"] = tempfile.mkdtemp(prefix="patchpar-test-")
 
+# One compile cache for the session, shared by its pytest workers (the same run id): many
+# tests compile the same programs (a micro model's single-device reference, a strategy's phase
+# programs on the same inputs), and a program compiled once is then read back, in this worker
+# or the other. A fresh folder per session: nothing comes from an earlier run. Tests of the
+# cache itself run their processes without it (their own folders).
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_cache = (
+    os.path.join(tempfile.gettempdir(), f"patchpar-test-cache-{_run}")
+    if _run
+    else tempfile.mkdtemp(prefix="patchpar-test-cache-")
+)
+os.environ.setdefault("PATCHPAR_COMPILE_CACHE", _cache)
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from patchpar import compile_cache  # noqa: E402
+
+compile_cache.enable()
 
 import pytest  # noqa: E402
 
@@ -66,34 +86,43 @@ def run_notebook():
 
 
 # Files with the most work first. `make test` runs pytest-xdist with `--dist loadfile`, which
-# hands out whole files in collection order, so a heavy file collected late (test_runner.py's
-# killed-and-resumed sweep alone takes ~150 s) ran by itself at the end while the other worker
-# idled. Measured on this 2-core machine, same 250 tests: 766 s in alphabetical order, 495 s
-# with this order. Within a file the order is unchanged. pytest-xdist >= 3.6 reorders files by
-# their number of tests unless told not to (`--no-loadscope-reorder`, in the Makefile): that
-# put test_processes.py's one 77 s test last, alone.
+# hands out whole files in collection order, so a heavy file collected late ran by itself at
+# the end while the other worker idled (on this 2-core machine, 250 tests: 766 s in
+# alphabetical order, 495 s heaviest first). The order: each file's measured time in the
+# default tier, most first (re-measure with `pytest --durations=0` when a file grows). Within a
+# file the order is unchanged. pytest-xdist >= 3.6 reorders files by their number of tests
+# unless told not to (`--no-loadscope-reorder`, in the Makefile).
 HEAVY_FIRST = (
+    "test_quant.py",
     "test_runner.py",
     "test_processes.py",
+    "test_parallel_sd3.py",
+    "test_asyncdiff.py",
     "test_parallel_context.py",
-    "test_parallel_fsdp.py",
-    "test_parallel_exchange.py",
-    "test_non_square.py",
+    "test_parallel_flux.py",
     "test_parallel_unet.py",
+    "test_parallel_fsdp.py",
+    "test_cache.py",
+    "test_compress.py",
     "test_parallel_cli.py",
-    "test_parallel_forward.py",
-    "test_parallel_tensor.py",
-    "test_attention.py",
-    "test_models_parity.py",
-    "test_fmnist.py",
-    "test_cli.py",
-    "test_projection.py",
-    "test_quality.py",
+    "test_pipefusion.py",
+    "test_parallel_exchange.py",
+    "test_deepcache.py",
+    "test_wire.py",
+    "test_compile_cache.py",
+    "test_parallel_dit.py",
     "test_comm.py",
-    "test_pipeline.py",
-    "test_device_suite.py",
-    "test_xla_cpu.py",
+    "test_vae_parallel.py",
+    "test_fmnist.py",
+    "test_ignored_options.py",
+    "test_non_square.py",
+    "test_flux_pipeline.py",
+    "test_parallel_tensor.py",
+    "test_projection.py",
+    "test_cli.py",
     "test_notebooks.py",
+    "test_launch.py",
+    "test_attention.py",
 )
 
 

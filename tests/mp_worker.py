@@ -184,6 +184,14 @@ def main() -> None:
             import numpy as np
 
             np.savez(args[1], **latents)
+    elif what == "denoise_and_vae":  # both in one launch (one start-up of the processes)
+        latents = final_latents(jax.device_count(), int(args[3]), args[4:])
+        outs = vae_outputs(jax.device_count())
+        if jax.process_index() == 0:
+            import numpy as np
+
+            np.savez(args[1], **latents)
+            np.savez(args[2], **outs)
     elif what == "bases":
         states = link_states(jax.device_count(), args[2])
         if jax.process_index() == 0:

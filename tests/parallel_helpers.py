@@ -84,3 +84,11 @@ def denoise_cached(fn, params, x, cond, c, name, devices, cfg, gs, sampler, step
         plan.validate(fn, x.shape[1:3], steps, gs)
         out, state = denoise(fn, plan, smp, params, cond, sched, x, gs)
     return np.asarray(out), state
+
+
+def rounding(want) -> float:
+    """How far an exact strategy's output may be from single's by float32 rounding alone (the
+    same arithmetic in another order): 1e-4, or 1e-5 of the values' largest magnitude where
+    that is more (the micro MMDiTs' latents reach ~150 after a few flow steps, where 1e-4 is
+    5 ulps: a bound another machine's code generation could cross)."""
+    return max(1e-4, 1e-5 * float(np.abs(np.asarray(want)).max()))

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parallel_helpers import rounding
 from test_parallel_dit import GUIDANCE, inputs, max_diff
 from test_pipefusion import micro_dit
-from torch_refs import rel_err
 
 from patchpar.models.sites import IDENTITY
 from patchpar.parallel.asyncdiff import _text, balanced_split, boundaries, component_bounds
@@ -105,7 +105,7 @@ def test_one_component_is_single():
     assert max_diff(sample("asyncdiff", 1, warmup_steps=1), sample("single", 1)) <= 1e-4
 
 
-@pytest.mark.parametrize("devices, warmup", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("devices, warmup", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_asynchronous_steps_equal_the_reference(devices, warmup):
     fn, params = micro_dit()
     x, _, cond = inputs()
@@ -137,7 +137,7 @@ def test_stride_two_equals_the_reference(devices, warmup):
 
 def test_cfg_split_equals_the_same_components_without():
     one = sample("asyncdiff", 2, warmup_steps=2)
-    assert rel_err(sample("asyncdiff", 4, 2, warmup_steps=2), one) <= 1e-6
+    assert max_diff(sample("asyncdiff", 4, 2, warmup_steps=2), one) <= rounding(one)
 
 
 @pytest.mark.parametrize("devices, cfg, data, stride", [(2, 1, 1, 1), (8, 2, 2, 1), (4, 1, 1, 2)])
@@ -239,7 +239,7 @@ def test_on_an_mmdit(family):
         return np.asarray(out)
 
     single = run(1, 1)
-    assert max_diff(run(2, 4), single) <= 1e-4
+    assert max_diff(run(2, 4), single) <= rounding(single)
     bounds = component_bounds(fn, 2, x, cond)
     assert len(bounds) == 2 and bounds[0][0] == 0 and bounds[-1][1] == fn.module.num_blocks
     got = run(2, 1)
@@ -284,13 +284,13 @@ def test_on_a_unet(kind, devices, stride):
 
     single = np.asarray(denoise(fn, Plan(make_strategy("single"), 1), smp, params, cond, sched,
                                 x * sched.init_noise_sigma, scale)[0])  # fmt: skip
-    assert max_diff(run(devices, 4), single) <= 1e-4
+    assert max_diff(run(devices, 4), single) <= rounding(single)
     parts = devices - stride + 1
     bounds = component_bounds(fn, parts, x, cond)
     assert len(bounds) == parts and bounds[-1][1] == fn.module.num_blocks
     got = run(devices, 1)
     want = reference(fn, params, bounds, 1, x, cond, smp, sched, scale, stride=stride)
-    assert max_diff(got, want) <= 1e-4 and max_diff(got, single) > 1e-4
+    assert max_diff(got, want) <= rounding(want) and max_diff(got, single) > rounding(single)
     plan = Plan(make_strategy("asyncdiff", warmup_steps=1, stride=stride), devices)
     rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
     assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec

@@ -49,7 +49,9 @@ def test_cached_runs_record_the_cache_against_uncached_single(tmp_path):
         assert m["blocks_computed"] == pytest.approx((STEPS + n * (blocks - 1)) / (STEPS * blocks))
         # against uncached single: skipped steps change the image
         assert m["latent_max_abs_diff"] > 1e-3 and np.isfinite(m["psnr"])
-    # sync_patch with the cache equals single with the cache: the same decisions, one image
+    # sync_patch with the cache equals single with the cache: the same decisions (each taken
+    # far from the threshold, so on any machine), one image
+    assert 1e-3 < one["metrics"]["cache_closest_decision"] < float("inf")
     assert two["metrics"]["cache_computed_steps"] == one["metrics"]["cache_computed_steps"]
     assert two["metrics"]["latent_max_abs_diff"] == pytest.approx(
         one["metrics"]["latent_max_abs_diff"], abs=1e-4
@@ -67,7 +69,9 @@ def test_cached_runs_record_the_cache_against_uncached_single(tmp_path):
     )
     m = plain["metrics"]
     assert m["cache"] == "none" and m["blocks_computed"] == 1.0
-    assert m["cache_computed_steps"] == STEPS and m["latent_max_abs_diff"] == 0.0
+    # (its baseline came from the cached single run's pass of the uncached program: another
+    # compiled program of the same arithmetic, float rounding apart)
+    assert m["cache_computed_steps"] == STEPS and m["latent_max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.slow

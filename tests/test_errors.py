@@ -145,3 +145,19 @@ def test_bad_image_size_names_what_fits(tiny):
         pipe("a cat", height=64, width=64, steps=2, sampler="heun")
     with pytest.raises(ValueError, match=r"steps=0: need an integer in \[1, 1000\]"):
         pipe("a cat", height=64, width=64, steps=0)
+
+
+def test_a_patchpar_home_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    """PATCHPAR_HOME naming a file (where model folders, the compile cache and workloads go):
+    one line naming it, from the library and from a command (exit 2), not NotADirectoryError."""
+    from patchpar.lab.cli import main
+    from patchpar.models.presets import home
+
+    path = tmp_path / "home"
+    path.write_text("")
+    monkeypatch.setenv("PATCHPAR_HOME", str(path))
+    with pytest.raises(ValueError, match=rf"PATCHPAR_HOME='{path}' is a file, not a folder"):
+        home()
+    assert main(["generate", "--model", "tiny", "--steps", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("patchpar: error: PATCHPAR_HOME=") and "is a file" in err[-1]

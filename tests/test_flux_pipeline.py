@@ -4,6 +4,8 @@ shift (and schnell's fixed one), the final latent of a few-step run from the sam
 (<= 1e-3), the 16-channel-style VAE decode with its shift factor; the tiny-flux preset through
 `patchpar generate` on row patches; bad input."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -224,6 +226,26 @@ def test_flux_bad_input(dev_folder):
     long = " ".join(TEXTS * 3)  # more T5 tokens than the folder's 24
     with pytest.warns(UserWarning, match="the text encoder takes 24, so this part was truncated"):
         pipe.encode_prompt([long], None, 3.5, 16, 16)
+
+
+def test_max_sequence_length_is_checked_before_any_weight_is_read(dev_folder, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
+    """A FLUX folder asking for more T5 tokens than FluxPipeline takes (512): a one-line error
+    before a weight is read, not an out-of-memory error after encoding."""
+    import shutil
+
+    from patchpar.models import components, loading
+
+    path, _ = dev_folder
+    shutil.copytree(path, tmp_path / "pipe")
+    index = tmp_path / "pipe" / "model_index.json"
+    for bad in (100000, 0, "512"):
+        index.write_text(json.dumps({**json.loads(index.read_text()), "max_sequence_length": bad}))
+        for module in (loading, components):
+            monkeypatch.setattr(module, "read_state_dict", lambda *a: pytest.fail("weights read"))
+        with pytest.raises(ValueError, match=rf"max_sequence_length={bad!r} in model_index.json: "
+                           r"FluxPipeline reads 1 to 512 T5 tokens \(default 512\)"):  # fmt: skip
+            load_pipeline(tmp_path / "pipe")
 
 
 def test_tiny_flux_generates_on_row_patches(tmp_path):

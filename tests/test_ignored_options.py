@@ -160,6 +160,21 @@ def test_options_without_effect_are_warned_of_and_recorded(tmp_path, capsys):
     ]
 
 
+def test_a_cache_option_past_the_last_step_is_warned_of():
+    """taylorseer's stop at or after the run's last step never comes (the run is the one
+    without it): a warning in `run` and `generate`, not silence; a stop inside the run is not."""
+    from patchpar.lab.generate import GenerateConfig, check
+
+    base = {"model.name": "fmnist-dit", "cache.name": "taylorseer", "sampler.steps": 4}
+    for stop, warned in ((100, True), (4, True), (3, False)):
+        cfg = with_overrides(RunConfig(), {**base, "cache.stop": stop})
+        want = [f"cache stop={stop} has no effect with 4 steps: the last step is 3, so caching "
+                f"never stops (as unset); use stop <= 3"]  # fmt: skip
+        assert unused_options(cfg) == (want if warned else [])
+        gen = GenerateConfig(model="fmnist-dit", steps=4, cache="taylorseer", cache_stop=stop)
+        assert check(gen) == (want if warned else [])
+
+
 def test_generate_reports_each_stage_as_it_starts(tmp_path, micro_folder, capsys):
     args = ["generate", "--model", str(micro_folder), "--strategy", "distrifusion", "--devices",
             "2", "--steps", "3", "--warmup-steps", "0", "--out", str(tmp_path)]  # fmt: skip

@@ -88,7 +88,8 @@ def test_labels_never_hide_a_difference_behind_a_column(tmp_path):
                                           sampler__steps=20)])  # fmt: skip
     records = read_runs([a, b])
     text = markdown(records, ("label", "mesh.devices"))
-    assert "| distrifusion sampler.steps=20 | " in text and "| distrifusion | " in text
+    # 20 steps is the default: not spelled out; 10 is
+    assert "| distrifusion sampler.steps=10 | " in text and "| distrifusion | " in text
     names = [r["_name"] for r in _named(records, ("mesh.devices",))]
     assert len(set(names)) == 2  # two series, not one line through both points
     import matplotlib
@@ -113,6 +114,47 @@ def test_labels_never_hide_a_difference_behind_a_column(tmp_path):
     # many series: a colour and marker pair of their own each
     pairs = {tuple(style(i).values()) for i in range(40)}
     assert len(pairs) == 40
+
+
+def test_labels_say_each_difference_once_and_no_default(tmp_path):
+    """Two folders: a FLUX run with true classifier-free guidance and a negative prompt, and a
+    w8 run of another model at the defaults. Each label names what tells its run apart, once
+    (`+ w8` is the quant mode: no `model.quant=w8` after it), never a default value and never
+    an empty one."""
+    true_cfg = run_record("single", run_id="t", devices=1, model__name="fmnist-flux",
+                          sampler__true_cfg_scale=4.0,
+                          prompts__negative_prompt="blurry")  # fmt: skip
+    w8 = run_record("single + w8", run_id="w", devices=1, model__name="tiny-flux",
+                    model__quant="w8", sampler__true_cfg_scale=1.0,
+                    prompts__negative_prompt="")  # fmt: skip
+    records = read_runs([write(tmp_path / "a", [true_cfg]), write(tmp_path / "b", [w8])])
+    labels = point_labels(records, ("mesh.devices",))
+    assert labels == [
+        "single sampler.true_cfg_scale=4.0 prompts.negative_prompt=blurry",
+        "single + w8 model.name=tiny-flux",
+    ]
+    text = markdown(records, ("label", "mesh.devices"))
+    assert "model.quant" not in text and "true_cfg_scale=1.0" not in text
+    assert not any(t.endswith("=") for lab in labels for t in lab.split())
+    # a value with spaces, or an empty one where that is not the default, is quoted
+    spaced = run_record("single", run_id="s", prompts__negative_prompt="low quality")
+    empty = run_record("single", run_id="e", measure__ground_truth="")
+    assert point_labels([run_record("single"), spaced, empty])[1:] == [
+        'single prompts.negative_prompt="low quality"',
+        'single measure.ground_truth=""',
+    ]
+    # records whose label does not name their cache (no label): the cache is named after it
+    bare = [run_record("single", run_id=c, cache__name=c) for c in ("none", "fbcache")]
+    for r in bare:
+        del r["label"]
+    assert point_labels(bare) == ["single", "single cache.name=fbcache"]
+    # neither holds the default (7.5): the most common value is the reference
+    guided = [run_record(run_id=str(g), sampler__guidance_scale=g) for g in (2.0, 2.0, 4.0)]
+    assert point_labels(guided) == [
+        "sync_patch",
+        "sync_patch",
+        "sync_patch sampler.guidance_scale=4.0",
+    ]
 
 
 def test_table_tells_points_and_folders_apart(tmp_path):

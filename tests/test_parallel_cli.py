@@ -13,7 +13,7 @@ from patchpar.parallel.strategies import make_strategy
 SLOW = pytest.mark.slow  # test_sync_patch_cli_latent_equals_single runs sync_patch too
 STRATEGIES = [
     pytest.param("single", [], 1, 1, marks=SLOW),
-    ("naive_patch", ["--split", "alternate"], 4, 1),
+    pytest.param("naive_patch", ["--split", "alternate"], 4, 1, marks=SLOW),
     pytest.param("sync_patch", [], 8, 1, marks=SLOW),
     pytest.param("distrifusion", ["--warmup-steps", "1", "--gn", "stale"], 4, 2, marks=SLOW),
     ("pcpp", ["--portion", "0.3", "--send", "band", "--warmup-steps", "1"], 8, 1),

@@ -93,7 +93,7 @@ def _steady_collectives(strategy, patch, cfg=1, kind="sd", **options):
 @pytest.mark.parametrize(
     "strategy, options, patch",
     [
-        ("distrifusion", {}, 2),
+        pytest.param("distrifusion", {}, 2, marks=SLOW),  # 2 devices: test_two_devices_...
         ("pcpp", {"send": "band"}, 4),
         pytest.param("distrifusion", {}, 4, marks=SLOW),
         pytest.param("pcpp", {"send": "band"}, 2, marks=SLOW),

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parallel_helpers import rounding
 
 from patchpar.models.flux import FluxConfig, FluxFn, FluxTransformer2DModel
 from patchpar.parallel.engine import Plan, denoise, make_step
@@ -65,7 +66,7 @@ def test_sync_patch_forward_on_an_mmdit_equals_single(patch):
     step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
     out, _ = step(params, x, t, cond, None)
     ref = single_guided(fn, params, x, t, cond)
-    assert out.shape == x.shape and max_diff(out, ref) <= 1e-4
+    assert out.shape == x.shape and max_diff(out, ref) <= rounding(ref)
 
 
 @cache
@@ -86,11 +87,11 @@ def test_exact_and_stale_sampling_runs_on_an_mmdit():
     single blocks alike) differs."""
     single, _ = _sample("single", 1)
     sync, _ = _sample("sync_patch", 2)
-    assert max_diff(sync, single) <= 1e-4
+    assert max_diff(sync, single) <= rounding(single)
     warm, state = _sample("distrifusion", 2, warmup_steps=3)
-    assert max_diff(warm, sync) <= 1e-4 and jax.tree.leaves(state)
+    assert max_diff(warm, sync) <= rounding(sync) and jax.tree.leaves(state)
     stale, state = _sample("distrifusion", 2, warmup_steps=1)
-    assert max_diff(stale, sync) > 1e-4
+    assert max_diff(stale, sync) > rounding(sync)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     want = [f"['{kind}_{i}']['attn']['kv']" for kind in ("single_transformer_blocks",
             "transformer_blocks") for i in range(2)]  # fmt: skip
@@ -118,7 +119,8 @@ def test_context_parallel_joint_attention_equals_single(name, devices, options):
     plan.validate(fn, x.shape[1:3], 10, GUIDANCE)
     step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
     out, _ = step(params, x, t, cond, None)
-    assert max_diff(out, single_guided(fn, params, x, t, cond)) <= 1e-4
+    want = single_guided(fn, params, x, t, cond)
+    assert max_diff(out, want) <= rounding(want)
     rec = measure(fn, plan, x.shape[1:3], batch=2, flops=False)
     assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
 
@@ -168,7 +170,8 @@ def test_tensor_parallel_on_an_mmdit_equals_single(devices, options, fsdp):
     plan.validate(fn, x.shape[1:3], 10, GUIDANCE)
     step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
     out, _ = step(params, x, t, cond, None)
-    assert max_diff(out, single_guided(fn, params, x, t, cond)) <= 1e-4
+    want = single_guided(fn, params, x, t, cond)
+    assert max_diff(out, want) <= rounding(want)
     rec = measure(fn, plan, x.shape[1:3], batch=2, params=params, flops=False)
     assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
     assert rec["weight_bytes_per_device"] < weight_bytes_per_device(params, {}, {}, fn.logical)
@@ -203,7 +206,7 @@ def test_text_stream_policies(text):
 
     sync, _ = _sample("sync_patch", 2)
     warm, _ = _sample("distrifusion", 2, warmup_steps=3, text=text)
-    assert max_diff(warm, sync) <= 1e-4
+    assert max_diff(warm, sync) <= rounding(sync)
     own, _ = _sample("distrifusion", 2, warmup_steps=1)
     kept, _ = _sample("distrifusion", 2, warmup_steps=1, text=text)
     assert max_diff(kept, own) > 1e-6
@@ -256,7 +259,7 @@ def test_the_flux_stack_composes_to_the_model():
     assert stack.segment_layers == (2, 2) and max_diff(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("stages", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_pipefusion_on_an_mmdit(stages):
     """PipeFusion over the double- and single-stream blocks as two segments (the second run
     back from the last stage to the first, so each device holds 1/S of each kind; a token
@@ -267,13 +270,13 @@ def test_pipefusion_on_an_mmdit(stages):
 
     single, _ = _sample("single", 1)
     warm, _ = _sample("pipefusion", stages, warmup_steps=4)
-    assert max_diff(warm, single) <= 1e-4
+    assert max_diff(warm, single) <= rounding(single)
     piped, state = _sample("pipefusion", stages, warmup_steps=1)
     naive, _ = _sample("naive_patch", 2)
     if stages > 1:  # M = 4: the least that splits 8 token rows, >= 2 (S - 1) + 1
-        assert 1e-4 < max_diff(piped, single) < max_diff(naive, single)
+        assert rounding(single) < max_diff(piped, single) < max_diff(naive, single)
     else:  # one stage, one patch: both segments on the same device, every K/V fresh
-        assert max_diff(piped, single) <= 1e-4
+        assert max_diff(piped, single) <= rounding(single)
     fn, _ = micro_flux()
     x, _, _ = inputs()
     plan = Plan(make_strategy("pipefusion", warmup_steps=1), stages)
@@ -332,4 +335,5 @@ def test_pipelined_mmdit_steps_are_displaced_patch_attention(stages, patches):
     pair hopping) computes what PipeFusion means: patches in order, this step's image K/V for
     the earlier ones and last step's for the later ones, each patch its own text stream."""
     got, _ = _sample("pipefusion", stages, warmup_steps=1, num_patches=patches)
-    assert max_diff(got, _displaced_reference(1, patches)) <= 1e-4
+    want = _displaced_reference(1, patches)
+    assert max_diff(got, want) <= rounding(want)

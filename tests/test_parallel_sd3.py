@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parallel_helpers import rounding
 
 from patchpar.models.sd3 import SD3Config, SD3Fn, SD3Transformer2DModel
 from patchpar.parallel.engine import Plan, denoise, make_step
@@ -70,14 +71,15 @@ def one_call(name, devices, **options):
     plan.validate(fn, x.shape[1:3], 10, GUIDANCE)
     step = jax.jit(make_step(fn, plan, "warmup", "row", GUIDANCE, plan.mesh()))
     out, _ = step(params, x, t, cond, None)
-    return max_diff(out, single_guided(fn, params, x, t, cond)), plan
+    want = single_guided(fn, params, x, t, cond)
+    return max_diff(out, want) / rounding(want), plan
 
 
 @pytest.mark.parametrize(
     "name, devices, options",
     [
         ("sync_patch", 2, {}),
-        ("sync_patch", 4, {}),
+        pytest.param("sync_patch", 4, {}, marks=pytest.mark.slow),
         ("sync_patch", 4, {"cfg": 2}),
         ("ring", 4, {}),
         ("ulysses", 4, {}),  # 3 heads padded to 4
@@ -92,8 +94,8 @@ def test_exact_strategies_on_sd3_equal_single(name, devices, options):
     attentions and the dual block's image self-attention counted)."""
     from patchpar.measure.cost import measure
 
-    diff, plan = one_call(name, devices, **options)
-    assert diff <= 1e-4
+    apart, plan = one_call(name, devices, **options)
+    assert apart <= 1  # float rounding apart
     fn, params = micro_sd3()
     x, _, _ = inputs()
     rec = measure(fn, plan, x.shape[1:3], batch=2, params=params, flops=False)
@@ -118,12 +120,12 @@ def test_exact_and_stale_sampling_runs_on_sd3():
     the dual block's second attention) differ."""
     single, _ = _sample("single", 1)
     sync, _ = _sample("sync_patch", 2)
-    assert max_diff(sync, single) <= 1e-4
+    assert max_diff(sync, single) <= rounding(single)
     for name in ("distrifusion", "pcpp"):
         warm, _ = _sample(name, 2, warmup_steps=3)
-        assert max_diff(warm, sync) <= 1e-4, name
+        assert max_diff(warm, sync) <= rounding(sync), name
     stale, state = _sample("distrifusion", 2, warmup_steps=1)
-    assert max_diff(stale, sync) > 1e-4
+    assert max_diff(stale, sync) > rounding(sync)
     # compressed (CompactFusion's int8 residuals), a stale codec and extrapolation all run;
     # each differs from the exact run, int8 by less than the stale exchange does
     compact, _ = _sample("compact", 2, codec="int8")
@@ -186,7 +188,14 @@ def test_the_sd3_stack_composes_to_the_model(kind, segments):
     assert stack.segment_layers == segments and max_diff(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("kind, stages", [("plain", 1), ("plain", 2), ("dual2", 2)])
+@pytest.mark.parametrize(
+    "kind, stages",
+    [
+        pytest.param("plain", 1, marks=pytest.mark.slow),
+        pytest.param("plain", 2, marks=pytest.mark.slow),
+        ("dual2", 2),  # segments of both kinds
+    ],
+)
 def test_pipefusion_on_sd3(kind, stages):
     """PipeFusion over the joint blocks (a token pair hops between stages; a dual block's
     stage keeps both attentions' image K/V). Warm-up over every step equals single; after one
@@ -196,13 +205,13 @@ def test_pipefusion_on_sd3(kind, stages):
 
     single, _ = _sample("single", 1, kind)
     warm, _ = _sample("pipefusion", stages, kind, warmup_steps=4)
-    assert max_diff(warm, single) <= 1e-4
+    assert max_diff(warm, single) <= rounding(single)
     piped, state = _sample("pipefusion", stages, kind, warmup_steps=1)
     naive, _ = _sample("naive_patch", 2, kind)
     if stages > 1:
-        assert 1e-4 < max_diff(piped, single) < max_diff(naive, single)
+        assert rounding(single) < max_diff(piped, single) < max_diff(naive, single)
     else:
-        assert max_diff(piped, single) <= 1e-4
+        assert max_diff(piped, single) <= rounding(single)
     fn, _ = micro_sd3(kind)
     x, _, _ = inputs()
     plan = Plan(make_strategy("pipefusion", warmup_steps=1), stages)

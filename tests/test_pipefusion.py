@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parallel_helpers import rounding
 from test_parallel_dit import GUIDANCE, MICRO, inputs, max_diff
-from torch_refs import rel_err
 
 from patchpar.models.api import PixArtFn
 from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
@@ -90,7 +90,7 @@ def test_cfg_split_equals_the_same_pipeline_without():
     cfg=1 on the same stages, to float32 rounding of a different batch."""
     for options in ({"warmup_steps": STEPS}, {"warmup_steps": 1, "num_patches": 4}):
         one = sample("pipefusion", 2, **options)
-        assert rel_err(sample("pipefusion", 4, 2, **options), one) <= 1e-6
+        assert max_diff(sample("pipefusion", 4, 2, **options), one) <= rounding(one)
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def displaced_reference(warmup: int, patches: int) -> np.ndarray:
     "stages, patches",
     [
         (2, 4),
-        (4, 4),
+        pytest.param(4, 4, marks=pytest.mark.slow),
         pytest.param(2, 2, marks=pytest.mark.slow),
         pytest.param(4, 8, marks=pytest.mark.slow),
     ],
@@ -190,7 +190,8 @@ def test_placed_stages_hold_their_own_blocks_and_give_the_same_images():
     shard = blocks["attn1"]["to_q"]["kernel"].addressable_shards[0].data
     assert shard.shape[0] == 3 and np.asarray(real).tolist() == [True] * 5 + [False]
     out, _ = denoise(fn, plan, smp, staged, cond, sched, x * sched.init_noise_sigma, GUIDANCE)
-    assert max_diff(out, sample("pipefusion", 2, warmup_steps=1, num_patches=4)) == 0
+    want = sample("pipefusion", 2, warmup_steps=1, num_patches=4)
+    assert max_diff(out, want) <= rounding(want)  # another program: rounding apart
 
 
 @pytest.mark.parametrize(

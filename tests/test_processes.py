@@ -42,18 +42,20 @@ def _single_latent() -> np.ndarray:
     return np.asarray(out)
 
 
-def _check(processes: int, cfg: int, names: list[str], tmp_path, also=()) -> dict:
+def _check(processes: int, cfg: int, names: list[str], tmp_path, also=(), got=None) -> dict:
     """The exact strategies (sync_patch, ring, ulysses, tensor, data parallel) over the processes equal
     the single device (<= 1e-4 relative, the engine's tolerance); a stale strategy equals
     itself on as many fake devices in one process (<= 1e-5). `also`: run in the same launch,
-    not checked here. Returns every final latent."""
+    not checked here. `got`: the latents of a launch already made (else launched here).
+    Returns every final latent."""
     from mp_worker import EXACT, final_latents
 
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "latents.npz"
-    args = ["denoise", str(out), str(cfg), *names, *also]
-    launch.launch(args, processes, timeout_s=400, log=quiet, program=WORKER_PROGRAM)
-    got = dict(np.load(out))
+    if got is None:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        out = tmp_path / "latents.npz"
+        args = ["denoise", str(out), str(cfg), *names, *also]
+        launch.launch(args, processes, timeout_s=400, log=quiet, program=WORKER_PROGRAM)
+        got = dict(np.load(out))
     single = _single_latent()
     for name in [n for n in names if n in EXACT]:
         assert _rel(got[name], single) <= 1e-4, name
@@ -66,27 +68,40 @@ def _check(processes: int, cfg: int, names: list[str], tmp_path, also=()) -> dic
     return got
 
 
-def test_two_processes_equal_one_device(tmp_path):
+# the default tier's two checks share one launch of 2 processes (one start-up, one join)
+EXACT_HERE = ["sync_patch"]  # permutes, all-gathers and all-reduces over gloo; FSDP's weight
+# gathers, the all-reduce of tensor, all-to-all (ulysses), ring hops and data parallel in the
+# slow test below
+PACKED = ["distrifusion", "distrifusion_per_site"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """(final latents, VAE outputs) of one launch of 2 processes: the strategies above, then
+    the VAE's row patches and tiles."""
+    tmp = tmp_path_factory.mktemp("launched")
+    latents, vae = tmp / "latents.npz", tmp / "vae.npz"
+    args = ["denoise_and_vae", str(latents), str(vae), "1", *EXACT_HERE, *PACKED]
+    launch.launch(args, 2, timeout_s=400, log=quiet, program=WORKER_PROGRAM)
+    return dict(np.load(latents)), dict(np.load(vae))
+
+
+def test_two_processes_equal_one_device(launched, tmp_path):
     """The exact strategies over 2 gloo processes equal one device; DistriFusion's stale sends
     exchanged together (one group) give the final latent of per-site exchanges exactly."""
-    # permutes and all-gathers over gloo here; the all-reduce (tensor), all-to-all (ulysses),
-    # ring hops and data parallel in the slow test below
-    exact = ["sync_patch", "fsdp"]
-    got = _check(2, 1, exact, tmp_path, also=["distrifusion", "distrifusion_per_site"])
+    got = _check(2, 1, EXACT_HERE, tmp_path, got=launched[0])
     np.testing.assert_array_equal(got["distrifusion"], got["distrifusion_per_site"])
     assert _rel(got["distrifusion"], got["sync_patch"]) > 1e-5
 
 
-def test_vae_rows_and_tiles_over_two_processes_equal_one_device(tmp_path):
+def test_vae_rows_and_tiles_over_two_processes_equal_one_device(launched):
     """The VAE's row patches over 2 gloo processes (halo permutes, GroupNorm all-reduces, ring
     hops) decode and encode as one device does; the tiles spread over them decode as on one."""
     from mp_worker import vae_inputs
 
     from patchpar.parallel.vae import VAEPlan, decode, encode
 
-    out = tmp_path / "vae.npz"
-    launch.launch(["vae", str(out)], 2, timeout_s=300, log=quiet, program=WORKER_PROGRAM)
-    got = dict(np.load(out))
+    got = launched[1]
     vae, params, z, images = vae_inputs()
     mean, logvar = encode(vae, params, images, VAEPlan())
     want = {
@@ -101,7 +116,7 @@ def test_vae_rows_and_tiles_over_two_processes_equal_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_stale_strategies_and_four_processes_with_cfg_split(tmp_path):
-    _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data"], tmp_path / "exact")
+    _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data", "fsdp"], tmp_path / "exact")
     _check(2, 1, ["sync_patch", "distrifusion"], tmp_path / "distrifusion")
     got = _check(2, 1, ["sync_patch", "pcpp"], tmp_path / "pcpp", also=["pcpp_per_site"])
     np.testing.assert_array_equal(got["pcpp"], got["pcpp_per_site"])  # packed = per site

@@ -175,7 +175,8 @@ def test_max_sequence_length_above_the_models_is_refused(sd3_folder, tmp_path):
     shutil.copytree(path, tmp_path / "pipe")
     index = tmp_path / "pipe" / "model_index.json"
     index.write_text(json.dumps({**json.loads(index.read_text()), "max_sequence_length": 600}))
-    with pytest.raises(ValueError, match="max_sequence_length=600: SD3 reads 1 to 512 T5 tokens"):
+    with pytest.raises(ValueError, match=r"max_sequence_length=600 in model_index.json: "
+                       r"StableDiffusion3Pipeline reads 1 to 512 T5 tokens \(default 256\)"):  # fmt: skip
         load_pipeline(tmp_path / "pipe")
 
 

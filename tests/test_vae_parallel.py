@@ -35,7 +35,8 @@ def tiny():
 
 
 @pytest.mark.parametrize("devices, data, hw", [(2, 1, (16, 24)), (4, 1, (8, 8)),
-                                               (8, 1, (16, 8)), (4, 2, (16, 16))])  # fmt: skip
+                                               pytest.param(8, 1, (16, 8), marks=pytest.mark.slow),
+                                               (4, 2, (16, 16))])  # fmt: skip
 def test_row_patches_decode_as_one_device(tiny, devices, data, hw):
     vae, params = tiny
     z = _latent(2, *hw)

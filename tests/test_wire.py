@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.models.attention import AttentionSpec, attend
 from patchpar.parallel.codecs import FP8, from_rows, parse, rows_bytes, to_rows
+from patchpar.parallel.engine import Plan
 from patchpar.parallel.mesh import PATCH, make_mesh
 from patchpar.parallel.sites.context import context_attention
 from patchpar.parallel.strategies import make_strategy
@@ -77,10 +78,30 @@ def test_coded_ulysses_equals_exact_attention_of_the_coded_tensors(wire):
         lambda q, k, v: context_attention(q, k, v, heads, XLA, 4, 4, codecs=c), 4, q, k, v
     )
     coded = [x if cc is None else rt(x, cc, heads) for x, cc in zip((q, k, v), c, strict=False)]
-    want = attend(XLA, *coded, heads)
-    want = want if c[3] is None else rt(want, c[3], heads)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    exact = attend(XLA, *coded, heads)
+    want = exact if c[3] is None else rt(exact, c[3], heads)
+    near = np.abs(np.asarray(got - want)) <= 1e-5 * (np.abs(np.asarray(want)) + 1)
+    if c[3] is None:
+        assert near.all()
+    else:  # the output coded after attention: a value that float rounding (the heads apart
+        # on 4 devices) moves across a code's edge takes the neighbouring code, one step away
+        step = _code_step(exact, c[3], heads)
+        assert near.mean() >= 0.99 and bool((jnp.abs(got - want) <= step).all())
     assert float(jnp.abs(got - attend(XLA, q, k, v, heads)).max()) > 1e-3  # it is coded
+
+
+def _code_step(x, codec, heads):
+    """The distance from each value of (B, L, H*D) `x` to the neighbouring code of `codec`
+    (per token and head), an upper bound: int8 a step of the row's scale, fp8 an ulp of the
+    format at the value, or its smallest normal's."""
+    y = x.reshape(x.shape[:-1] + (heads, -1))
+    top = jnp.max(jnp.abs(y), axis=-1, keepdims=True) * (1 + 2**-6)  # the scale, rounded up
+    if codec.name == "int8":
+        return jnp.broadcast_to(top / 127, y.shape).reshape(x.shape)
+    fmt = jnp.finfo(FP8[codec.name])
+    scale = top / float(fmt.max)
+    ulp = jnp.maximum(jnp.abs(y) * 2.0 ** -(fmt.nmant - 1), float(fmt.tiny) * scale)
+    return (ulp * (1 + 2**-6)).reshape(x.shape)
 
 
 def test_coded_ring_attends_its_own_block_exactly_and_the_others_coded():
@@ -103,7 +124,7 @@ def test_coded_ring_attends_its_own_block_exactly_and_the_others_coded():
 @pytest.mark.parametrize(
     "family, name, devices, options",
     [
-        ("pixart", "sync_patch", 4, {"wire": "fp8"}),
+        pytest.param("pixart", "sync_patch", 4, {"wire": "fp8"}, marks=pytest.mark.slow),
         ("unet", "sync_patch", 2, {"wire": "kv=fp8-e5m2,halo=int8"}),
         ("pixart", "ulysses", 4, {"wire": "q=fp8,v=fp8,o=fp8"}),
         pytest.param(
@@ -119,7 +140,6 @@ def test_coded_strategies_count_their_bytes(family, name, devices, options):
     from test_quant import _call, _micro
 
     from patchpar.measure.cost import measure
-    from patchpar.parallel.engine import Plan
 
     fn, params, x, t, cond, scale = _micro(family)
     one = _call(fn, params, x, t, cond, scale)
@@ -138,7 +158,13 @@ def test_coded_strategies_count_their_bytes(family, name, devices, options):
 @pytest.mark.parametrize(
     "name, wire, message",
     [
-        ("ulysses", "fp16", r"ulysses: wire='fp16'.*unknown codec 'fp16'"),
+        (
+            "ulysses",
+            "fp16",
+            r"ulysses: wire='fp16': unknown codec 'fp16'; the wire takes "
+            r"\['none', 'int8', 'fp8', 'fp8-e5m2'\]$",
+        ),
+        ("sync_patch", "kv=lowrank-0", r"unknown codec 'lowrank-0'; the wire takes \['none', "),
         (
             "ulysses",
             "int2",
@@ -163,3 +189,88 @@ def test_a_pure_ring_sends_no_queries_or_outputs():
     with pytest.raises(ValueError, match=r"ring: wire='q=fp8,v=fp8' codes \['q'\], which only"):
         make_strategy("ring", wire="q=fp8,v=fp8").validate(10, 4, 1)
     make_strategy("ring", ulysses_degree=2, wire="q=fp8,v=fp8").validate(10, 4, 1)
+
+
+def _family(family):
+    """A micro denoiser of `family` (no weights: these checks read shapes) and a latent size
+    its patches split."""
+    from test_parallel_dit import MICRO as PIXART
+    from test_parallel_flux import MICRO as FLUX
+    from test_parallel_sd3 import KINDS
+    from torch_refs import MICRO_UNETS
+
+    from patchpar.models.family import named
+
+    config = {"flux": FLUX, "sd3": KINDS["dual"], "pixart": PIXART, "unet": MICRO_UNETS["sd"]}
+    fn = named(family).denoiser(config[family], "micro", jnp.float32, XLA)
+    return fn, (16, 16) if family == "unet" else (16, 12)
+
+
+@pytest.mark.parametrize(
+    "family, name, options, message",
+    [
+        ("flux", "sync_patch", {"wire": "halo=fp8"}, "sync_patch: wire='halo=fp8': a flux"),
+        ("sd3", "ulysses", {"wire": "q=fp8,halo=int8"}, "ulysses: wire='q=fp8,halo=int8': a sd3"),
+        ("pixart", "distrifusion", {"codec": "halo=int8"}, "distrifusion: codec='halo=int8': a"),
+        ("flux", "compact", {"codec": "kv=int2,halo=int8"}, "compact: codec='kv=int2,halo=int8'"),
+    ],
+)
+def test_a_wire_or_codec_names_only_sites_the_model_has(family, name, options, message):
+    """DiTs and MMDiTs exchange attention K/V only: a halo named on the wire or in a codec
+    would change nothing, so it is refused, naming the family and what it exchanges; one
+    codec for all, or the kinds it has, run."""
+    fn, hw = _family(family)
+    with pytest.raises(ValueError, match=rf"^{message}.* has no halo site \(it exchanges kv\)"):
+        Plan(make_strategy(name, **options), 2).validate(fn, hw, 8, 1.0)
+    key = "k" if name == "ulysses" else "kv"
+    fits = [{"wire": "fp8"}, {"wire": f"{key}=fp8"}] if "wire" in options else [{"codec": "int2"}]
+    for ok in fits:
+        Plan(make_strategy(name, **ok), 2).validate(fn, hw, 8, 1.0)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "pixart", "unet"])
+def test_site_kinds_are_what_the_model_exchanges(family):
+    """A UNet's convolutions exchange halos and its attention K/V; a DiT's and an MMDiT's
+    attention K/V only (their patch embedding cuts whole tokens)."""
+    from patchpar.parallel.engine import site_kinds
+
+    fn, _ = _family(family)
+    assert site_kinds(fn) == ({"halo", "kv"} if family == "unet" else {"kv"})
+
+
+def test_a_unet_takes_halos_and_kv_on_the_wire_or_in_a_codec():
+    fn, hw = _family("unet")
+    for name, options in (("sync_patch", {"wire": "halo=fp8"}), ("ring", {"wire": "halo=int8"}),
+                          ("pcpp", {"codec": "halo=int8"}), ("distrifusion", {"codec": "int2"})):  # fmt: skip
+        Plan(make_strategy(name, **options), 2).validate(fn, hw, 8, 7.5)
+
+
+def test_comm_refuses_a_halo_on_the_wire_of_a_flux_transformer(capsys):
+    from patchpar.lab.cli import main
+
+    args = ["comm", "--model", "tiny-flux", "--resolution", "128", "--strategy", "sync_patch",
+            "--devices", "2", "--wire", "halo=fp8"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "patchpar: error: sync_patch: wire='halo=fp8': a flux denoiser has no halo site (it "
+        "exchanges kv); name only kinds it has: kv"
+    )
+
+
+def test_help_lists_the_codecs_each_option_takes():
+    """`wire` offers only what the wire takes (`codecs.WIRE`), `codec` every codec."""
+    import re
+    from dataclasses import fields
+
+    from patchpar.parallel.codecs import NAMES, WIRE
+    from patchpar.parallel.strategies import STRATEGIES
+
+    seen = set()
+    for cls in STRATEGIES.values():
+        for f in fields(cls):
+            if f.name in ("wire", "codec"):
+                words = set(re.findall(r"[\w-]+", f.metadata["help"])) & set(NAMES)
+                assert words == set(WIRE if f.name == "wire" else NAMES), (cls.name, f.name)
+                seen.add(f.name)
+    assert seen == {"wire", "codec"}

@@ -20,6 +20,7 @@ import io
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 
 
@@ -103,10 +104,11 @@ def dispatch(config, args: list[str] | None = None) -> None:
 
         print(run_table(config))
     elif isinstance(config, PlotConfig):
-        from patchpar.lab.plots import run_plot
+        from patchpar.lab.plots import plots_folder, run_plot
 
         for name, where in run_plot(config).items():
             print(f"{name}: {where}")
+        print(f"plots -> {plots_folder(config)}")
     elif isinstance(config, GenerateConfig):
         from patchpar.lab.generate import check, generate, launched_generate
 
@@ -164,9 +166,8 @@ class Failed(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input (a ValueError: names the value and what fits), 1 any
     other failure, 130 interrupted. A failure prints one line on stderr; `--debug` (anywhere
-    on the line) prints the traceback instead."""
-    import tyro
-
+    on the line) prints the traceback instead. A warning prints one line too (`patchpar:
+    warning: ...`)."""
     from patchpar.lab import launch
 
     launch.setup_worker()  # a launched worker: pinned to its core, one thread, before JAX starts
@@ -177,6 +178,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.environ[ENV] = "off"
     args = [a for a in args if a not in ("--debug", "--no-compile-cache")]
+    with _one_line_warnings():
+        return _command(args, debug)
+
+
+def _command(args: list[str], debug: bool) -> int:
+    """Parse `args`, run the command, and turn a failure into its exit code and one line."""
+    import tyro
+
+    from patchpar.lab import launch
+
     try:
         args, cluster = launch.pop_cluster_flags(args)
         with _one_line_usage_errors():
@@ -215,6 +226,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    """While the command runs, every warning shown is one line on stderr, `patchpar: warning:
+    <message>`, instead of Python's `file:line: UserWarning: ...` and the source line. Only how
+    they are shown changes: the filters still decide which are shown, raised (`-W error`) or
+    ignored, and a `warnings.catch_warnings(record=True)` around the command (pytest.warns)
+    still records each one."""
+    before = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        _stderr(f"patchpar: warning: {_one_line(str(message))}")
+        record = getattr(warnings, "_showwarnmsg_impl", None)  # a recorder's `log.append`
+        if isinstance(getattr(record, "__self__", None), list):
+            record(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = before
 
 
 @contextlib.contextmanager

@@ -86,6 +86,37 @@ def _strategy_options() -> dict[str, tuple[Any, str]]:
     }
 
 
+def _registry_help() -> dict[str, str]:
+    """Help of the options that name a registry's entry, made from the registries (a new
+    strategy, sampler, step cache, preset or model family shows up in --help unedited):
+    `model` (the presets that run: trained, or random weights written on first use; or a
+    folder), `any_model` (every preset, lowered without weights; or a folder)."""
+    from patchpar.models.family import families
+    from patchpar.models.presets import PRESETS, SHIPPED, WEIGHTED
+    from patchpar.parallel.strategies import STRATEGIES
+    from patchpar.sampling.cache import CACHES
+    from patchpar.sampling.schedulers import DDPM_SAMPLERS, SAMPLERS
+
+    fams = families().values()
+    pipelines = ", ".join(c.removesuffix("Pipeline") for f in fams for c in f.pipeline_classes)
+    folder = f"a local diffusers-format folder (pipelines: {pipelines})"
+    ddpm = "/".join(f.name for f in fams if f.default_sampler in DDPM_SAMPLERS)
+    flow = "/".join(f.name for f in fams if f.default_sampler not in DDPM_SAMPLERS)
+    caches = "; ".join(f"{k}: {c.summary.removeprefix('it ')}" for k, c in CACHES.items())
+    return {
+        "strategy": f"{', '.join(STRATEGIES)} (patchpar/parallel/strategies/).",
+        "sampler": f"{', '.join(DDPM_SAMPLERS)} (noise or v prediction: {ddpm} models) or "
+        f"{', '.join(s for s in SAMPLERS if s not in DDPM_SAMPLERS)} (flow matching: {flow}).",
+        "cache": f"A step cache (reuse across steps, with any one-call strategy): none; {caches}.",
+        "model": f"A preset, trained ({', '.join(SHIPPED)}) or with random weights "
+        f"({', '.join(WEIGHTED)}), or {folder}.",
+        "any_model": f"A preset ({', '.join(sorted([*PRESETS, *SHIPPED]))}) or {folder}.",
+    }
+
+
+HELP = _registry_help()
+
+
 def _optional(t):
     return t if type(None) in typing.get_args(t) else t | None
 
@@ -150,9 +181,7 @@ class PlanFlags(StrategyOptions):
     """Which strategy, on how many devices, with which options (flat flags for `generate`,
     `comm` and `project`)."""
 
-    strategy: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, compact, ring, ulysses, tensor or
-    pipefusion."""
+    strategy: Annotated[str, tyro.conf.arg(help=HELP["strategy"])] = "single"
     devices: int = 1
     """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
     cfg: int = 1
@@ -195,11 +224,7 @@ CACHE_FLAGS = tuple(
 class CachedDecodeFlags(DecodeFlags):
     """DecodeFlags and a step cache as flat flags (`generate`, `project`)."""
 
-    cache: str = "none"
-    """A step cache (reuse across steps, with any one-call strategy): none, fbcache (the
-    first-block cache of a transformer: PixArt, FLUX, SD3), taylorseer (the denoiser's output
-    predicted between computed steps; every family), teacache (FLUX.1, PixArt) or deepcache (a UNet's
-    deep features reused between full steps)."""
+    cache: Annotated[str, tyro.conf.arg(help=HELP["cache"])] = "none"
     cache_threshold: float | None = None
     """fbcache: skip the blocks after the first while its residual changed by at most this
     (relative mean absolute change since the last computed step); unset: 0.05 (diffusers').
@@ -230,9 +255,7 @@ class CachedDecodeFlags(DecodeFlags):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "tiny"
-    """A preset with weights (tiny, tiny-xl, tiny-dit) or a local diffusers-format folder (SD,
-    SDXL, PixArt-α/Σ)."""
+    name: Annotated[str, tyro.conf.arg(help=HELP["model"])] = "tiny"
     attention: str = "auto"
     """Attention kernel: auto (chunked on CPU, cudnn on GPU for bf16, splash on TPU), xla
     (whole logits: the reference), chunked (blockwise, online softmax), cudnn or splash."""
@@ -283,9 +306,7 @@ class MeshConfig:
 class StrategyConfig(StrategyOptions):
     """A strategy and its options."""
 
-    name: str = "single"
-    """single, naive_patch, sync_patch, distrifusion, pcpp, compact, ring, ulysses, tensor or
-    pipefusion."""
+    name: Annotated[str, tyro.conf.arg(help=HELP["strategy"])] = "single"
 
     def label(self) -> str:
         """Name and the options set, e.g. `pcpp portion=0.5 send=band`."""
@@ -297,15 +318,7 @@ class CacheConfig:
     """A step cache: reuse across denoising steps, orthogonal to the strategy
     (`patchpar.sampling.cache`, docs/design.md §3c)."""
 
-    name: str = "none"
-    """none; fbcache (first-block cache: a transformer's blocks after the first are skipped
-    while the first block's residual barely changes; PixArt, FLUX, SD3); taylorseer (after a
-    warm-up, one step in `interval` runs the denoiser and the others predict its output by a
-    Taylor expansion; every family); teacache (every block skipped while the first block's
-    modulated input barely changes; FLUX.1 with TeaCache's published rescaling, PixArt with
-    patchpar's own fit); deepcache
-    (one step in `interval` runs the whole UNet, the others its shallow branch on the deep
-    features kept; UNets)."""
+    name: Annotated[str, tyro.conf.arg(help=HELP["cache"])] = "none"
     threshold: float | None = None
     """fbcache: skip while the first block's residual changed by at most this (relative mean
     absolute change since the last computed step); unset: 0.05 (diffusers'). teacache: skip
@@ -335,8 +348,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    name: str = "ddim"
-    """ddim, euler or dpmpp_2m."""
+    name: Annotated[str, tyro.conf.arg(help=HELP["sampler"])] = "ddim"
     steps: int = 20
     """Denoising steps (DistriFusion and PCPP evaluate 50-step DDIM / Euler)."""
     guidance_scale: float = 7.5
@@ -617,6 +629,8 @@ def unused_options(config: RunConfig) -> list[str]:
         )
     if config.mesh.fsdp and config.plan().fsdp_degree == 1:
         out.append(fsdp_unused(config.mesh.devices))
+    if (cache := config.plan().cache) is not None:
+        out += cache.idle_options(config.sampler.steps)
     n_images = len(config.prompts.prompts) * len(config.prompts.seeds)
     if config.prompts.batch_size > n_images:
         out.append(

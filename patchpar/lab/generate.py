@@ -7,27 +7,44 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+import tyro
 
-from patchpar.lab.config import DTYPES, CachedDecodeFlags, fsdp_unused
+from patchpar.lab.config import DTYPES, HELP, CachedDecodeFlags, fsdp_unused
 from patchpar.lab.launch import is_writer, launch
+
+
+def _sampler_help() -> str:
+    """`--sampler`'s help: the samplers, then the default (a trained preset's tuned one, else
+    its family's), from the registries."""
+    from patchpar.lab.defaults import TUNED_SAMPLER
+    from patchpar.models.family import families
+
+    tuned = ", ".join(f"{v} for {k}" for k, v in TUNED_SAMPLER.items())
+    family = ", ".join(f"{f.name}: {f.default_sampler}" for f in families().values())
+    return (
+        f"{HELP['sampler']} Default: the preset's tuned one ({tuned}), else its family's "
+        f"({family})."
+    )
+
+
+SAMPLER_HELP = _sampler_help()
 
 
 @dataclass(frozen=True)
 class GenerateConfig(CachedDecodeFlags):
     """Generate images from prompts and save them as PNG, with the final latent as latent.npy."""
 
-    model: str = "fmnist"
-    """A preset with weights (fmnist: the trained default; tiny, tiny-xl, tiny-dit: random) or a local diffusers-format folder (SD, SDXL, PixArt)."""
+    model: Annotated[str, tyro.conf.arg(help=HELP["model"])] = "fmnist"
     prompt: tuple[str, ...] = ("a photo of a red bag",)
     """One or more prompts; one image each."""
     negative_prompt: str = ""
     """Negative prompt for classifier-free guidance ("" = unconditional)."""
     steps: int = 20
     """Denoising steps."""
-    sampler: str | None = None
-    """ddim, euler or dpmpp_2m (default: the preset's tuned solver, dpmpp_2m for fmnist-dit; else ddim)."""
+    sampler: Annotated[str | None, tyro.conf.arg(help=SAMPLER_HELP)] = None
     guidance_scale: float | None = None
     """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2 for fmnist; 4.5 for PixArt; else 7.5)."""
     true_cfg_scale: float | None = None
@@ -93,6 +110,8 @@ def check(config: GenerateConfig) -> list[str]:
     plan = config.plan()  # unknown strategy or option: error before loading anything
     config.vae_plan()
     unused = [fsdp_unused(config.devices)] if config.fsdp and plan.fsdp_degree == 1 else []
+    if plan.cache is not None:
+        unused += plan.cache.idle_options(config.steps)
     if config.timeout_s != GenerateConfig.timeout_s and not config.processes:
         unused.append(
             f"timeout_s={config.timeout_s} has no effect without processes (it ends launched "
@@ -123,7 +142,8 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         default_true_cfg(config.model) if config.true_cfg_scale is None else config.true_cfg_scale
     )
     check_writable(config.out, "out")  # before any work, not after generating
-    compile_cache.enable(warn=lambda msg: log(f"patchpar: warning: {msg}"))
+    cache_folder = compile_cache.enable(warn=lambda msg: log(f"patchpar: warning: {msg}"))
+    hits, compiled = compile_cache.hits(), compile_cache.compiled()
     plan = config.plan()
     vae_plan = config.vae_plan()
     t0 = time.perf_counter()
@@ -135,6 +155,9 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         config.quant,
     ).with_true_cfg(true_cfg)
     t_load = time.perf_counter() - t0
+    checkpoint = getattr(pipe, "quant_checkpoint", None)  # the quantized weights, not the floats
+    if checkpoint is not None:
+        log(f"read quantized checkpoint {checkpoint}")
     t0 = time.perf_counter()
     negative = [config.negative_prompt] * len(config.prompt) if config.negative_prompt else None
     out = pipe(
@@ -152,6 +175,9 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         log=log,
     )
     t_gen = time.perf_counter() - t0
+    hits, compiled = compile_cache.hits() - hits, compile_cache.compiled() - compiled
+    if cache_folder is not None:
+        log(f"{hits} program(s) read from the compile cache ({cache_folder}), {compiled} compiled")
     record = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         "images": [],
@@ -161,12 +187,14 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         "compute_dtype": jnp.dtype(pipe.unet.module.dtype).name,
         "attention": pipe.unet.module.attn.impl,
         "quant": pipe.quant,
+        "quant_checkpoint": None if checkpoint is None else str(checkpoint),
         "strategy": plan.strategy.describe(),
         "devices": plan.devices,
         "vae_parallel": vae_plan.mode,
         "processes": config.processes,
         "stale_bytes_per_device": out.stale_bytes_per_device,
         **(out.cache or {}),
+        "compile_cache_hits": hits,
         "load_s": round(t_load, 3),
         "generate_s_including_compile": round(t_gen, 3),
     }

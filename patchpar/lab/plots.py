@@ -18,6 +18,8 @@ from typing import Annotated
 import numpy as np
 import tyro
 
+from patchpar.lab.paths import RUNS
+from patchpar.lab.results import check_writable, published
 from patchpar.lab.tables import get, point_extras, point_labels, read_runs
 
 
@@ -28,7 +30,9 @@ class PlotConfig:
     results: Annotated[tuple[Path, ...], tyro.conf.Positional]
     """Results folders (holding runs.jsonl) or runs.jsonl files."""
     out: Path | None = None
-    """Folder for the PNGs (default: <first results folder>/plots)."""
+    """Folder for the PNGs (default: with one records folder, its plots/; with several,
+    runs/plots/<their names joined by +>). A folder under the published results/ only when
+    named here."""
     prompt_grid: bool = False
     """Also one PNG per run: a row per prompt, a column per seed (the first 10)."""
 
@@ -260,16 +264,38 @@ def prompt_grid(record: dict, path: Path, max_seeds: int = 10) -> bool:
     return True
 
 
+def plots_folder(config: PlotConfig) -> Path:
+    """Where the PNGs go: `out` as given; else, with one records folder, its plots/; with
+    several, runs/plots/<their names joined by +>, in none of them. ValueError where that
+    default lies in the published results/ (a folder there is written only when named)."""
+    if config.out is not None:
+        return Path(config.out)
+    folders = list(dict.fromkeys(p if p.is_dir() else p.parent for p in map(Path, config.results)))
+    if len(folders) == 1:
+        out = folders[0] / "plots"
+    else:
+        names = [f.resolve().name for f in folders]
+        if len(set(names)) < len(names):  # runs/x beside results/x
+            names = [f"{f.resolve().parent.name}-{f.resolve().name}" for f in folders]
+        out = RUNS / "plots" / "+".join(names)
+    if published(out):
+        raise ValueError(
+            f"plots would go to {str(out)!r}, in the published records (results/, committed): "
+            f"pass --out (a folder under runs/, or --out {out} to update the published plots)"
+        )
+    return out
+
+
 def run_plot(config: PlotConfig) -> dict[str, str]:
-    """Write every plot the records allow; returns name -> path, or the reason it was skipped."""
+    """Write every plot the records allow into `plots_folder(config)`; returns name -> path,
+    or the reason it was skipped."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out = check_writable(plots_folder(config), "out")
     records = read_runs(config.results)
-    first = Path(config.results[0])
-    out = Path(config.out) if config.out else (first if first.is_dir() else first.parent) / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = {}
     for name, fn in PLOTS.items():

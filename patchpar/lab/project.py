@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
+import tyro
+
+from patchpar.lab.config import HELP, CachedDecodeFlags
 from patchpar.lab.config import LOWERED_DTYPES as DTYPES
-from patchpar.lab.config import CachedDecodeFlags
 
 if TYPE_CHECKING:
     from patchpar.measure.projection import Workload
@@ -22,8 +24,7 @@ class ProjectConfig(CachedDecodeFlags):
     the decode on one device and on row patches (vae_parallel), and without it (the papers'
     protocol)."""
 
-    model: str = "sdxl"
-    """A preset (sd15, sd21, sdxl, tiny, tiny-xl) or a local diffusers folder."""
+    model: Annotated[str, tyro.conf.arg(help=HELP["any_model"])] = "sdxl"
     resolution: int = 1024
     """Square image size in pixels."""
     batch: int = 1

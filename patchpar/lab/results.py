@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from patchpar.lab.paths import PUBLISHED
+
 
 @functools.cache
 def git_commit() -> str | None:
@@ -135,6 +137,13 @@ def check_writable(folder: Path, what: str) -> Path:
         reason = e.strerror or type(e).__name__
         raise ValueError(f"{what}={str(folder)!r}: cannot write there ({reason})") from None
     return folder
+
+
+def published(path: Path) -> bool:
+    """Whether `path` lies in this checkout's committed records, `results/` beside the package
+    (`patchpar.lab.paths.PUBLISHED`): written only where a command is told that folder."""
+    root = Path(__file__).resolve().parents[2] / PUBLISHED
+    return Path(path).resolve().is_relative_to(root)
 
 
 class RecordError(ValueError):

@@ -4,16 +4,18 @@ Keys are dotted paths into a record (`config.strategy.portion`, `metrics.psnr`);
 looked up as given, then under `config.`, then under `metrics.` (`mesh.devices`, `psnr`).
 A key that no record has is an error naming the nearest keys the records do have.
 
-Points are told apart: the strategy column names, after the strategy's label, every config
-field that differs among all the records shown, across folders, and is not a column of its own
-(`sync_patch mesh.data=2`, `distrifusion sampler.name=dpmpp_2m sampler.steps=25`); records
-from several folders get a `records` column naming the folder (`patchpar table runs/X
-results/X`: a re-run beside the published records).
+Points are told apart: the strategy column names, after the record's label (the strategy, the
+cache and the quant mode: `RunConfig.label`), every other config field that differs among all
+the records shown, across folders, and is not a column of its own, where a record's value is not
+the field's default (`sync_patch mesh.data=2`, `distrifusion sampler.name=dpmpp_2m
+sampler.steps=25`); records from several folders get a `records` column naming the folder
+(`patchpar table runs/X results/X`: a re-run beside the published records).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import sys
@@ -23,6 +25,7 @@ from typing import Annotated
 
 import tyro
 
+from patchpar.lab.config import RunConfig, point_config
 from patchpar.lab.results import read_records
 
 DEFAULT_COLUMNS = (
@@ -106,6 +109,9 @@ FORMATS = {
 
 # config fields that say where records go or how long a worker may take, not what ran
 NOT_A_POINT = ("results", "timeout_s", "experiment")
+# config fields a record's label names already (`RunConfig.label`: the strategy and its
+# options, the cache and its options, the quant mode)
+LABELLED = ("strategy.", "cache.", "model.quant")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -127,34 +133,65 @@ def _key_rank(key: str) -> tuple:
     return (rank, key)
 
 
-def _point(record: dict) -> dict:
-    """A record's config as a point, flat (fields older records lack filled in as they ran)."""
-    from patchpar.lab.config import point_config
+@functools.cache
+def _defaults() -> dict:
+    """Today's RunConfig defaults as a flat point."""
+    return _flat(point_config(RunConfig()))
 
-    return _flat(point_config(record.get("config") or {}))
+
+def _point(record: dict) -> dict:
+    """A record's config as a point, flat: fields older records lack filled in as they ran
+    (`point_config`), then with today's defaults (a field added since behaves as before)."""
+    return {**_defaults(), **_flat(point_config(record.get("config") or {}))}
+
+
+def _json(v) -> str:
+    return json.dumps(v, sort_keys=True)
+
+
+def _base_label(record: dict) -> str:
+    return str(record.get("label") or get(record, "strategy.name") or "?")
 
 
 def varying_keys(records: list[dict], shown=()) -> list[str]:
     """The config keys (dotted, without `config.`) whose value differs among the records, in
-    KEY_ORDER: every one, so that no difference between two points shown is hidden. The
-    strategy's and the cache's own fields (the label names them), where records go, and the keys `shown`
-    (columns or axes of their own) are left out."""
+    KEY_ORDER: every one, so that no difference between two points shown is hidden. Left out:
+    where records go, the keys `shown` (columns or axes of their own), and the fields the
+    records' labels name (`LABELLED`) where the labels tell their values apart (always, for
+    labels `RunConfig.label` made)."""
     shown = {k.removeprefix("config.") for k in shown}
     flat = [_point(r) for r in records]
     keys = sorted(set().union(*flat) if flat else (), key=_key_rank)
+    labels = [_base_label(r) for r in records]
+
+    def said(key: str) -> bool:  # a field the label names, one value per label
+        if not key.startswith(LABELLED):
+            return False
+        values: dict[str, set] = {}
+        for label, f in zip(labels, flat, strict=True):
+            values.setdefault(label, set()).add(_json(f.get(key)))
+        return all(len(v) == 1 for v in values.values())
+
     return [
         k
         for k in keys
-        if not k.startswith(("strategy.", "cache."))
-        and k.split(".")[0] not in NOT_A_POINT
+        if k.split(".")[0] not in NOT_A_POINT
         and k not in shown
-        and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1
+        and len({_json(f.get(k)) for f in flat}) > 1
+        and not said(k)
     ]
+
+
+def _text(v) -> str:
+    """A value as a label writes it: a string bare, unless empty or spaced (then quoted)."""
+    if isinstance(v, str) and v and not any(c.isspace() for c in v):
+        return v
+    return json.dumps(v)
 
 
 def _short(v) -> str:
     """A value as a label shows it: whole up to 24 characters, else its head and tail."""
-    text = v if isinstance(v, str) else json.dumps(v)
+    text = _text(v)
     return text if len(text) <= 24 else text[:12] + "…" + text[-11:]
 
 
@@ -163,41 +200,47 @@ def _shown_values(values: list) -> list[str]:
     every long one also gets a digest of its whole text (labels never collide)."""
     short = [_short(v) for v in values]
     seen: dict[str, str] = {}
-    clash = any(seen.setdefault(t, json.dumps(v, sort_keys=True)) != json.dumps(v, sort_keys=True)
-                for t, v in zip(short, values, strict=True))  # fmt: skip
+    clash = any(
+        seen.setdefault(t, _json(v)) != _json(v) for t, v in zip(short, values, strict=True)
+    )
     if not clash:
         return short
     import hashlib
 
     return [
-        t if t == (v if isinstance(v, str) else json.dumps(v)) else
-        f"{t}#{hashlib.sha1(json.dumps(v, sort_keys=True).encode()).hexdigest()[:6]}"
+        t if t == _text(v) else f"{t}#{hashlib.sha1(_json(v).encode()).hexdigest()[:6]}"
         for t, v in zip(short, values, strict=True)
-    ]  # fmt: skip
+    ]
 
 
 def point_labels(records: list[dict], shown=()) -> list[str]:
-    """Each record's strategy label followed by the config fields that differ among all the
-    records given (`point_extras`): two records whose points differ in anything but the
-    `shown` keys never get the same label. Label the records of a figure or table all
-    together, before choosing which to draw."""
+    """Each record's label (`RunConfig.label`: strategy, cache, quant mode) followed by the
+    config fields that differ among all the records given (`point_extras`): two records whose
+    points differ in anything but the `shown` keys never get the same label. Label the records
+    of a figure or table all together, before choosing which to draw."""
     return [
-        " ".join([str(r.get("label") or get(r, "strategy.name") or "?"), *extra])
+        " ".join([_base_label(r), *extra])
         for r, extra in zip(records, point_extras(records, shown), strict=True)
     ]
 
 
 def point_extras(records: list[dict], shown=()) -> list[list[str]]:
     """Per record, `key=value` for each config field that differs among the records
-    (`varying_keys`) where its value is not the most common one (e.g. `mesh.fsdp=true` beside
-    records without FSDP)."""
+    (`varying_keys`) where its value is not the reference: the field's default where some
+    record has it (a default is never spelled out), else the most common value (e.g.
+    `mesh.fsdp=true` beside records without FSDP). Records that differ in a field never both
+    hold its reference, so their labels differ."""
     keys = varying_keys(records, shown)
     flat = [_point(r) for r in records]
-    values = {k: [json.dumps(f.get(k), sort_keys=True) for f in flat] for k in keys}
-    common = {k: max(vs, key=vs.count) for k, vs in values.items()}  # first of the most common
+    values = {k: [_json(f.get(k)) for f in flat] for k in keys}
+    defaults = _defaults()
+    reference = {
+        k: _json(defaults.get(k)) if _json(defaults.get(k)) in vs else max(vs, key=vs.count)
+        for k, vs in values.items()
+    }  # most common: the first of them
     shown_as = {k: _shown_values([f.get(k) for f in flat]) for k in keys}
     return [
-        [f"{k}={shown_as[k][i]}" for k in keys if values[k][i] != common[k]]
+        [f"{k}={shown_as[k][i]}" for k in keys if values[k][i] != reference[k]]
         for i in range(len(records))
     ]
 

@@ -296,9 +296,9 @@ def _valid(w: Workload) -> bool:
 
 def default_cache_path() -> Path:
     """$PATCHPAR_HOME/workloads.jsonl (default ~/.cache/patchpar), beside the model folders."""
-    return Path(os.environ.get("PATCHPAR_HOME", Path.home() / ".cache" / "patchpar")) / (
-        "workloads.jsonl"
-    )
+    from patchpar.models.presets import home
+
+    return home() / "workloads.jsonl"
 
 
 class WorkloadCache:

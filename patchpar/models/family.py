@@ -185,6 +185,22 @@ class Family:
         return f"<family {self.name}>"
 
 
+T5_TOKENS = 512  # the most T5 tokens FluxPipeline and StableDiffusion3Pipeline take
+
+
+def max_sequence_length(index: dict, default: int, pipeline: str) -> int:
+    """The T5 tokens a pipeline reads (`max_sequence_length` in its model_index.json, else
+    `default`), checked against its pipeline's limit before any encoder is loaded: ValueError
+    naming the value."""
+    tokens = index.get("max_sequence_length", default)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= T5_TOKENS:
+        raise ValueError(
+            f"max_sequence_length={tokens!r} in model_index.json: {pipeline} reads 1 to "
+            f"{T5_TOKENS} T5 tokens (default {default})"
+        )
+    return tokens
+
+
 @cache
 def families() -> dict[str, Family]:
     """{name: family} of every package in `PACKAGES`."""

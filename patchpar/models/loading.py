@@ -201,17 +201,24 @@ def write_component(folder: Path, config: dict, params) -> None:
     save_file(params_to_state_dict(params), str(folder / fname), metadata={"format": "pt"})
 
 
-def weights_digest(folder: str | Path) -> str:
-    """SHA-256 (16 hex digits) of every file in a model folder (relative names and contents:
-    weights, configs, tokenizer), so records made from different weights differ. Cached per
-    process by the files' sizes and modification times."""
+DERIVED = "quantized-*"  # files patchpar writes beside the weights (`quant.save_quantized`)
+
+
+def weights_digest(folder: str | Path, pattern: str = "*") -> str:
+    """SHA-256 (16 hex digits) of the files of a model folder that match `pattern` (relative
+    names and contents; default every file: weights, configs, tokenizer), so records made from
+    different weights differ. Files patchpar derives from the weights (quantized checkpoints)
+    are not counted: they are not the model's. Cached per process by the files' sizes and
+    modification times."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
     files = sorted(
         p
-        for p in folder.rglob("*")
-        if p.is_file() and not p.relative_to(folder).parts[0].startswith(".")
+        for p in folder.rglob(pattern)
+        if p.is_file()
+        and not p.relative_to(folder).parts[0].startswith(".")
+        and not p.match(DERIVED)
     )
     stamp = tuple(
         (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files

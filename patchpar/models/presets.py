@@ -148,8 +148,18 @@ def component_config(model: str | Path, sub: str) -> dict | None:
 
 
 def home() -> Path:
-    """Where generated model folders live: $PATCHPAR_HOME, else ~/.cache/patchpar."""
-    return Path(os.environ.get("PATCHPAR_HOME", Path.home() / ".cache" / "patchpar"))
+    """Where generated model folders, the compile cache and the workload cache live:
+    $PATCHPAR_HOME, else ~/.cache/patchpar; ValueError when it names something that is not a
+    folder."""
+    set_ = os.environ.get("PATCHPAR_HOME")
+    path = Path(set_ or Path.home() / ".cache" / "patchpar").expanduser()
+    if path.exists() and not path.is_dir():
+        what = f"PATCHPAR_HOME={set_!r}" if set_ else f"patchpar's home {str(path)!r}"
+        raise ValueError(
+            f"{what} is a file, not a folder: point PATCHPAR_HOME at a folder patchpar may "
+            f"write (default ~/.cache/patchpar)"
+        )
+    return path
 
 
 def preset_folder(name: str) -> Path:

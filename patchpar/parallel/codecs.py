@@ -50,6 +50,7 @@ from jax import lax
 NAMES = ("none", "int8", "fp8", "fp8-e5m2", "int4", "int2", "sign1", "lowrank-r")
 FP8 = {"fp8": jnp.float8_e4m3fn, "fp8-e5m2": jnp.float8_e5m2}
 ROWS = ("int8", "fp8", "fp8-e5m2")  # per-token codecs: an exact strategy's `wire` (`to_rows`)
+WIRE = ("none", *ROWS)  # what an exact strategy's `wire` takes
 SCALE = jnp.float16  # the dtype of the scales on the wire (but `to_rows`')
 ROW_SCALE = jnp.bfloat16  # `to_rows`' per-row scales: float32's range
 _F16_MAX = float(np.finfo(np.float16).max)
@@ -193,19 +194,17 @@ def parse(name: str) -> Codec:
 
 def wire_codec(name: str, where: str) -> Codec | None:
     """A codec for an exact strategy's wire (`ROWS`; `none`: None), or a ValueError naming
-    `where` and the codecs that fit."""
+    `where` and the codecs that fit (`WIRE`: only those, whatever was given)."""
+    if name in WIRE:
+        return None if name == "none" else Codec(name)
     try:
-        codec = parse(name)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    if codec.exact:
-        return None
-    if codec.name not in ROWS:
-        raise ValueError(
-            f"{where}: codec {name!r} keeps state between steps or scales over many tokens; an "
-            f"exact strategy's wire takes a per-token codec: {['none', *ROWS]}"
-        )
-    return codec
+        parse(name)
+    except ValueError:
+        raise ValueError(f"{where}: unknown codec {name!r}; the wire takes {list(WIRE)}") from None
+    raise ValueError(
+        f"{where}: codec {name!r} keeps state between steps or scales over many tokens; an "
+        f"exact strategy's wire takes a per-token codec: {list(WIRE)}"
+    )
 
 
 def wire_codecs(spec: str, kinds: tuple[str, ...], who: str) -> dict[str, Codec]:

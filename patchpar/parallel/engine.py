@@ -39,7 +39,18 @@ from patchpar.parallel.rules import (
     unplaced,
     weight_bytes_per_device,
 )
-from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
+from patchpar.parallel.sites import (
+    KV,
+    SEND,
+    STALE,
+    FSDPGather,
+    Halo,
+    PatchOps,
+    TensorSum,
+    patch_ops,
+    record_sites,
+    shapes_only,
+)
 from patchpar.parallel.sites.common import note
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.cache import CACHE, STEADY_COMPUTED, StepCache
@@ -199,6 +210,8 @@ class StepProgram(Program):
             )
         if build_mesh and (groups := s.packed_groups()) is not None and groups > 1:
             check_groups(groups, stale_sites(unet, plan, tuple(latent_hw)))
+        if (coded := s.coded()) is not None:  # a wire or codec names only sites the model has
+            coded.check(site_kinds(unet), f"a {unet.family} denoiser")
         down = unet.row_multiple
         axes = {s.patch_axis(0), s.patch_axis(1)}
         if "col" in axes and not unet.splits_columns:
@@ -387,6 +400,22 @@ def _param_shapes(unet: Denoiser):
     """The whole parameters' shapes (for checks up front), traced once per module."""
     with shapes_only():
         return unet.with_ops(IDENTITY).abstract_params()
+
+
+@cache
+def site_kinds(unet: Denoiser) -> frozenset[str]:
+    """The site kinds at which `unet` exchanges activations that a codec can code (a `wire`
+    or `codec` option): `halo` (the rows of a convolution but the first, which stays exact)
+    and `kv` (attention's keys and values; a DiT's and an MMDiT's only exchange). Traced once
+    per module: its abstract init, every site a stand-in, the site calls recorded."""
+    with record_sites() as calls:
+        unet.with_ops(patch_ops(1).with_stand_ins()).abstract_params()
+    halo = any(
+        isinstance(op, Halo) and not op.input and info["top"] + info["bottom"] > 0
+        for op, info in calls
+    )
+    kv = any(isinstance(op, KV) for op, _ in calls)
+    return frozenset(k for k, has in (("halo", halo), ("kv", kv)) if has)
 
 
 @cache

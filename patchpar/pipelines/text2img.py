@@ -36,7 +36,7 @@ from patchpar.parallel.mesh import to_local
 from patchpar.parallel.sites import STALE
 from patchpar.parallel.vae import VAEPlan
 from patchpar.parallel.vae import decode as vae_decode
-from patchpar.sampling.cache import CACHE, cache_report
+from patchpar.sampling.cache import CACHE, CLOSEST, cache_report
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
@@ -68,6 +68,7 @@ class Pipeline:
     scheduler: SchedulerConfig
     name: str = ""
     default_sampler: str = "ddim"  # the family's (`Family.default_sampler`)
+    quant_checkpoint: Path | None = None  # the quantized checkpoint read (None: none was)
 
     def with_true_cfg(self, scale: float) -> Pipeline:
         """This pipeline with true classifier-free guidance at `scale` over a guidance-distilled
@@ -426,10 +427,11 @@ class Pipeline:
         (`sampling.cache.cache_report`); None without a cache."""
         if plan is None or plan.cache is None:
             return None
-        computed = to_local(state[CACHE]["computed"])  # one per device: all the same
-        n = int(np.asarray(computed).reshape(-1)[0])
+        first = lambda a: np.asarray(to_local(a)).reshape(-1)[0]  # noqa: E731 (all the same)
+        n = int(first(state[CACHE]["computed"]))
+        closest = float(first(state[CACHE][CLOSEST])) if CLOSEST in state[CACHE] else None
         blocks = getattr(self.unet.module, "num_blocks", 1)  # 1: a forward not in blocks
-        return cache_report(plan.cache, blocks, steps, n)
+        return cache_report(plan.cache, blocks, steps, n, closest)
 
     def _denoise_logged(self, cond, latents, sampler, steps, guidance_scale, plan, check_memory,
                         log):  # fmt: skip
@@ -591,20 +593,22 @@ def load_pipeline(
     fam = model_family(folder)
     index = _model_index(folder)
     sub = folder / fam.denoiser_folder
+    text = fam.load_text(folder, index, dtype)  # first: its checks are cheap, the denoiser not
+    read = None  # the quantized checkpoint read, if any
     if quant != "none" and checkpoint_paths(sub, quant)[1].is_file():  # quantized, no floats read
         from patchpar.models.presets import abstract_denoiser
 
         fn = abstract_denoiser(folder, dtype, resolve(attention, dtype))
         denoiser = load_quantized(fn, sub, quant, read_config(sub))
+        read = checkpoint_paths(sub, quant)[0]
     else:
         denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
-    text = fam.load_text(folder, index, dtype)
     vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
     sched = replace(sched, flow_sigmas=fam.flow_sigmas)
-    pipe = Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler)
+    pipe = Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler, read)
     return pipe if pipe.quant == quant else pipe.quantized(quant)
 
 

@@ -55,9 +55,21 @@ class StepCache:
         opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in cache_options(type(self)))
         return f"{self.name}({opts})"
 
+    def _inert(self, steps: int, nothing: str, why: str, fit: str) -> ValueError:
+        """The error for options that leave nothing to reuse in a run of `steps` steps."""
+        return ValueError(
+            f"{self.describe()} with {steps} steps: every step computes, nothing is {nothing}: "
+            f"{why}; use {fit}"
+        )
+
     def bind(self, steps: int) -> StepCache:
         """The cache for a run of `steps` steps (one that needs the count keeps it)."""
         return self
+
+    def idle_options(self, steps: int) -> list[str]:
+        """Options set that have no effect in a run of `steps` steps (the same run as without
+        them), one line each: warnings, not errors (`validate` refuses what breaks the cache)."""
+        return []
 
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         """The fraction of the denoiser's block calls that ran."""
@@ -88,6 +100,16 @@ class FirstBlockCache(StepCache):
 
     def __post_init__(self):
         _check_threshold("fbcache", self.threshold, "diffusers' default 0.05")
+
+    def validate(self, denoiser, steps: int) -> None:
+        super().validate(denoiser, steps)
+        if steps < 2:  # the threshold does not depend on the run's length
+            raise self._inert(
+                steps,
+                "skipped",
+                "the first step runs every block (the residual later steps compare with)",
+                "at least 2 steps",
+            )
 
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         return (steps + computed_steps * (num_blocks - 1)) / (steps * num_blocks)
@@ -126,15 +148,39 @@ class TaylorSeer(StepCache):
             raise ValueError(f"taylorseer stop={st!r}: must be an integer >= 1 (or unset)")
 
     def validate(self, denoiser, steps: int) -> None:
+        """Refused: options under which no step is predicted. Step `warmup` is the first that
+        may be: it is, unless interval is 1 or the run (or `stop`) ends before it. A stop of
+        `steps` or more is allowed (caching never stops, as unset), and so are an interval and
+        an order beyond what the run reaches (as the defaults are on a short run)."""
         super().validate(denoiser, steps)
-        # step `warmup` is the first that may be predicted: it is, unless interval is 1 or the
-        # run (or `stop`) ends before it
-        end = steps if self.stop is None else min(steps, self.stop)
-        if self.interval == 1 or self.warmup >= end:
-            raise ValueError(
-                f"{self.describe()} with {steps} steps: every step computes, nothing is "
-                f"predicted; use an interval > 1 and fewer than {end} warm-up steps"
+        w = self.warmup
+        if self.interval == 1:
+            raise self._inert(
+                steps,
+                "predicted",
+                "interval=1 computes every step after the warm-up",
+                "interval >= 2",
             )
+        if w >= steps:
+            raise self._inert(
+                steps, "predicted", f"warmup={w} covers every step", f"warmup <= {steps - 1}"
+            )
+        if self.stop is not None and self.stop <= w:
+            raise self._inert(
+                steps,
+                "predicted",
+                f"stop={self.stop} computes every step from it on, and "
+                f"step {w} (warmup={w}) is the first that could be predicted",
+                f"stop >= {w + 1} (or unset: never)",
+            )
+
+    def idle_options(self, steps: int) -> list[str]:
+        if self.stop is None or self.stop < steps:
+            return []
+        return [
+            f"cache stop={self.stop} has no effect with {steps} steps: the last step is "
+            f"{steps - 1}, so caching never stops (as unset); use stop <= {steps - 1}"
+        ]
 
     def computes(self, step):
         """Whether step `step` (from 0) runs the denoiser: diffusers' schedule."""
@@ -244,10 +290,16 @@ class DeepCache(StepCache):
                 f"branch keeps branch + 1 of them and reuses the rest (at least the mid "
                 f"block): use branch <= {levels - 1}"
             )
-        if self.interval == 1 or steps < 2:
-            raise ValueError(
-                f"{self.describe()} with {steps} steps: every step computes, nothing is "
-                f"reused; use an interval > 1 and at least 2 steps"
+        if self.interval == 1:  # (one of `steps` or more is allowed: step 0 alone computes)
+            raise self._inert(
+                steps, "reused", "interval=1 runs the whole UNet at every step", "interval >= 2"
+            )
+        if steps < 2:
+            raise self._inert(
+                steps,
+                "reused",
+                "the first step runs the whole UNet (the features later steps reuse)",
+                "at least 2 steps",
             )
 
     def computes(self, step):
@@ -327,6 +379,16 @@ class TeaCache(StepCache):
             "TeaCache's FLUX.1 settings 0.25 to 0.8; PixArt, with patchpar's own fit: 0.01 to 0.02",
         )
 
+    def validate(self, denoiser, steps: int) -> None:
+        super().validate(denoiser, steps)
+        if steps < 3:  # the threshold does not depend on the run's length
+            raise self._inert(
+                steps,
+                "skipped",
+                "the first and the last step always run every block",
+                "at least 3 steps",
+            )
+
     def bind(self, steps: int) -> TeaCache:
         return replace(self, steps=steps)
 
@@ -350,6 +412,7 @@ class TeaCache(StepCache):
                 "distance": jnp.zeros((), jnp.float32),
                 "step": jnp.zeros((), jnp.int32),
                 "computed": jnp.zeros((), jnp.int32),
+                CLOSEST: jnp.full((), jnp.inf, jnp.float32),
             }
         step, prev = state["step"], state["previous"]
         sums = reduce_sum(jnp.stack([jnp.sum(jnp.abs(m - prev)), jnp.sum(jnp.abs(prev))]))
@@ -361,6 +424,8 @@ class TeaCache(StepCache):
         if self.steps is not None:
             edge = jnp.logical_or(edge, step == self.steps - 1)
         compute = jnp.logical_or(edge, grown >= self.threshold)
+        taken = jnp.logical_and(jnp.logical_not(edge), force is None)  # decided by the data
+        closest = _closest(state, step == 0, grown, self.threshold, taken)
 
         def skipped():
             return _add(h0, state["residual"]), model.incoming(), state["residual"]
@@ -376,6 +441,7 @@ class TeaCache(StepCache):
             "distance": jnp.where(compute, 0.0, grown),
             "step": step + 1,
             "computed": state["computed"] + compute.astype(jnp.int32),
+            CLOSEST: closest,
         }
         return model.epilogue(last, carry), stale, new
 
@@ -444,14 +510,36 @@ def cache_options(cls) -> list:
     return [f for f in fields(cls) if not f.metadata.get("internal")]
 
 
-def cache_report(cache: StepCache, num_blocks: int, steps: int, computed_steps: int) -> dict:
+def cache_report(cache: StepCache, num_blocks: int, steps: int, computed_steps: int,
+                 closest: float | None = None) -> dict:  # fmt: skip
     """A run's record of its cache: {"cache": description, "cache_computed_steps": steps that
-    ran every block, "blocks_computed": the fraction of the denoiser's block calls that ran}."""
-    return {
+    ran every block, "blocks_computed": the fraction of the denoiser's block calls that ran},
+    and for a data-dependent cache "cache_closest_decision": how near (relative) the statistic
+    of any of its decisions came to the threshold (`CLOSEST`; None: no decision taken)."""
+    out = {
         "cache": cache.describe(),
         "cache_computed_steps": computed_steps,
         "blocks_computed": cache.blocks_computed(num_blocks, steps, computed_steps),
     }
+    if closest is not None:
+        out["cache_closest_decision"] = closest if math.isfinite(closest) else None
+    return out
+
+
+# The state's record of the decision taken nearest its threshold: min over the run's
+# data-dependent decisions of |statistic / threshold - 1| (inf before the first). Float
+# rounding moves a statistic by ~1e-7 (relative): a decision further than that from its
+# threshold is the same on any machine and on any number of devices.
+CLOSEST = "closest"
+
+
+def _closest(state: dict, first, statistic, threshold: float, taken) -> jax.Array:
+    """The state's `CLOSEST` after a decision on `statistic` (counted where `taken`); `first`:
+    the run's first step (whatever the state holds then is not a record: the engine may start
+    a state as zeros)."""
+    near = jnp.abs(statistic / threshold - 1.0).astype(jnp.float32)
+    before = jnp.where(first, jnp.inf, state[CLOSEST])
+    return jnp.where(taken, jnp.minimum(before, near), before)
 
 
 def _sub(a, b):  # per part of `hs`; a part a block no longer returns (SD3's text) is None
@@ -498,11 +586,14 @@ def first_block_step(
             "tail": _zeros(like[2]),
             "valid": jnp.zeros((), jnp.int32),
             "computed": jnp.zeros((), jnp.int32),
+            CLOSEST: jnp.full((), jnp.inf, jnp.float32),
         }
     r = (h1[0] - h0[0]).astype(jnp.float32)
     prev = state["residual"].astype(jnp.float32)
     sums = reduce_sum(jnp.stack([jnp.sum(jnp.abs(r - prev)), jnp.sum(jnp.abs(prev))]))
     compute = jnp.logical_or(state["valid"] == 0, sums[0] / sums[1] > cache.threshold)
+    taken = jnp.logical_and(state["valid"] != 0, force is None)  # decided by the data
+    closest = _closest(state, state["valid"] == 0, sums[0] / sums[1], cache.threshold, taken)
 
     def skipped():
         return _add(h1, state["tail"]), skip(carry), state["tail"], state["residual"]
@@ -518,6 +609,7 @@ def first_block_step(
         "tail": tail_res,
         "valid": jnp.ones((), jnp.int32),
         "computed": state["computed"] + compute.astype(jnp.int32),
+        CLOSEST: closest,
     }
     return last, extra, new, carry
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import abstract_init, random_params
-from patchpar.models.family import Family
+from patchpar.models.family import Family, max_sequence_length
 from patchpar.models.flux import presets as _presets
 from patchpar.models.flux.model import (
     CLASS_NAMES,
@@ -315,6 +315,7 @@ class FluxFamily(Family):
         from patchpar.models.loading import CheckpointError
         from patchpar.models.tokenizer import T5Tokenizer, load_tokenizer
 
+        tokens = max_sequence_length(index, 512, "FluxPipeline")  # before loading anything
         for sub in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
             if not (folder / sub).is_dir():
                 raise CheckpointError(
@@ -323,7 +324,6 @@ class FluxFamily(Family):
                 )
         clip = load_text_encoder(folder / "text_encoder", dtype)
         t5 = load_t5_encoder(folder / "text_encoder_2", dtype, subfolder="text_encoder_2")
-        tokens = int(index.get("max_sequence_length", 512))
         return FluxConditioning(
             [clip, t5],
             [

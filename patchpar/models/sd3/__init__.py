@@ -16,7 +16,7 @@ import numpy as np
 
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import abstract_init, random_params
-from patchpar.models.family import Family
+from patchpar.models.family import T5_TOKENS, Family, max_sequence_length
 from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.sd3 import presets as _presets
 from patchpar.models.sd3.model import (
@@ -31,7 +31,7 @@ from patchpar.models.sd3.model import (
 )
 from patchpar.models.sites import SiteOps
 
-MAX_SEQUENCE_LENGTH = 512  # the most T5 tokens StableDiffusion3Pipeline takes
+MAX_SEQUENCE_LENGTH = T5_TOKENS  # the most T5 tokens StableDiffusion3Pipeline takes
 POS_EMBED_KEY = "pos_embed.pos_embed"  # the position table diffusers keeps in the checkpoint
 
 
@@ -367,6 +367,7 @@ class SD3Family(Family):
         from patchpar.models.components import load_t5_encoder, load_text_encoder
         from patchpar.models.tokenizer import T5Tokenizer, load_tokenizer
 
+        tokens = max_sequence_length(index, 256, "StableDiffusion3Pipeline")  # before loading
         for enc, tok, what in (("text_encoder", "tokenizer", "CLIP-L"),
                                ("text_encoder_2", "tokenizer_2", "CLIP-G")):  # fmt: skip
             for sub in (enc, tok):
@@ -396,7 +397,7 @@ class SD3Family(Family):
             encoders.append(None)
             tokenizers.append(None)
         cfg = read_config(folder / "transformer")
-        return SD3Conditioning(encoders, tokenizers, int(index.get("max_sequence_length", 256)),
+        return SD3Conditioning(encoders, tokenizers, tokens,
                                int(cfg.get("joint_attention_dim", 4096)))  # fmt: skip
 
     def text_programs(self, component, batch: int, dtype):

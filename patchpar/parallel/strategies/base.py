@@ -6,7 +6,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from patchpar.models.sites import IDENTITY, SiteOps
-from patchpar.parallel.sites.compress import EXTRAPOLATE_RANGE, RESIDUALS, site_links
+from patchpar.parallel.codecs import NAMES as CODECS
+from patchpar.parallel.sites.compress import (
+    EXTRAPOLATE_RANGE,
+    KINDS,
+    RESIDUALS,
+    site_codecs,
+    site_links,
+)
 from patchpar.parallel.sites.groupnorm import MODES as GROUPNORM_MODES
 from patchpar.parallel.sites.text import MODES as TEXT_MODES
 
@@ -17,6 +24,40 @@ def option(default: Any, help: str, quiet: bool = False) -> Any:
     `quiet`: `describe` leaves it out at its default (an option added after records were keyed
     by `describe`, whose default behaves as before: the old keys stay valid)."""
     return field(default=default, metadata={"help": help, "quiet": quiet})
+
+
+@dataclass(frozen=True)
+class Coded:
+    """What a strategy's option codes (or extrapolates) on the wire, to check against the
+    sites a model has: `where` (the strategy and the option as given), `keys` {every kind the
+    option may name: the site kind that sends it}, `coded` the kinds it codes, `named` those
+    of them given one by one (kind=codec pairs; the others come from one codec for all)."""
+
+    where: str
+    keys: dict[str, str]
+    coded: tuple[str, ...]
+    named: tuple[str, ...] = ()
+
+    def check(self, has: frozenset[str], model: str) -> None:
+        """ValueError when a kind named has no site in the model, or no kind coded has one
+        (`has`: the site kinds the model exchanges; `model`: what it is, `a flux denoiser`)."""
+        exchanged = ", ".join(sorted(has)) or "nothing a codec could code"
+        fits = [k for k, site in self.keys.items() if site in has]
+        fix = f"name only kinds it has: {', '.join(fits)}" if fits else "code nothing (none)"
+        for kind in self.named:
+            site = self.keys[kind]
+            if site not in has:
+                sends = "" if site == kind else f" (which sends {kind})"
+                raise ValueError(
+                    f"{self.where}: {model} has no {site} site{sends} (it exchanges "
+                    f"{exchanged}); {fix}"
+                )
+        sites = sorted({self.keys[k] for k in self.coded})
+        if not has & set(sites):
+            raise ValueError(
+                f"{self.where} codes {', '.join(sites)}, and {model} has no such site (it "
+                f"exchanges {exchanged}); {fix}"
+            )
 
 
 @dataclass(frozen=True)
@@ -77,6 +118,11 @@ class Strategy:
     def validate(self, steps: int, patch: int, cfg: int) -> None:
         """Strategy-specific checks beyond the shapes; ValueError naming the numbers."""
 
+    def coded(self) -> Coded | None:
+        """What its options code or extrapolate on the wire, checked against the sites of the
+        model it runs (`Plan.validate`); None: every exchange goes as it is."""
+        return None
+
     def describe(self) -> str:
         opts = ", ".join(
             f"{f.name}={getattr(self, f.name)!r}"
@@ -114,8 +160,8 @@ class StaleStrategy(Strategy):
     codec: str = option(
         "none",
         "compress the steady phase's exchange of activations: one codec for K/V (int2) or one "
-        "per site kind (kv=sign1,halo=int8); codecs none (default), int8, fp8, fp8-e5m2, int4, "
-        "int2, sign1, lowrank-r; GroupNorm statistics stay exact (CompactFusion, arXiv 2507.17511).",
+        f"per site kind the model has (kv=sign1,halo=int8); codecs {', '.join(CODECS)} "
+        "(default none); GroupNorm statistics stay exact (CompactFusion, arXiv 2507.17511).",
         quiet=True,
     )
     residual: str = option(
@@ -144,6 +190,20 @@ class StaleStrategy(Strategy):
     def links(self) -> dict:
         """{site kind: `sites.compress.Link`} of the kinds that compress or extrapolate."""
         return site_links(self.codec, self.residual, self.extrapolate)
+
+    def coded(self) -> Coded | None:
+        links = self.links()
+        if not links:
+            return None
+        named = site_codecs(self.codec) if "=" in self.codec else {}
+        given = [f"codec={self.codec!r}"] if self.codec != "none" else []
+        given += [f"extrapolate={self.extrapolate!r}"] if self.extrapolate else []
+        return Coded(
+            f"{self.name}: {', '.join(given)}",
+            {k: k for k in KINDS},
+            tuple(links),
+            tuple(k for k, c in named.items() if not c.exact),
+        )
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:

@@ -7,6 +7,7 @@ sync by default)."""
 
 from dataclasses import dataclass
 
+from patchpar.parallel.codecs import NAMES as CODECS
 from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.strategies.base import StaleStrategy, option
 
@@ -26,9 +27,8 @@ class Compact(StaleStrategy):
     )
     codec: str = option(
         "int2",
-        "one codec for K/V (default int2, CompactFusion's 2-bit) or one per site kind "
-        "(kv=sign1,halo=int8); codecs none, int8, fp8, fp8-e5m2, int4, int2, sign1, lowrank-r; GroupNorm "
-        "statistics stay exact.",
+        "one codec for K/V (default int2, CompactFusion's 2-bit) or one per site kind the model "
+        f"has (kv=sign1,halo=int8); codecs {', '.join(CODECS)}; GroupNorm statistics stay exact.",
     )
 
     extrapolate: float = option(

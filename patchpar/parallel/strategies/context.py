@@ -11,8 +11,8 @@ from typing import ClassVar
 from patchpar.parallel.codecs import wire_codecs
 from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.sites.context import QKVO, check_degrees
-from patchpar.parallel.strategies.base import Strategy, option
-from patchpar.parallel.strategies.sync_patch import WIRE_HELP
+from patchpar.parallel.strategies.base import Coded, Strategy, option
+from patchpar.parallel.strategies.sync_patch import WIRE_HELP, wire_coded
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,10 @@ class ContextParallel(Strategy):
 
     def codecs(self) -> dict:
         return wire_codecs(self.wire, (*QKVO, "halo"), self.name)
+
+    def coded(self) -> Coded | None:
+        keys = {**dict.fromkeys(QKVO, "kv"), "halo": "halo"}  # Q, K, V, O: attention's
+        return wire_coded(self.name, self.wire, self.codecs(), keys)
 
     def degrees(self, patch: int) -> tuple[int, int]:
         """(ring, ulysses) on a patch axis of `patch` devices."""

@@ -7,13 +7,23 @@ from dataclasses import dataclass
 
 from patchpar.parallel.codecs import wire_codecs
 from patchpar.parallel.sites import PatchOps, patch_ops
-from patchpar.parallel.strategies.base import Strategy, option
+from patchpar.parallel.strategies.base import Coded, Strategy, option
 
 WIRE_HELP = (
     "codes every exchange of activations on the wire, per token (a scale per token, so nothing "
     "overflows): none (default), fp8 (e4m3), fp8-e5m2, int8, for all of {kinds}, or kind=codec "
-    "pairs ({example}); the output then differs from single by the codec's rounding."
+    "pairs of the kinds the model has ({example}); the output then differs from single by the "
+    "codec's rounding."
 )
+
+
+def wire_coded(who: str, wire: str, codecs: dict, keys: dict[str, str]) -> Coded | None:
+    """What an exact strategy's `wire` codes (`codecs`: {kind: codec} of those coded; `keys`:
+    {every kind it may name: the site kind that sends it}); None: nothing."""
+    if not codecs:
+        return None
+    named = tuple(codecs) if "=" in wire else ()
+    return Coded(f"{who}: wire={wire!r}", keys, tuple(codecs), named)
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,9 @@ class SyncPatch(Strategy):
 
     def codecs(self) -> dict:
         return wire_codecs(self.wire, ("halo", "kv"), self.name)
+
+    def coded(self) -> Coded | None:
+        return wire_coded(self.name, self.wire, self.codecs(), {"halo": "halo", "kv": "kv"})
 
     def ops(self, phase: str, n: int) -> PatchOps:
         return patch_ops(n, wire=self.codecs())
