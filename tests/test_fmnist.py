@@ -89,6 +89,7 @@ def test_fmnist_preset_one_image_per_class_deterministic():
     assert acc >= 0.5, acc  # 10 images; the 500-sample figure is in paper_repro.md
 
 
+@pytest.mark.slow  # the fmnist UNet's prompt accuracy stays in the default tier
 def test_fmnist_dit_preset_follows_the_prompt():
     """The shipped DiT: a pixel-space PixArt folder; one image per class at its tuned guidance,
     deterministic, most of them the class asked for (500 samples: paper_repro.md)."""
@@ -154,6 +155,7 @@ def test_train_script_exports_resumes_and_refuses_another_recipe(tmp_path, capsy
         train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
 
 
+@pytest.mark.slow  # the trained models' scripts run in miniature; the default tier keeps the UNet's
 def test_clip_training_script_in_miniature(tmp_path, capsys, monkeypatch):
     """experiments/train_clip_fmnist.py: one short epoch, stop and resume, export in open_clip's
     local-dir format that the metric loads, zero-shot figures in training.json, and a work

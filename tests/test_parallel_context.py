@@ -7,7 +7,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from parallel_helpers import GUIDANCE, inputs, micro_unet, single_guided
+from parallel_helpers import GUIDANCE, inputs, micro_unet, rounding, single_guided
 
 from patchpar.measure.comm import count_hlo, hlo_text_with_metadata, parse_collectives
 from patchpar.measure.cost import measure
@@ -97,10 +97,13 @@ def test_data_axis_leaves_every_image_as_without_it(name, options):
     """A stale strategy on patch = 2 with a batch of 4 split over data = 4 gives each image
     what it gives that image alone (batch 1) on one patch pair. (Against the 4 images in one
     call on the patch pair the latents differ by ~1e-5 at |x| ~ 60: float rounding of other
-    batch sizes, not the split; the per-image runs are the same programs per device.)"""
+    batch sizes, not the split; the per-image runs are the same arithmetic per device, in
+    programs of other meshes: bit for bit here, float rounding apart is the contract.)"""
     split = _sample("sd", name, 8, 1, 4, options, batch=4, steps=4)
-    alone = [_sample("sd", name, 2, 1, 1, options, batch=4, steps=4, image=i) for i in range(4)]
-    assert max_diff(split, np.concatenate(alone)) <= 1e-6
+    alone = np.concatenate(
+        [_sample("sd", name, 2, 1, 1, options, batch=4, steps=4, image=i) for i in range(4)]
+    )
+    assert max_diff(split, alone) <= rounding(alone)
     # the stale strategy is not single: the comparison above can fail
     assert max_diff(split, _sample("sd", "single", 1, 1, 1, batch=4, steps=4)) > 1e-4
 

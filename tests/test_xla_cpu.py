@@ -62,6 +62,7 @@ def test_this_session_runs_with_the_multi_device_option():
     assert xla_flags.in_effect() == {YNN: "(jaxlib default)"}
 
 
+@pytest.mark.slow  # an XLA:CPU canary, 200 images: the flags' logic is tested above
 def test_sync_patch_repeated_in_one_program_equals_single_for_a_large_batch():
     """The fmnist UNet 5 times in one jitted loop, 200 images, 8 devices with sync_patch's
     exact site ops, against one device (experiments/xla_cpu_race.py's programs, run in this

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
+import tyro
+
+from patchpar.lab.config import HELP, PlanFlags
 from patchpar.lab.config import LOWERED_DTYPES as DTYPES
-from patchpar.lab.config import PlanFlags
 
 
 @dataclass(frozen=True)
@@ -13,8 +16,12 @@ class CommConfig(PlanFlags):
     """Bytes received per device per denoiser call (warm-up and steady phase, by site kind), FLOPs
     and stale-buffer memory per device, lowered with abstract parameters (no weights needed)."""
 
-    model: str = "sdxl"
-    """A preset (sd15, sd21, sdxl, pixart-alpha, pixart-sigma, tiny, tiny-xl, tiny-dit) or a local diffusers folder (only its unet/ or transformer/ config.json is read)."""
+    model: Annotated[
+        str,
+        tyro.conf.arg(
+            help=f"{HELP['any_model']} Only its denoiser's config.json is read (no weights)."
+        ),
+    ] = "sdxl"
     resolution: int = 1024
     """Square image size in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
     batch: int = 0

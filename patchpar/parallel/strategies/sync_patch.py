@@ -5,15 +5,15 @@ statistics stay exact."""
 
 from dataclasses import dataclass
 
-from patchpar.parallel.codecs import wire_codecs
+from patchpar.parallel.codecs import WIRE, wire_codecs
 from patchpar.parallel.sites import PatchOps, patch_ops
 from patchpar.parallel.strategies.base import Coded, Strategy, option
 
 WIRE_HELP = (
     "codes every exchange of activations on the wire, per token (a scale per token, so nothing "
-    "overflows): none (default), fp8 (e4m3), fp8-e5m2, int8, for all of {kinds}, or kind=codec "
-    "pairs of the kinds the model has ({example}); the output then differs from single by the "
-    "codec's rounding."
+    f"overflows): {', '.join(WIRE)} (default none; fp8 is e4m3), for all of {{kinds}}, or "
+    "kind=codec pairs of the kinds the model has ({example}); the output then differs from "
+    "single by the codec's rounding."
 )
 
 
