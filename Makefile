@@ -42,18 +42,18 @@ run: $(STAMP) $(FMNIST)
 WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 2 ] && n=2; echo $$n)
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The tests compile their programs with LLVM at -O0: the programs (the HLO patchpar builds, whose
-# results, bytes and FLOPs the tests check) are the same, their machine code less optimised,
-# and compiling them takes 20-30% less time (the suite is mostly compiling); `make run` and
-# every measurement compile as a user does. tests/conftest.py sets the same when pytest is run
-# by hand.
+# The default tier compiles its programs with LLVM at -O0: the programs (the HLO patchpar
+# builds, whose results, bytes and FLOPs the tests check) are the same, their machine code less
+# optimised, and compiling them takes 20-30% less time (the suite is mostly compiling).
+# tests/conftest.py sets the same when pytest is run by hand. The slow tier (the XLA:CPU race
+# canary among it), `make run` and every measurement compile as a user does.
 TEST_XLA := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" JAX_PLATFORMS=cpu
 
 test: $(STAMP) $(FMNIST)
 	$(TEST_XLA) $(PYTEST)
 
 test-slow: $(STAMP) $(FMNIST)
-	$(TEST_XLA) $(PYTEST) -m slow
+	$(TEST_ENV) $(PYTEST) -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check patchpar tests experiments

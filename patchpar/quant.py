@@ -228,31 +228,39 @@ def checkpoint_paths(folder, mode: str):
     return folder / f"quantized-{mode}.npz", folder / f"quantized-{mode}.json"
 
 
-FLOATS = "*.safetensors"  # the float weights a quantized checkpoint is bound to
+def float_stamp(folder) -> tuple:
+    """The stamp (`loading.stamp`: names, sizes, times, inodes) of the float weight files a
+    denoiser folder's loader reads (`loading.weight_files`); ValueError when it holds none."""
+    from pathlib import Path
+
+    from patchpar.models.loading import stamp, weight_files
+
+    files = weight_files(folder)
+    if not files:
+        raise ValueError(
+            f"{str(folder)!r} holds no float weights (*.safetensors): a quantized checkpoint is "
+            f"made from, and checked against, the float weights beside it (keep them there)"
+        )
+    return stamp(Path(folder), files)
 
 
 def float_digest(folder) -> str:
-    """SHA-256 (16 hex digits) of the float weight files of a denoiser folder (their names and
-    contents), the binding of a quantized checkpoint to the weights it was made from;
-    ValueError when the folder holds none."""
-    from pathlib import Path
+    """SHA-256 (16 hex digits) of the float weight files a denoiser folder's loader reads
+    (names and contents): the binding of a quantized checkpoint to the weights it was made
+    from."""
+    from patchpar.models.loading import weight_files, weights_digest
 
-    from patchpar.models.loading import weights_digest
-
-    if not any(Path(folder).glob(FLOATS)):
-        raise ValueError(
-            f"{str(folder)!r} holds no float weights ({FLOATS}): a quantized checkpoint is made "
-            f"from, and checked against, the float checkpoint beside it"
-        )
-    return weights_digest(folder, FLOATS)
+    float_stamp(folder)  # none: the error
+    return weights_digest(folder, weight_files(folder))
 
 
-def save_quantized(fn, qparams, folder, config: dict) -> None:
+def save_quantized(fn, qparams, folder, config: dict, read: tuple | None) -> None:
     """Write a quantized denoiser's parameters beside its float checkpoint (`folder`: the
-    denoiser's folder, whose float weights `fn` and `qparams` were made from; `config`: its
-    config.json). The metadata keeps the config and the float weights' digest, both checked
-    on load. Arrays are stored by their path in Qwix's tree, in bits (fp8 and bfloat16 as
-    unsigned integers, int4 one per int8); the metadata names each one's dtype."""
+    denoiser's folder, whose float weights `fn` and `qparams` were made from, as they were
+    when read: `read`, their `float_stamp` then; `config`: its config.json). The metadata
+    keeps the config and the float weights' digest and stamp, checked on load. Arrays are
+    stored by their path in Qwix's tree, in bits (fp8 and bfloat16 as unsigned integers, int4
+    one per int8); the metadata names each one's dtype."""
     import json
     import os
     from importlib.metadata import version
@@ -262,6 +270,14 @@ def save_quantized(fn, qparams, folder, config: dict) -> None:
     mode = mode_of(fn)
     if mode is None:
         raise ValueError("save_quantized: this denoiser is not quantized (quantize it first)")
+    now = float_stamp(folder)
+    if read is None or now != read:
+        why = "were not read from it" if read is None else "changed since they were read"
+        raise ValueError(
+            f"save_quantized: this denoiser's float weights {why} ({str(folder)!r}): a "
+            f"quantized checkpoint must be of the floats beside it; load the folder again and "
+            f"quantize"
+        )
     floats = float_digest(folder)
     arrays, dtypes = {}, {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(qparams)[0]:
@@ -278,7 +294,7 @@ def save_quantized(fn, qparams, folder, config: dict) -> None:
     np.savez(tmp, **arrays)
     os.replace(tmp, npz)  # arrays first: a metadata file means a whole checkpoint
     info = {"mode": mode, "qwix": version("qwix"), "dtypes": dtypes, "config": config,
-            "float_weights_sha256": floats}  # fmt: skip
+            "float_weights_sha256": floats, "float_weights_stamp": now}  # fmt: skip
     meta.with_suffix(".tmp").write_text(json.dumps(info, sort_keys=True))
     os.replace(meta.with_suffix(".tmp"), meta)
 
@@ -286,7 +302,8 @@ def save_quantized(fn, qparams, folder, config: dict) -> None:
 def load_quantized(fn, folder, mode: str, config: dict):
     """(the quantized denoiser, its parameters) from `folder`'s checkpoint for `mode`, checked
     against `config` (the denoiser folder's config.json), against the digest of the float
-    weights beside it (a checkpoint of other weights is never used), against the tree the
+    weights beside it (a checkpoint of other weights is never used; the files are read to
+    hash them only where their stamp changed since it was saved), against the tree the
     quantized model of `fn` takes, and for NaN/Inf in its float arrays (scales, fp8 values);
     ValueError (`CheckpointError`) naming the file, what differs and how to make it again."""
     import json
@@ -320,7 +337,11 @@ def load_quantized(fn, folder, mode: str, config: dict):
             f"quantized checkpoint {str(npz)!r} was made from a denoiser of another config "
             f"(differs in {keys[:5]}); {again}"
         )
-    have, made = float_digest(folder), info.get("float_weights_sha256")
+    made = info.get("float_weights_sha256")
+    unchanged = made is not None and [list(f) for f in float_stamp(folder)] == info.get(
+        "float_weights_stamp"
+    )  # the files as they were when it was saved: no need to read them
+    have = made if unchanged else float_digest(folder)
     if have != made:
         raise CheckpointError(
             f"quantized checkpoint {str(npz)!r} was made from other float weights than "

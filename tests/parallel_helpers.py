@@ -92,3 +92,10 @@ def rounding(want) -> float:
     that is more (the micro MMDiTs' latents reach ~150 after a few flow steps, where 1e-4 is
     5 ulps: a bound another machine's code generation could cross)."""
     return max(1e-4, 1e-5 * float(np.abs(np.asarray(want)).max()))
+
+
+def reordered(want) -> float:
+    """How far two programs of the same arithmetic (the same per-device operations, in
+    programs of another mesh, batch split or weight layout) may be apart: a few float32 ulps
+    of the values' scale (1e-6 of it; bit for bit where XLA compiles both alike)."""
+    return 1e-6 * max(1.0, float(np.abs(np.asarray(want)).max()))

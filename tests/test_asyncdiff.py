@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parallel_helpers import rounding
+from parallel_helpers import reordered, rounding
 from test_parallel_dit import GUIDANCE, inputs, max_diff
 from test_pipefusion import micro_dit
 
@@ -137,7 +137,7 @@ def test_stride_two_equals_the_reference(devices, warmup):
 
 def test_cfg_split_equals_the_same_components_without():
     one = sample("asyncdiff", 2, warmup_steps=2)
-    assert max_diff(sample("asyncdiff", 4, 2, warmup_steps=2), one) <= rounding(one)
+    assert max_diff(sample("asyncdiff", 4, 2, warmup_steps=2), one) <= reordered(one)
 
 
 @pytest.mark.parametrize("devices, cfg, data, stride", [(2, 1, 1, 1), (8, 2, 2, 1), (4, 1, 1, 2)])
@@ -255,7 +255,7 @@ def test_on_an_mmdit(family):
 @pytest.mark.parametrize(
     "kind, devices, stride",
     [
-        ("sd", 2, 1),
+        pytest.param("sd", 2, 1, marks=pytest.mark.slow),  # the DiT and the MMDiT: above
         pytest.param("sdxl", 3, 1, marks=pytest.mark.slow),
         pytest.param("sd", 3, 2, marks=pytest.mark.slow),
     ],

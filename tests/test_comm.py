@@ -104,11 +104,11 @@ CASES = [
     ("sd", "sync_patch", {}, 8, 1),
     ("sdxl", "sync_patch", {}, 4, 2),
     ("sd", "distrifusion", {"gn": "corrected"}, 4, 2),
-    ("sdxl", "distrifusion", {"gn": "separate"}, 8, 1),
+    pytest.param("sdxl", "distrifusion", {"gn": "separate"}, 8, 1, marks=pytest.mark.slow),
     ("sd", "distrifusion", {"no_sync": True, "gn": "separate"}, 4, 1),
     pytest.param("sd", "distrifusion", {"gn": "separate"}, 4, 2, marks=pytest.mark.slow),
     ("sd", "pcpp", {"send": "full"}, 8, 1),
-    ("sdxl", "pcpp", {"send": "band", "portion": 0.5}, 4, 2),
+    pytest.param("sdxl", "pcpp", {"send": "band", "portion": 0.5}, 4, 2, marks=pytest.mark.slow),
 ]
 
 

@@ -175,6 +175,15 @@ def test_a_cache_option_past_the_last_step_is_warned_of():
         assert check(gen) == (want if warned else [])
 
 
+def test_project_checks_a_cache_against_its_steps(capsys):
+    """`project` checks the cache against the projected run's steps before lowering anything
+    (it lowers with the step count open), as run and generate do."""
+    args = ["project", "--model", "fmnist-dit", "--cache", "fbcache", "--steps", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "fbcache(threshold=0.05) with 1 steps: every step computes" in err
+
+
 def test_generate_reports_each_stage_as_it_starts(tmp_path, micro_folder, capsys):
     args = ["generate", "--model", str(micro_folder), "--strategy", "distrifusion", "--devices",
             "2", "--steps", "3", "--warmup-steps", "0", "--out", str(tmp_path)]  # fmt: skip

@@ -13,7 +13,7 @@ from torch_refs import SDXL_POOLED, close, make_text_encoder, make_unet, make_va
 from patchpar.models import load_text_encoder, load_unet, load_vae  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["sd1", "sd2", "sdxl"])
+@pytest.mark.parametrize("kind", ["sd1", pytest.param("sd2", marks=pytest.mark.slow), "sdxl"])
 def test_unet_matches_diffusers(kind, tmp_path):
     ref = make_unet(kind)
     ref.save_pretrained(tmp_path)

@@ -144,7 +144,7 @@ def test_a_row_aligned_band_keeps_whole_token_rows():
 # (strategy, devices, cfg, data, fsdp, options): the micro DiT has 3 heads (padded to 4 over
 # model=2) and a 96-wide GELU feed-forward (split, not gated as a UNet's GEGLU)
 WEIGHT_CASES = [
-    ("tensor", 2, 1, 1, False, {}),
+    pytest.param("tensor", 2, 1, 1, False, {}, marks=pytest.mark.slow),
     ("tensor", 8, 2, 1, False, {"tp_degree": 2}),  # cfg 2 x patch 2 x model 2
     ("sync_patch", 4, 1, 1, True, {}),  # FSDP over patch
     ("sync_patch", 8, 2, 2, False, {}),  # data 2 x cfg 2 x patch 2

@@ -193,7 +193,7 @@ def test_the_sd3_stack_composes_to_the_model(kind, segments):
     [
         pytest.param("plain", 1, marks=pytest.mark.slow),
         pytest.param("plain", 2, marks=pytest.mark.slow),
-        ("dual2", 2),  # segments of both kinds
+        pytest.param("dual2", 2, marks=pytest.mark.slow),  # FLUX.1's: the default tier's
     ],
 )
 def test_pipefusion_on_sd3(kind, stages):

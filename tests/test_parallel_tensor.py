@@ -37,7 +37,7 @@ def plan(devices, cfg=1, data=1, **options):
 
 # (kind, devices, cfg, data, tp_degree): the micro SDXL UNet has 2 and 4 heads, so tp 4 pads
 FORWARD_CASES = [
-    ("sd", 2, 1, 1, None),
+    pytest.param("sd", 2, 1, 1, None, marks=SLOW),
     ("sdxl", 4, 1, 1, None),  # 2 heads padded to 4 at the first attention level
     ("sd", 8, 2, 2, None),  # data 2 x cfg 2 x model 2
     ("sdxl", 8, 1, 1, 2),  # patch 4 x model 2: sync_patch's sites on the patch axis

@@ -298,14 +298,26 @@ def test_a_quantized_checkpoint_is_bound_to_its_float_weights(micro_folder, tmp_
     from patchpar.models.loading import CheckpointError
     from patchpar.pipelines import load_pipeline
 
+    from patchpar.models import loading
+
     folder = tmp_path / "model"
     shutil.copytree(micro_folder, folder)
+    pipe = load_pipeline(folder, quant="w8")
+    (floats,) = (folder / "unet").glob("*.safetensors")
+    floats.write_bytes(floats.read_bytes())  # rewritten after the pipeline read it
+    with pytest.raises(ValueError, match=r"save_quantized: this denoiser's float weights changed "
+                       r"since they were read"):  # fmt: skip
+        pipe.save_quantized()
     path = load_pipeline(folder, quant="w8").save_quantized()
     meta = path.with_suffix(".json")
-    assert load_pipeline(folder, quant="w8").quant_checkpoint == path
+    with pytest.MonkeyPatch.context() as m:  # the floats' stamp unchanged: not read again
+        m.setattr(loading, "_digest", lambda *a: pytest.fail("the float files were hashed"))
+        assert load_pipeline(folder, quant="w8").quant_checkpoint == path
     assert load_pipeline(folder).quant_checkpoint is None
+    moved = tmp_path / "moved"  # a copy: other stamps, the same digest
+    shutil.copytree(folder, moved)
+    assert load_pipeline(moved, quant="w8").quant == "w8"
     # the float weights change (halved): the checkpoint no longer is theirs
-    (floats,) = path.parent.glob("*.safetensors")
     kept = floats.read_bytes()
     save_file({k: v * 0.5 for k, v in load_file(floats).items()}, floats)
     with pytest.raises(CheckpointError, match=r"quantized checkpoint .*quantized-w8.npz' was made "

@@ -102,6 +102,12 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
             f"patchpar: warning: overlap={config.overlap!r} has no effect: {plan.strategy.name} "
             f"sends nothing for a later step, so every collective is waited for"
         )
+    if plan.cache is not None:  # against the run's steps (the lowering validates with many)
+        from patchpar.models.presets import abstract_denoiser
+
+        plan.cache.validate(abstract_denoiser(config.model), config.steps)
+        for line in plan.cache.idle_options(config.steps):
+            log(f"patchpar: warning: {line}")
     computed = cache_schedule(plan.cache, config.steps, config.cache_computed_steps)
     if computed is not None and timings:
         raise ValueError(

@@ -289,10 +289,10 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
             f"{jax.device_count()} devices in all, and a mesh across processes must use every one "
             f"(devices = processes x local devices)"
         )
-    base = None  # a quantized run's float baseline model, loaded (and its weights checked)
-    if writer and m.quality and config.model.quant != "none" and not _baseline_cached(config):
-        base = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
-        base = base.with_true_cfg(s.true_cfg_scale)  # before any quantized work
+    # A quantized run's float weights are checked before any quantized work: read (NaN or Inf
+    # refused) to quantize them, or matched against the digest of the checked floats its
+    # quantized checkpoint was made from (`quant.load_quantized`). The float model itself is
+    # loaded only after the run, to make a baseline not yet cached: never beside the timed one.
     t0 = time.perf_counter()
     pipe = get_pipeline(
         config.model.name, s.dtype, config.model.attention_spec(), config.model.quant
@@ -354,8 +354,11 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
         # and it is the unquantized model's
         exact = not plan.strategy.parallel and plan.cache is None and pipe.quant == "none"
         own = (images, latents) if exact else None
-        # the float model is loaded (above) only to make a baseline not yet cached
-        ref = load_or_make_baseline(base or pipe, config, hw, log, made=own)
+        base = pipe  # the float model is loaded only to make a baseline not yet cached
+        if pipe.quant != "none" and not _baseline_cached(config):
+            base = get_pipeline(config.model.name, s.dtype, config.model.attention_spec())
+            base = base.with_true_cfg(s.true_cfg_scale)
+        ref = load_or_make_baseline(base, config, hw, log, made=own)
         metrics.update(quality_metrics(config, images, ref, log))
         base_lat = np.load(baseline_folder(config) / "latents.npy")
         metrics["latent_max_abs_diff"] = float(np.abs(latents - base_lat).max())

@@ -165,6 +165,10 @@ class Family:
 
     # ---------------------------------------------------------------- the text
 
+    def check_index(self, index: dict) -> None:
+        """Check a pipeline's model_index.json settings before any weight is read (ValueError
+        naming the value); none to check by default."""
+
     def load_text(self, folder: Path, index: dict, dtype) -> TextConditioner:
         """The text encoders and tokenizers of a pipeline folder."""
         raise NotImplementedError

@@ -39,20 +39,26 @@ def read_config(folder: Path, name: str = "config.json") -> dict:
         raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from e
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The *.safetensors files `read_state_dict` reads from `folder`: the full-precision ones
+    where it holds variants too (model.fp16.safetensors); [] where it holds none."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    plain = [f for f in files if f.name.count(".") == 1]
+    return plain or files
+
+
 def read_state_dict(folder: Path) -> dict[str, np.ndarray]:
     """All tensors of the *.safetensors files in `folder` (sharded files are merged)."""
     from safetensors.numpy import load_file
 
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
+    files = weight_files(folder)
     if not files:
         raise CheckpointError(
             f"no *.safetensors weights in {str(folder)!r} (found: {sorted(p.name for p in folder.iterdir())})"
         )
-    # Prefer the full-precision file when a folder holds variants (model.fp16.safetensors).
-    plain = [f for f in files if f.name.count(".") == 1]
     state: dict[str, np.ndarray] = {}
-    for f in plain or files:
+    for f in files:
         try:
             state.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own error type (or OSError) on bad bytes
@@ -204,32 +210,41 @@ def write_component(folder: Path, config: dict, params) -> None:
 DERIVED = "quantized-*"  # files patchpar writes beside the weights (`quant.save_quantized`)
 
 
-def weights_digest(folder: str | Path, pattern: str = "*") -> str:
-    """SHA-256 (16 hex digits) of the files of a model folder that match `pattern` (relative
-    names and contents; default every file: weights, configs, tokenizer), so records made from
-    different weights differ. Files patchpar derives from the weights (quantized checkpoints)
-    are not counted: they are not the model's. Cached per process by the files' sizes and
-    modification times."""
+def weights_digest(folder: str | Path, files: list[Path] | None = None) -> str:
+    """SHA-256 (16 hex digits) of `files` of a model folder (relative names and contents;
+    default every file: weights, configs, tokenizer), so records made from different weights
+    differ. Files patchpar derives from the weights (quantized checkpoints) are not counted:
+    they are not the model's. Cached per process by the files' `stamp`."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
-    files = sorted(
-        p
-        for p in folder.rglob(pattern)
-        if p.is_file()
-        and not p.relative_to(folder).parts[0].startswith(".")
-        and not p.match(DERIVED)
-    )
-    stamp = tuple(
-        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files
-    )
-    return _digest(folder.resolve(), stamp)
+    if files is None:
+        files = [
+            p
+            for p in folder.rglob("*")
+            if p.is_file()
+            and not p.relative_to(folder).parts[0].startswith(".")
+            and not p.match(DERIVED)
+        ]
+    return _digest(folder.resolve(), stamp(folder, files))
+
+
+def stamp(folder: Path, files: list[Path]) -> tuple:
+    """((relative name, size, mtime, ctime, inode) of each file, sorted): any write or
+    replacement of a file changes it (a file's ctime cannot be set back), so a digest cached
+    under it is the files' digest."""
+    out = []
+    for p in sorted(files):
+        st = p.stat()
+        rel = str(p.relative_to(folder))
+        out.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+    return tuple(out)
 
 
 @functools.cache
 def _digest(folder: Path, stamp: tuple) -> str:
     h = hashlib.sha256()
-    for rel, _, _ in stamp:
+    for rel, *_ in stamp:
         h.update(rel.encode() + b"\0")
         with open(folder / rel, "rb") as f:
             while chunk := f.read(1 << 24):

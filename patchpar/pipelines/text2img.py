@@ -69,6 +69,7 @@ class Pipeline:
     name: str = ""
     default_sampler: str = "ddim"  # the family's (`Family.default_sampler`)
     quant_checkpoint: Path | None = None  # the quantized checkpoint read (None: none was)
+    float_stamp: tuple | None = None  # the denoiser's float files when read (`quant.float_stamp`)
 
     def with_true_cfg(self, scale: float) -> Pipeline:
         """This pipeline with true classifier-free guidance at `scale` over a guidance-distilled
@@ -105,7 +106,7 @@ class Pipeline:
         from patchpar.quant import checkpoint_paths, save_quantized
 
         folder = self._denoiser_folder()
-        save_quantized(self.unet, self.unet_params, folder, read_config(folder))
+        save_quantized(self.unet, self.unet_params, folder, read_config(folder), self.float_stamp)
         return checkpoint_paths(folder, self.quant)[0]
 
     def _denoiser_folder(self) -> Path:
@@ -582,7 +583,9 @@ def load_pipeline(
     not run is an error naming it, before any component is read. `quant` quantizes the
     denoiser once its weights are loaded in `dtype` (`Pipeline.quantized`), or reads the
     folder's quantized checkpoint for that mode where `save_quantized` wrote one (its config
-    checked against the folder's; no float weight read)."""
+    checked against the folder's, and its float weights' digest against the floats beside it:
+    none is loaded, and they are read to hash them only where their files changed since the
+    checkpoint was saved)."""
     from patchpar.models.attention import resolve
     from patchpar.quant import check_mode, checkpoint_paths, load_quantized
 
@@ -593,8 +596,8 @@ def load_pipeline(
     fam = model_family(folder)
     index = _model_index(folder)
     sub = folder / fam.denoiser_folder
-    text = fam.load_text(folder, index, dtype)  # first: its checks are cheap, the denoiser not
-    read = None  # the quantized checkpoint read, if any
+    fam.check_index(index)  # before any weight is read
+    read, stamp = None, None  # the quantized checkpoint read; the float files read
     if quant != "none" and checkpoint_paths(sub, quant)[1].is_file():  # quantized, no floats read
         from patchpar.models.presets import abstract_denoiser
 
@@ -602,14 +605,27 @@ def load_pipeline(
         denoiser = load_quantized(fn, sub, quant, read_config(sub))
         read = checkpoint_paths(sub, quant)[0]
     else:
+        stamp = _float_stamp(sub)
         denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
+    text = fam.load_text(folder, index, dtype)
     vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
     sched = replace(sched, flow_sigmas=fam.flow_sigmas)
-    pipe = Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler, read)
+    pipe = Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler, read, stamp)
     return pipe if pipe.quant == quant else pipe.quantized(quant)
+
+
+def _float_stamp(sub: Path) -> tuple | None:
+    """The float files' stamp as the loader is about to read them (None: it holds none; the
+    loader then says so)."""
+    from patchpar.quant import float_stamp
+
+    try:
+        return float_stamp(sub)
+    except ValueError:
+        return None
 
 
 def _model_index(folder: Path) -> dict:

@@ -538,6 +538,7 @@ def _closest(state: dict, first, statistic, threshold: float, taken) -> jax.Arra
     the run's first step (whatever the state holds then is not a record: the engine may start
     a state as zeros)."""
     near = jnp.abs(statistic / threshold - 1.0).astype(jnp.float32)
+    near = jnp.where(jnp.isnan(near), 0.0, near)  # a 0/0 statistic: no margin at all
     before = jnp.where(first, jnp.inf, state[CLOSEST])
     return jnp.where(taken, jnp.minimum(before, near), before)
 

@@ -310,6 +310,9 @@ class FluxFamily(Family):
     def is_large(self, config: dict) -> bool:
         return config.get("num_attention_heads", 24) * config.get("attention_head_dim", 128) >= 1024
 
+    def check_index(self, index: dict) -> None:
+        max_sequence_length(index, 512, "FluxPipeline")
+
     def load_text(self, folder: Path, index: dict, dtype) -> FluxConditioning:
         from patchpar.models.components import load_t5_encoder, load_text_encoder
         from patchpar.models.loading import CheckpointError

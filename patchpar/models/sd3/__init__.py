@@ -363,6 +363,9 @@ class SD3Family(Family):
     def is_large(self, config: dict) -> bool:
         return config.get("num_attention_heads", 24) * config.get("attention_head_dim", 64) >= 1024
 
+    def check_index(self, index: dict) -> None:
+        max_sequence_length(index, 256, "StableDiffusion3Pipeline")
+
     def load_text(self, folder: Path, index: dict, dtype) -> SD3Conditioning:
         from patchpar.models.components import load_t5_encoder, load_text_encoder
         from patchpar.models.tokenizer import T5Tokenizer, load_tokenizer
