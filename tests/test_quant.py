@@ -295,10 +295,9 @@ def test_a_quantized_checkpoint_is_bound_to_its_float_weights(micro_folder, tmp_
 
     from safetensors.numpy import load_file, save_file
 
+    from patchpar.models import loading
     from patchpar.models.loading import CheckpointError
     from patchpar.pipelines import load_pipeline
-
-    from patchpar.models import loading
 
     folder = tmp_path / "model"
     shutil.copytree(micro_folder, folder)
