@@ -27,7 +27,9 @@ $(FMNIST):
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	# --no-compile: pip would write bytecode for every file of every package (torch's many
+	# thousands: half of the set-up's time); Python writes it for what is imported, once
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 # Every strategy side by side on the tiny preset, 8 fake devices: table on stdout, records,

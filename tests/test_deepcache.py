@@ -98,6 +98,7 @@ def test_sync_patch_equals_one_device():
         assert max_diff(out, one) <= 1e-4, (devices, cfg)
 
 
+@pytest.mark.slow  # fbcache's skipped step keeps its buffers in the default tier
 def test_a_reused_step_keeps_the_deep_blocks_stale_buffers():
     """One steady DistriFusion step with DeepCache: when it reuses the deep features, the deep
     blocks' stale buffers are the ones it read (they did not run, so a stale site there next

@@ -72,6 +72,7 @@ def test_ablations_notebook(tmp_path, monkeypatch, run_notebook):
     not (RESULTS / "fmnist_flux_quality" / "runs.jsonl").is_file(),
     reason="no fmnist_flux_quality records",
 )
+@pytest.mark.slow  # three notebooks stay in the default tier
 def test_flux_study_notebook(tmp_path, monkeypatch, run_notebook):
     """The MMDiT study: its table, the three-model figure (UNet, DiT, MMDiT), the ablations'
     figures where their records exist."""
@@ -107,6 +108,7 @@ CACHES = ("cache_fmnist_dit", "cache_fmnist", "cache_fmnist_flux", "speedup_cach
 @pytest.mark.skipif(
     not (RESULTS / "cache_fmnist_dit" / "runs.jsonl").is_file(), reason="no step-cache records"
 )
+@pytest.mark.slow  # three notebooks stay in the default tier
 def test_caches_notebook(tmp_path, monkeypatch, run_notebook):
     found = copy_records(tmp_path, *CACHES)
     monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
@@ -125,6 +127,7 @@ def test_caches_notebook(tmp_path, monkeypatch, run_notebook):
 @pytest.mark.skipif(
     not (RESULTS / "quant_fmnist_dit" / "runs.jsonl").is_file(), reason="no quant records"
 )
+@pytest.mark.slow  # three notebooks stay in the default tier
 def test_quant_notebook(tmp_path, monkeypatch, run_notebook):
     """Quantization under patch parallelism: the mode x strategy table and figures."""
     found = copy_records(

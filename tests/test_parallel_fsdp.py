@@ -61,7 +61,7 @@ def test_fsdp_forward_equals_single_and_the_same_plan_without_it(
 @pytest.mark.parametrize(
     "kind, name, devices, cfg, options",
     [
-        ("sd", "distrifusion", 8, 2, {"warmup_steps": 1}),
+        pytest.param("sd", "distrifusion", 8, 2, {"warmup_steps": 1}, marks=SLOW),
         pytest.param("sdxl", "pcpp", 4, 1, {"warmup_steps": 1}, marks=SLOW),
     ],
 )

@@ -155,7 +155,7 @@ def test_bad_input_is_one_line():
 @pytest.mark.parametrize(
     "name, devices, options, fsdp, mode",
     [
-        ("tensor", 2, {}, False, "w8"),
+        pytest.param("tensor", 2, {}, False, "w8", marks=SLOW),  # tensor-4 below
         ("tensor", 4, {"tp_degree": 2}, True, "w8"),
         pytest.param("sync_patch", 4, {}, True, "w8", marks=SLOW),  # FSDP: tensor-4 above
         pytest.param("tensor", 2, {}, False, "w4", marks=SLOW),
@@ -233,20 +233,32 @@ def test_fp8_on_a_gpu(tmp_path):
     assert all(r["rel_diff_vs_first"] < 0.2 for r in recs), recs
 
 
-def test_a_quantized_mmdit_runs_exact_strategies_and_sd3_refuses_its_layer_split():
-    """FLUX.1 and SD3 quantized: w8 under sync_patch equals the quantized model on one device;
-    SD3's layer-splitting stack (PipeFusion, AsyncDiff) runs blocks outside the quantized
-    module: a one-line error."""
+def _mmdit(family):
     import test_parallel_flux as flux
     import test_parallel_sd3 as sd3
 
-    for m, fn, params in ((flux, *flux.micro_flux()), (sd3, *sd3.micro_sd3())):
-        x, t, cond = m.inputs()
-        qf, qp = quantize(fn, params, "w8")
-        one = _call(qf, qp, x, t, cond, m.GUIDANCE)
-        assert max_diff(one, _call(fn, params, x, t, cond, m.GUIDANCE)) > 1e-4  # quantized
-        got = _call(qf, qp, x, t, cond, m.GUIDANCE, "sync_patch", 2)
-        assert max_diff(got, one) <= 1e-4 * max(1.0, float(np.abs(one).max()))
+    m = flux if family == "flux" else sd3
+    return m, *(m.micro_flux() if family == "flux" else m.micro_sd3())
+
+
+@pytest.mark.parametrize("family", ["flux", pytest.param("sd3", marks=SLOW)])
+def test_a_quantized_mmdit_runs_exact_strategies(family):
+    """FLUX.1 and SD3 quantized: w8 under sync_patch equals the quantized model on one device."""
+    m, fn, params = _mmdit(family)
+    x, t, cond = m.inputs()
+    qf, qp = quantize(fn, params, "w8")
+    one = _call(qf, qp, x, t, cond, m.GUIDANCE)
+    assert max_diff(one, _call(fn, params, x, t, cond, m.GUIDANCE)) > 1e-4  # quantized
+    got = _call(qf, qp, x, t, cond, m.GUIDANCE, "sync_patch", 2)
+    assert max_diff(got, one) <= 1e-4 * max(1.0, float(np.abs(one).max()))
+
+
+def test_sd3s_layer_split_refuses_a_quantized_module():
+    """SD3's layer-splitting stack (PipeFusion, AsyncDiff) runs blocks outside the quantized
+    module: a one-line error."""
+    m, fn, params = _mmdit("sd3")
+    x, _, _ = m.inputs()
+    qf, _ = quantize(fn, params, "w8")
     with pytest.raises(ValueError, match=r"quant='w8': SD3's layer-splitting stack"):
         Plan(make_strategy("pipefusion"), 2).validate(qf, x.shape[1:3], 10, m.GUIDANCE)
 
