@@ -196,12 +196,12 @@ def test_generate_reports_each_stage_as_it_starts(tmp_path, micro_folder, capsys
 
 
 def test_comm_and_project_report_what_they_lower(tmp_path, capsys):
-    assert main(["comm", "--model", "tiny", "--resolution", "256", "--devices", "2",
+    assert main(["comm", "--model", "fmnist", "--resolution", "32", "--devices", "2",
                  "--strategy", "sync_patch", "--no-memory"]) == 0  # fmt: skip
     err = capsys.readouterr().err
     assert "lowering the warm-up phase's model call" in err
     assert "lowering the steady phase's model call" in err
-    args = ["project", "--model", "tiny", "--resolution", "256", "--devices", "2",
+    args = ["project", "--model", "fmnist", "--resolution", "32", "--devices", "2",
             "--strategy", "sync_patch", "--overlap", "step", "--workloads", str(tmp_path / "w")]  # fmt: skip
     assert main(args) == 0
     err = capsys.readouterr().err
