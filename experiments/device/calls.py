@@ -1,10 +1,29 @@
-"""What the device scripts share: a denoiser's call inputs with random values, and a compiled
-call timed (experiments/device/attention_sdxl.py, quant_timing.py)."""
+"""What the device scripts share: the packages a part needs, a denoiser's call inputs with
+random values, and a compiled call timed (experiments/device/*.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+import sys
 import time
+
+# import name -> the package pip installs it from
+PACKAGES = {"yaml": "pyyaml", "docstring_parser": "docstring-parser"}
+
+
+def needs(*modules: str) -> None:
+    """Exit with one line naming the missing package(s) and how to bring them, when a device
+    part runs where they are not installed (the TPU machine's index lacks some: they travel as
+    wheels)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        names = ", ".join(PACKAGES.get(m, m) for m in missing)
+        sys.exit(
+            f"{sys.argv[0]}: missing package(s) {names}: run `bash experiments/device/"
+            f"wheels_tpu.sh` here and carry .whl-tpu (experiments/device/tpu_suite.sh installs "
+            f"them), or pip install them"
+        )
 
 
 def random_inputs(fn, model: str, resolution: int, dtype, batch: int = 2):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calls import median, random_inputs, timed  # noqa: E402
+from calls import median, needs, random_inputs, timed  # noqa: E402
 
 
 def parse(argv):
@@ -33,12 +33,15 @@ def parse(argv):
     p.add_argument("--modes", nargs="+", default=["none", "w8", "int8", "fp8"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--hardware", default=None, help="unused here (the suite passes it)")
+    p.add_argument("--budget-s", type=float, default=1e9, help="start no mode after this")
     p.add_argument("--out", type=Path, default=Path("results/quant_device"))
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     a = parse(argv)
+    needs("jax", "flax", "numpy", "yaml", "qwix")
     import warnings
 
     import jax
@@ -47,20 +50,24 @@ def main(argv=None) -> None:
 
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import memory_per_device
+    from patchpar.models.components import random_params_on_device
     from patchpar.models.presets import abstract_denoiser
     from patchpar.quant import emulated, quantize, weight_dtypes
 
     dtype = getattr(jnp, a.dtype)
     fn = abstract_denoiser(a.model, dtype)
-    params = fn.init(0)
+    params = random_params_on_device(fn.abstract_params(), 0)
     x, t, ctx, added = random_inputs(fn, a.model, a.resolution, dtype)
     dev = jax.devices()[0]
     a.out.mkdir(parents=True, exist_ok=True)
     rows, ref = [], None
+    start = time.perf_counter()
     for mode in a.modes:
         rec = {"model": a.model, "resolution": a.resolution, "dtype": a.dtype, "batch": 2,
                "mode": mode, "device_kind": dev.device_kind, "emulated": emulated(mode)}  # fmt: skip
         try:
+            if time.perf_counter() - start > a.budget_s:
+                raise TimeoutError(f"budget {a.budget_s:.0f} s spent before this mode")
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # `emulated` says it in the record

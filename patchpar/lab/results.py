@@ -23,7 +23,8 @@ from patchpar.lab.paths import PUBLISHED
 
 @functools.cache
 def git_commit() -> str | None:
-    """The commit of the patchpar checkout this process runs (None outside git)."""
+    """The commit of the patchpar checkout this process runs; outside git (a copy of the tree
+    on a lent device machine) the one PATCHPAR_GIT_COMMIT names, else None."""
     try:
         commit = (
             subprocess.run(
@@ -37,7 +38,7 @@ def git_commit() -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return commit
+    return commit or os.environ.get("PATCHPAR_GIT_COMMIT") or None
 
 
 @functools.cache

@@ -272,6 +272,43 @@ def check_fits(memory: dict, what: str = "this program") -> None:
         )
 
 
+def param_bytes(abstract_params, quant: str = "none") -> int:
+    """Bytes of a parameter tree (arrays or abstract shapes); `quant="w8"`: as Qwix's int8
+    weights would hold it (one byte per element of every matrix kernel, the rest as they are;
+    the per-channel scales, under 1%, left out)."""
+    from flax.traverse_util import flatten_dict
+
+    total = 0
+    for path, leaf in flatten_dict(abstract_params).items():
+        size = int(np.prod(leaf.shape))
+        low = quant != "none" and path[-1] == "kernel" and len(leaf.shape) >= 2
+        total += size * (1 if low else np.dtype(leaf.dtype).itemsize)
+    return total
+
+
+def check_weights_fit(abstract_params, what: str, device=None) -> None:
+    """ValueError before anything is compiled, drawn or read, when a model's weights alone are
+    more than one accelerator holds (CPUs are not checked: their devices share the machine's
+    memory): names the figure, and what would fit (w8 weights, FSDP over more chips)."""
+    device = device or jax.local_devices()[0]
+    if device.platform == "cpu":
+        return
+    have = device_memory_bytes(device)
+    need = param_bytes(abstract_params)
+    if not have or need <= have:
+        return
+    w8 = param_bytes(abstract_params, "w8")
+    chips = -(-need // int(0.8 * have))  # a fifth of each chip left for activations
+    fits = f"w8 weights ({w8 / 2**30:.1f} GiB" + (
+        ")" if w8 < have else ", which does not fit either)"
+    )
+    raise ValueError(
+        f"{what}: its weights alone are {need / 2**30:.1f} GiB, more than the "
+        f"{have / 2**30:.1f} GiB one {device.device_kind} holds; would fit: {fits}, or FSDP over "
+        f"{chips} or more chips (a smaller image does not shrink the weights)"
+    )
+
+
 def _same(a: CommCount, b: CommCount) -> bool:
     keys = set(a.by_site) | set(b.by_site)
     zero = np.zeros(a.num_devices, np.int64)

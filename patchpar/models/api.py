@@ -20,6 +20,7 @@ from patchpar.models.components import (
     load_text_encoder,
     load_vae,
     random_params,
+    random_params_on_device,
 )
 from patchpar.models.family import Denoiser, of_folder
 from patchpar.models.pixart import PixArtFn, load_pixart
@@ -40,5 +41,5 @@ def load_denoiser(
 __all__ = [
     "Denoiser", "PixArtFn", "T5EncoderFn", "TextEncoderFn", "UNetFn", "VAEFn", "abstract_init",
     "load_denoiser", "load_pixart", "load_t5_encoder", "load_text_encoder", "load_unet",
-    "load_vae", "random_params",
+    "load_vae", "random_params", "random_params_on_device",
 ]  # fmt: skip

@@ -79,9 +79,11 @@ def get_preset(name: str) -> dict[str, dict]:
         raise ValueError(f"unknown preset {name!r}; known: {preset_names()}") from None
 
 
-def abstract_denoiser(model: str | Path, dtype=jnp.bfloat16, attention=None):
+def abstract_denoiser(model: str | Path, dtype=jnp.bfloat16, attention=None, overrides=None):
     """A denoiser (no weights) from a preset name or a diffusers folder's denoiser config.json:
-    enough to lower its programs with abstract parameters."""
+    enough to lower its programs with abstract parameters. `overrides`: config.json keys
+    replaced (a depth-reduced FLUX.1: `{"num_layers": 4, "num_single_layers": 8}`); a key the
+    config lacks is a ValueError naming the keys it has."""
     from patchpar.models.attention import AttentionSpec
     from patchpar.models.loading import read_config
 
@@ -94,6 +96,14 @@ def abstract_denoiser(model: str | Path, dtype=jnp.bfloat16, attention=None):
         folder = preset_folder(name) if name in SHIPPED else Path(model)
         folder = folder / sub if (folder / sub / "config.json").is_file() else folder
         cfg, where = read_config(folder), str(folder / "config.json")
+    if overrides:
+        unknown = sorted(set(overrides) - set(cfg))
+        if unknown:
+            raise ValueError(
+                f"{name}: config override(s) {unknown} are not keys of {where}; it has "
+                f"{sorted(k for k in cfg if not k.startswith('_'))}"
+            )
+        cfg, where = {**cfg, **overrides}, f"{where} with {overrides}"
     return fam.denoiser(cfg, where, dtype, attention or AttentionSpec())
 
 

@@ -605,6 +605,12 @@ def load_pipeline(
         denoiser = load_quantized(fn, sub, quant, read_config(sub))
         read = checkpoint_paths(sub, quant)[0]
     else:
+        if jax.default_backend() != "cpu":  # weights that cannot fit: said before reading them
+            from patchpar.measure.cost import check_weights_fit
+            from patchpar.models.presets import abstract_denoiser
+
+            fn = abstract_denoiser(folder, dtype)
+            check_weights_fit(fn.abstract_params(), f"{name} in {jnp.dtype(dtype).name}")
         stamp = _float_stamp(sub)
         denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
     text = fam.load_text(folder, index, dtype)

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The device suite on one TPU chip, in one call of at most 10 minutes (results/tpu_v5e/README.md
+# holds what it measured):
+#   here, once:  bash experiments/device/wheels_tpu.sh             (-> .whl-tpu/, git-ignored)
+#   device run:  bash experiments/device/tpu_suite.sh [PART...]      (carry [".whl-tpu"])
+#   here, in miniature (CPU, the same path in a minute): MINI=1 bash experiments/device/tpu_suite.sh
+# Set-up: flax and pyyaml from the machine's own package index, the carried wheels, all into
+# $SITE (default /tmp/site) behind the machine's JAX on PYTHONPATH; patchpar's compile cache in
+# one folder for every program of the call. Parts (default: families), each a program of its own
+# with its time limit; a part leaves every record it finished, also when it or a later part runs
+# out of time:
+#   families   family_timing.py: one call per family (PixArt-α, SD3.5-medium, FLUX.1-dev at two
+#              reduced depths, SDXL) at 1024², xla and splash attention: ms, MFU, memory, compile
+#   blocks     family_timing.py: splash block sizes swept on the DiTs at 1024²
+#   large      family_timing.py: 2048², splash
+#   quant      quant_timing.py: PixArt-α in bf16 against w8, int8 and fp8 (int8 on the MXU)
+# Results: $DEST/<part>/ (default results/tpu_v5e); with the device tool ($OUT set) they come
+# back as $OUT/tpu_suite.tgz (unpack into results/tpu_v5e/).
+set -uo pipefail
+DEST=${DEST:-results/tpu_v5e}
+PY=${PY:-python3}
+SITE=${SITE:-/tmp/site}
+BUDGET=${BUDGET:-540}  # seconds for all the parts, inside the device tool's 600
+PARTS=("$@")
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(families)
+START=$(date +%s)
+mkdir -p "$DEST"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PATCHPAR_COMPILE_CACHE=${PATCHPAR_COMPILE_CACHE:-/tmp/patchpar-compile-cache}
+
+if [ -z "${MINI:-}" ] && ! $PY -c "import flax, yaml" 2>/dev/null; then
+  pip_in() { PIP_CONFIG_FILE=/dev/null $PY -m pip install --isolated -q --no-compile \
+    --no-cache-dir --upgrade --target "$SITE" "$@"; }
+  pip_in --only-binary=:all: --index-url file:///opt/pypi/simple flax pyyaml \
+    || echo "tpu_suite: flax/pyyaml did not install from the machine's index"
+  if [ -d .whl-tpu ]; then
+    pip_in --no-index --no-deps .whl-tpu/*.whl || echo "tpu_suite: the carried wheels failed"
+  else
+    echo "tpu_suite: no .whl-tpu/ here: run experiments/device/wheels_tpu.sh and carry it"
+  fi
+  export PYTHONPATH="$PYTHONPATH:$SITE"  # the machine's JAX stays first
+fi
+echo "set-up: $(($(date +%s) - START)) s"
+$PY -c "import sys, jax, flax; print(sys.version.split()[0], 'jax', jax.__version__, 'flax', \
+flax.__version__, jax.devices())" > "$DEST/machine.txt" 2>&1
+cat "$DEST/machine.txt"
+
+part() {  # part NAME SECONDS COMMAND...: at most SECONDS, and never past the budget
+  local name=$1 limit=$2 left
+  shift 2
+  left=$((BUDGET - ($(date +%s) - START)))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 30 ]; then
+    echo "== $name skipped: ${left} s of the budget left"
+    return
+  fi
+  mkdir -p "$DEST/$name"
+  echo "== $name (limit ${limit} s, $(($(date +%s) - START)) s in)"
+  timeout --kill-after=10 "$limit" "$@" --out "$DEST/$name" --budget-s $((limit - 60)) \
+    > "$DEST/$name/log.txt" 2>&1
+  echo "   exit $?; $(tail -n 1 "$DEST/$name/log.txt")"
+  [ -f "$DEST/$name/table.md" ] && cat "$DEST/$name/table.md"
+}
+
+FT=(experiments/device/family_timing.py)
+if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not its numbers
+  FT+=(--dtype float32 --repeats 1 --hardware cpu-gloo --resolutions 64)
+  DITS=(tiny-dit tiny-sd3 tiny-flux:num_layers=1,num_single_layers=2)
+  UNETS=(tiny)
+  K=chunked  # splash needs a TPU
+  QT=(--dtype float32 --repeats 1 --resolution 64)
+else
+  FT+=(--repeats 5 --hardware tpu-v5e)
+  DITS=(pixart-alpha sd3.5-medium flux-dev:num_layers=3,num_single_layers=6
+        flux-dev:num_layers=6,num_single_layers=12)
+  UNETS=(sdxl)
+  K=splash
+  QT=(--repeats 5)
+fi
+for p in "${PARTS[@]}"; do
+  case $p in
+    families) part families 540 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
+                --attention xla $K ;;
+    blocks) part blocks 400 $PY "${FT[@]}" --models "${DITS[@]:0:2}" \
+              --attention $K:256x512 $K:512x512 $K:512x1024 $K:1024x1024 $K:1024x2048 \
+              $K:2048x2048 ;;
+    large) part large 400 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
+             --resolutions 2048 --attention $K ;;
+    quant) part quant 300 $PY experiments/device/quant_timing.py --model "${DITS[0]}" "${QT[@]}" ;;
+    *) echo "tpu_suite: unknown part $p; known: families blocks large quant"; exit 2 ;;
+  esac
+done
+echo "tpu_suite: $(($(date +%s) - START)) s -> $DEST"
+if [ -n "${OUT:-}" ] && [ "$OUT" != "$DEST" ]; then
+  tar czf "$OUT/tpu_suite.tgz" -C "$DEST" .
+fi

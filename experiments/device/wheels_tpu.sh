@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The wheels a lent TPU machine needs beside what its own package index holds, into .whl-tpu/
+# (ignored by git; `carry` it to the device). The index there has jax, flax, numpy, pyyaml
+# (tpu_suite.sh installs them from it); it lacks tyro (patchpar's command line) with its needs,
+# and qwix (quantized inference). Versions are this checkout's .venv's, so the device runs what
+# the tests here ran. Pure-Python wheels: one download, whatever the machine's glibc.
+#
+#   bash experiments/device/wheels_tpu.sh        then: device run ... carry [".whl-tpu"]
+set -euo pipefail
+DEST=${DEST:-.whl-tpu}
+PY=${PY:-.venv/bin/python}
+PACKAGES=(tyro docstring-parser typeguard qwix)
+pins=()
+for name in "${PACKAGES[@]}"; do
+  version=$($PY -c "from importlib.metadata import version; print(version('$name'))") || {
+    echo "wheels_tpu.sh: $name is not installed in $PY's environment (run make setup first)" >&2
+    exit 1
+  }
+  pins+=("$name==$version")
+done
+rm -rf "$DEST" && mkdir -p "$DEST"
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$DEST" "${pins[@]}"
+ls "$DEST"
