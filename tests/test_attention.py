@@ -52,9 +52,10 @@ def test_chunked_equals_xla(shape):
     assert _rel(out, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: f"{s[1]}x{s[2]}")
+@pytest.mark.parametrize("shape", [*SHAPES[:2], SHAPES[3]], ids=lambda s: f"{s[1]}x{s[2]}")
 def test_splash_interpreted_equals_xla(shape):
-    """The Pallas TPU kernel, run in interpret mode on CPU: padding and masks via segment ids."""
+    """The Pallas TPU kernel, run in interpret mode on CPU: padding and masks via segment ids;
+    keys that fill whole blocks, none masked, without them."""
     b, tq, tk, h, d, _, _, masked = shape
     q, k, v = _qkv(b, tq, tk, h, d)
     mask = _mask(tk) if masked else None

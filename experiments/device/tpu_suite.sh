@@ -11,9 +11,13 @@
 # out of time:
 #   families   family_timing.py: one call per family (PixArt-α, SD3.5-medium, FLUX.1-dev at two
 #              reduced depths, SDXL) at 1024², xla and splash attention: ms, MFU, memory, compile
+#   dits, unets  the same for the DiTs alone, the UNet alone
+#   flops      family_timing.py --flops-only: each family's FLOPs per call at 1024² and 2048²
+#              (lowered with abstract weights: seconds, nothing compiled)
 #   blocks     family_timing.py: splash block sizes swept on the DiTs at 1024²
 #   large      family_timing.py: 2048², splash
 #   quant      quant_timing.py: PixArt-α in bf16 against w8, int8 and fp8 (int8 on the MXU)
+# KERNELS= (families, dits, unets), BLOCK_MODELS= and BLOCKS= (blocks) replace the defaults.
 # Results: $DEST/<part>/ (default results/tpu_v5e); with the device tool ($OUT set) they come
 # back as $OUT/tpu_suite.tgz (unpack into results/tpu_v5e/).
 set -uo pipefail
@@ -68,6 +72,7 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   DITS=(tiny-dit tiny-sd3 tiny-flux:num_layers=1,num_single_layers=2)
   UNETS=(tiny)
   K=chunked  # splash needs a TPU
+  RES=(64 128)
   QT=(--dtype float32 --repeats 1 --resolution 64)
 else
   FT+=(--repeats 5 --hardware tpu-v5e)
@@ -75,19 +80,24 @@ else
         flux-dev:num_layers=6,num_single_layers=12)
   UNETS=(sdxl)
   K=splash
+  RES=(1024 2048)
   QT=(--repeats 5)
 fi
 for p in "${PARTS[@]}"; do
   case $p in
     families) part families 540 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
-                --attention xla $K ;;
-    blocks) part blocks 400 $PY "${FT[@]}" --models "${DITS[@]:0:2}" \
-              --attention $K:256x512 $K:512x512 $K:512x1024 $K:1024x1024 $K:1024x2048 \
-              $K:2048x2048 ;;
+                --attention ${KERNELS:-xla $K} ;;
+    dits) part dits 400 $PY "${FT[@]}" --models "${DITS[@]}" --attention ${KERNELS:-xla $K} ;;
+    unets) part unets 400 $PY "${FT[@]}" --models "${UNETS[@]}" --attention ${KERNELS:-xla $K} ;;
+    flops) part flops 120 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" --flops-only \
+             --resolutions "${RES[@]}" ;;
+    blocks) part blocks 400 $PY "${FT[@]}" --models ${BLOCK_MODELS:-"${DITS[@]:0:2}"} \
+              --attention ${BLOCKS:-$K:512x512 $K:512x1024 $K:1024x1024 $K:1024x2048 $K:2048x2048} ;;
     large) part large 400 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
              --resolutions 2048 --attention $K ;;
     quant) part quant 300 $PY experiments/device/quant_timing.py --model "${DITS[0]}" "${QT[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families blocks large quant"; exit 2 ;;
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large quant"
+       exit 2 ;;
   esac
 done
 echo "tpu_suite: $(($(date +%s) - START)) s -> $DEST"

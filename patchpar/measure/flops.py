@@ -258,7 +258,6 @@ def program_flops(
     often as it runs; `outer_once`: the outermost loops (a phase's steps) once. `text` (its
     pre-optimisation HLO, `comm.hlo_text_with_metadata`) and `xla_flops` (its
     `cost_analysis()` FLOPs), where the caller has them already, save making them again."""
-    import jax
 
     if text is None:
         from patchpar.measure.comm import hlo_text_with_metadata
@@ -267,8 +266,9 @@ def program_flops(
     if xla_flops is None:
         xla_flops = float((lowered.cost_analysis() or {}).get("flops", float("nan")))
     try:
-        count = HloFlops(text, jax.devices()[0].client)
-        count._x[count.entry] = xla_flops
+        count = HloFlops(text, _counting_backend())
+        if xla_flops == xla_flops:  # a TPU's Lowered has no count before compiling: NaN
+            count._x[count.entry] = xla_flops
         return count.total(outer_once)
     except Exception as e:  # a module this reading does not know: XLA's count, said to be low
         warnings.warn(
@@ -277,6 +277,18 @@ def program_flops(
             stacklevel=2,
         )
         return xla_flops
+
+
+def _counting_backend():
+    """The backend whose cost model counts: the CPU's where the process has one (one unit on
+    every machine; a TPU client gives no FLOPs for a module before compiling it), else the
+    default device's."""
+    import jax
+
+    try:
+        return jax.devices("cpu")[0].client
+    except RuntimeError:
+        return jax.devices()[0].client
 
 
 # ---------------------------------------------------------------- quantized products

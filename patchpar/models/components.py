@@ -137,34 +137,40 @@ def random_params(abstract, seed: int):
     return unflatten_dict(out)
 
 
-def random_params_on_device(abstract, seed: int, sharding=None):
+def random_params_on_device(abstract, seed: int):
     """`random_params`' distributions (LeCun-normal kernels, unit-normal embeddings, unit norm
-    scales, zero biases) drawn by one compiled program on the device (`sharding`: where the
-    leaves go; default the first device), not in NumPy: a full-size UNet's weights in seconds on
-    an accelerator, where NumPy and the transfer take a minute. Leaves of one shape and kind are
-    drawn by one random op (a small program, quick to compile). Deterministic for a seed and a
-    device kind; not the same values as `random_params`."""
+    scales, zero biases) drawn on the default device, not in NumPy: a full-size UNet's weights
+    in seconds on an accelerator, where NumPy and the transfer take a minute. Leaves of one shape
+    and kind are drawn as one array by one random op (XLA's RngBitGenerator: a small program,
+    quick to compile), then cut into the leaves one group at a time (at most one group held
+    twice). Deterministic for a seed and a backend; not the same values as `random_params`."""
     flat = flatten_dict(abstract)
     groups: dict[tuple, list] = {}
     for path in sorted(flat):
         leaf = flat[path]
         kind = path[-1] if path[-1] in ("kernel", "embedding", "scale") else "zero"
         groups.setdefault((kind, tuple(leaf.shape), jnp.dtype(leaf.dtype).name), []).append(path)
+    order = sorted(groups.items())
 
     def draw():
-        keys = jax.random.split(jax.random.key(seed), len(groups))
-        out = {}
-        for key, ((kind, shape, dtype), paths) in zip(keys, sorted(groups.items()), strict=True):
+        keys = jax.random.split(jax.random.key(seed, impl="rbg"), len(order))
+        drawn = []
+        for key, ((kind, shape, dtype), paths) in zip(keys, order, strict=True):
             if kind in ("kernel", "embedding"):
                 std = 1 / np.sqrt(int(np.prod(shape[:-1]))) if kind == "kernel" else 1.0
                 value = jax.random.normal(key, (len(paths), *shape), jnp.float32) * std
             else:
                 value = jnp.full((len(paths), *shape), 1.0 if kind == "scale" else 0.0)
-            value = value.astype(dtype)
-            out.update({path: value[i] for i, path in enumerate(paths)})
-        return unflatten_dict(out)
+            drawn.append(value.astype(dtype))
+        return drawn
 
-    return jax.jit(draw, out_shardings=sharding)()
+    drawn = jax.jit(draw)()
+    out = {}
+    for i, (_, paths) in enumerate(order):
+        group, drawn[i] = drawn[i], None
+        out.update({path: group[j] for j, path in enumerate(paths)})
+        del group
+    return unflatten_dict(out)
 
 
 def load_params(fn, path: Path, where: str, state_map=None):
