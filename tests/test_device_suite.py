@@ -43,3 +43,193 @@ def test_run_all_in_miniature(micro_folder, tmp_path):
     assert recs["quant"][3]["emulated"]  # fp8 on a CPU
     assert (tmp_path / "run_all.tgz").stat().st_size > 0
     assert (dest / "machine.txt").read_text().count("jax") >= 1
+
+
+# ------------------------------------------------------------- the TPU suite's pieces, on CPU
+
+
+def test_weights_drawn_on_the_device_have_random_params_distributions():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax.traverse_util import flatten_dict
+
+    from patchpar.models.components import random_params_on_device
+    from patchpar.models.presets import abstract_denoiser
+
+    abstract = abstract_denoiser("tiny-dit", jnp.bfloat16).abstract_params()
+    drawn = flatten_dict(random_params_on_device(abstract, 0))
+    again = flatten_dict(random_params_on_device(abstract, 0))
+    other = flatten_dict(random_params_on_device(abstract, 1))
+    flat = flatten_dict(abstract)
+    assert drawn.keys() == flat.keys()
+    for path, leaf in flat.items():
+        got = drawn[path]
+        assert (got.shape, got.dtype) == (leaf.shape, leaf.dtype), path
+        assert bool(jnp.all(got == again[path])), path  # a seed draws the same weights
+        value = np.asarray(got, np.float32)
+        if path[-1] == "kernel" and value.size >= 4096:
+            fan_in = int(np.prod(leaf.shape[:-1]))
+            assert abs(value.std() * np.sqrt(fan_in) - 1) < 0.1, path  # LeCun normal
+            assert not bool(jnp.all(got == other[path])), path
+        elif path[-1] == "scale":
+            assert (value == 1).all(), path
+        elif path[-1] == "bias":
+            assert (value == 0).all(), path
+    # leaves of one shape are distinct draws, not one draw repeated
+    kernels = [v for p, v in drawn.items() if p[-1] == "kernel"]
+    shapes = [k.shape for k in kernels]
+    twin = next(s for s in shapes if shapes.count(s) > 1)
+    a, b = [k for k in kernels if k.shape == twin][:2]
+    assert not bool(jnp.all(a == b))
+    assert jax.tree.structure(random_params_on_device(abstract, 0)) == jax.tree.structure(abstract)
+
+
+class _Chip:
+    """A device as check_weights_fit sees one: a TPU with 1 GiB."""
+
+    platform = "tpu"
+    device_kind = "TPU v5 lite"
+
+    def memory_stats(self):
+        return {"bytes_limit": 2**30}
+
+
+def test_weights_that_cannot_fit_a_chip_are_one_line_naming_what_would():
+    import jax
+    import jax.numpy as jnp
+
+    from patchpar.measure.cost import check_weights_fit, param_bytes
+
+    big = {"w": {"kernel": jax.ShapeDtypeStruct((32768, 24576), jnp.bfloat16)},
+           "b": {"bias": jax.ShapeDtypeStruct((24576,), jnp.bfloat16)}}  # fmt: skip
+    assert param_bytes(big) == 32768 * 24576 * 2 + 24576 * 2
+    assert param_bytes(big, "w8") == 32768 * 24576 + 24576 * 2
+    with pytest.raises(ValueError) as err:
+        check_weights_fit(big, "big in bfloat16", _Chip())
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "1.5 GiB" in msg and "1.0 GiB" in msg and "TPU v5 lite" in msg
+    assert "w8 weights (0.8 GiB)" in msg and "FSDP over 2 or more chips" in msg
+    small = {"w": {"kernel": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}}
+    check_weights_fit(small, "small", _Chip())  # fits: nothing said
+    check_weights_fit(big, "big", jax.devices("cpu")[0])  # CPUs are not checked
+
+
+def test_a_pipeline_too_big_for_the_chip_is_refused_before_its_weights_are_read(
+    micro_folder, monkeypatch
+):
+    import jax
+
+    import patchpar.measure.cost as cost
+    from patchpar.models import components
+    from patchpar.pipelines import load_pipeline
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Chip()])
+    monkeypatch.setattr(cost, "device_memory_bytes", lambda device: 1000)
+    read = []
+    monkeypatch.setattr(components, "read_state_dict", lambda *a: read.append(a))
+    with pytest.raises(ValueError, match="its weights alone are .* more than the 0.0 GiB"):
+        load_pipeline(micro_folder)
+    assert read == []
+
+
+def test_a_preset_with_config_overrides():
+    import jax.numpy as jnp
+
+    from patchpar.measure.cost import param_bytes
+    from patchpar.models.presets import abstract_denoiser
+
+    full = abstract_denoiser("tiny-flux", jnp.float32)
+    shallow = abstract_denoiser("tiny-flux", jnp.float32, overrides={"num_single_layers": 1})
+    assert param_bytes(shallow.abstract_params()) < param_bytes(full.abstract_params())
+    with pytest.raises(ValueError, match=r"\['num_layerz'\] are not keys of preset tiny-flux"):
+        abstract_denoiser("tiny-flux", jnp.float32, overrides={"num_layerz": 1})
+
+
+def test_flops_are_counted_where_the_backend_gives_no_count_before_compiling():
+    import jax
+    import jax.numpy as jnp
+
+    from patchpar.measure.flops import program_flops
+
+    def f(x, w):
+        return jax.lax.fori_loop(0, 3, lambda i, y: y @ w, x)
+
+    low = jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((16, 16)))
+    counted = program_flops(low)
+    assert counted == pytest.approx(3 * 2 * 8 * 16 * 16, rel=0.05)
+    assert program_flops(low, xla_flops=float("nan")) == counted  # a TPU's Lowered: NaN
+
+
+def test_a_device_part_without_its_packages_names_them_and_the_wheel_script(monkeypatch):
+    sys.path.insert(0, str(REPO / "experiments" / "device"))
+    try:
+        from calls import needs
+    finally:
+        sys.path.pop(0)
+    needs("json")
+    with pytest.raises(SystemExit) as err:
+        needs("json", "yaml_is_not_here", "docstring_parser_nope")
+    assert "yaml_is_not_here, docstring_parser_nope" in str(err.value)
+    assert "experiments/device/wheels_tpu.sh" in str(err.value)
+
+
+def test_a_copied_tree_names_its_commit(monkeypatch):
+    from patchpar.lab import results
+
+    results.git_commit.cache_clear()
+    results.git_dirty.cache_clear()
+    monkeypatch.setenv("PATCHPAR_GIT_COMMIT", "03ec213")
+    try:
+        assert results.git_commit() == "03ec213"
+        assert results.git_dirty() is None
+    finally:
+        results.git_commit.cache_clear()
+        results.git_dirty.cache_clear()
+
+
+def test_family_timing_records_time_flops_and_mfu(tmp_path):
+    env = {**os.environ, "PATCHPAR_COMPILE_CACHE": "off"}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, "experiments/device/family_timing.py", "--models",
+         "tiny-dit:num_layers=1", "--resolutions", "32", "--attention", "xla", "chunked:64x64",
+         "--dtype", "float32", "--repeats", "1", "--hardware", "cpu-gloo", "--out",
+         str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    recs = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert [(r["attention"], r["block_q"], r["status"]) for r in recs] == [
+        ("xla", 256, "ok"), ("chunked", 64, "ok")
+    ]  # fmt: skip
+    for r in recs:
+        assert r["flops"] > 0 and r["batch"] == 2
+        assert r["mfu"] == pytest.approx(r["flops"] / r["call_s_median"] / r["peak_flops"])
+        assert r["memory_compiled"]["total"] > r["weight_bytes"] > 0
+    assert "tiny-dit:num_layers=1 | 32 | 2 | chunked 64x64 |" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_tpu_suite_in_miniature(tmp_path):
+    env = {**os.environ, "MINI": "1", "DEST": str(tmp_path / "tpu"), "PY": sys.executable,
+           "OUT": str(tmp_path), "PATCHPAR_COMPILE_CACHE": str(tmp_path / "cc")}  # fmt: skip
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        ["bash", "experiments/device/tpu_suite.sh", "families", "flops", "blocks", "quant"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    dest = tmp_path / "tpu"
+    for part in ("families", "flops", "blocks", "quant"):
+        recs = [json.loads(x) for x in (dest / part / "records.jsonl").read_text().splitlines()]
+        assert recs and all(r["status"] == "ok" for r in recs), (part, recs)
+    assert (tmp_path / "tpu_suite.tgz").stat().st_size > 0
+    done = subprocess.run(
+        [sys.executable, "experiments/device/tpu_tables.py", str(dest)], cwd=REPO,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| tiny-dit | 64 | 2 |" in (dest / "tables.md").read_text()

@@ -2,7 +2,8 @@
 # The device suite on one TPU chip, in one call of at most 10 minutes (results/tpu_v5e/README.md
 # holds what it measured):
 #   here, once:  bash experiments/device/wheels_tpu.sh             (-> .whl-tpu/, git-ignored)
-#   device run:  bash experiments/device/tpu_suite.sh [PART...]      (carry [".whl-tpu"])
+#   device run:  PATCHPAR_GIT_COMMIT=<commit> bash experiments/device/tpu_suite.sh [PART...]
+#                (carry [".whl-tpu"]; the records name that commit: the copy's .git may be older)
 #   here, in miniature (CPU, the same path in a minute): MINI=1 bash experiments/device/tpu_suite.sh
 # Set-up: flax and pyyaml from the machine's own package index, the carried wheels, all into
 # $SITE (default /tmp/site) behind the machine's JAX on PYTHONPATH; patchpar's compile cache in

@@ -20,11 +20,16 @@ from pathlib import Path
 
 from patchpar.lab.paths import PUBLISHED
 
+COMMIT_ENV = "PATCHPAR_GIT_COMMIT"
+
 
 @functools.cache
 def git_commit() -> str | None:
-    """The commit of the patchpar checkout this process runs; outside git (a copy of the tree
-    on a lent device machine) the one PATCHPAR_GIT_COMMIT names, else None."""
+    """The commit of the patchpar checkout this process runs (None outside git).
+    PATCHPAR_GIT_COMMIT, where set, names it instead: a copy of a committed tree run elsewhere
+    (a lent device machine), whose own `.git`, if it has one, need not be the tree's."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
         commit = (
             subprocess.run(
@@ -38,7 +43,7 @@ def git_commit() -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return commit or os.environ.get("PATCHPAR_GIT_COMMIT") or None
+    return commit
 
 
 @functools.cache
@@ -48,7 +53,10 @@ def git_dirty() -> bool | None:
     untracked file under patchpar/ (a new module runs but is in no commit). Records, tables and
     plots under results/ are what runs write, not what runs: changing them does not count.
     Cached like the commit, so that a commit made while a sweep runs cannot make its later
-    records read clean against it."""
+    records read clean against it. None where PATCHPAR_GIT_COMMIT names the commit: not
+    known on the copy."""
+    if os.environ.get(COMMIT_ENV):
+        return None
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=all"],
