@@ -1,20 +1,24 @@
-"""Issue 15 on a lent GPU: one device's program of an N-way patch-parallel SDXL step, timed
-alone (random weights, bf16, CFG batch 2), for N = 1, 2, 4, 8 patches at 1024 and 2048 (3840
-if memory and time allow). The projection (`patchpar project --timings`) then uses these
-seconds as the measured compute instead of the fitted efficiency curve.
+"""One device's program of an N-way patch-parallel step, timed alone (random weights drawn on
+the device, bf16), for N = 1, 2, 4, 8 patches, per model (default SDXL; any family), resolution
+(1024 and 2048, 3840 if memory and time allow) and strategy. The projection (`patchpar project
+--timings`) then uses these seconds as the measured compute instead of the fitted efficiency
+curve; N x a device's time over `single`'s is the efficiency that bounds every speedup.
 
-    device run: python experiments/device/shard_timing.py              (under 8 minutes)
-    here, in miniature: python experiments/device/shard_timing.py --model tiny \
-        --resolutions 128 --patches 1 2 --repeats 2 --hardware cpu-gloo --out /tmp/shard
+    device run: python experiments/device/shard_timing.py              (a GPU: under 8 minutes)
+                bash experiments/device/tpu_suite.sh shards            (a TPU: PixArt-α at 1024²)
+    here, in miniature: python experiments/device/shard_timing.py --models tiny tiny-dit \
+        --resolutions 128 --patches 1 2 --strategies sync_patch distrifusion ulysses \
+        --repeats 2 --hardware cpu-gloo --out /tmp/shard
 
-Each point runs the per-device program of `--strategy` (default distrifusion's steady step:
-1/N of the rows, attention over all N patches' keys from the stale buffer) on one device with
-every collective replaced by a local stand-in of the same shape (`Plan(comm=False)`; the stand-in
-K/V gather repeats the local part N times), on a one-device mesh; N = 1 is `single`. Points run
-1024 first, then 2048, then 3840; a point is skipped (recorded as such) once `--budget-s` has
-passed. Records: <out>/records.jsonl (hardware = the profile name given, device kind, model,
-resolution, patches, strategy, phase, seconds per UNet call); table: <out>/table.md. Needs only
-jax, flax, numpy and pyyaml.
+Each point runs the per-device program of a strategy (default distrifusion's steady step: 1/N
+of the rows, attention over all N patches' keys from the stale buffer; sync_patch, pcpp,
+ulysses and ring alike; PipeFusion and AsyncDiff own their programs and are not timed here) on
+one device with every collective replaced by a local stand-in of the same shape
+(`Plan(comm=False)`; the stand-in K/V gather repeats the local part N times), on a one-device
+mesh; N = 1 is `single`. A point is skipped (recorded as such) once `--budget-s` has passed.
+Records: <out>/records.jsonl (hardware = the profile name given, device kind, model,
+resolution, patches, strategy, phase, seconds per denoiser call); table: <out>/table.md. Needs
+only jax, flax, numpy and pyyaml.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="sdxl")
+    p.add_argument("--model", "--models", dest="models", nargs="+", default=["sdxl"])
     p.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048, 3840])
     p.add_argument("--patches", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--strategy", default="distrifusion")
+    p.add_argument(
+        "--strategy", "--strategies", dest="strategies", nargs="+", default=["distrifusion"]
+    )
     p.add_argument(
         "--option", action="append", default=[], metavar="KEY=VALUE",
         help="a strategy option (e.g. comm_groups=per_site); repeatable",
@@ -54,95 +60,104 @@ def main(argv=None) -> None:
     import numpy as np
 
     import patchpar  # noqa: F401
+    from patchpar import compile_cache
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import abstract_inputs
+    from patchpar.models.components import random_params_on_device
     from patchpar.models.presets import abstract_denoiser, latent_factor
     from patchpar.parallel.engine import make_step
     from patchpar.parallel.mesh import make_mesh
     from patchpar.parallel.strategies.base import StaleStrategy
 
     start = time.perf_counter()
+    compile_cache.enable()
     dtype = getattr(jnp, a.dtype)
-    unet = abstract_denoiser(a.model, dtype)
-    params = unet.init(0)  # NumPy draws, then one transfer
     mesh = make_mesh(1, 1)
     dev = jax.devices()[0]
     a.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.RandomState(0)
     rows = []
-    for r in a.resolutions:
-        latent = r // latent_factor(a.model)
-        for n in a.patches:
-            name = "single" if n == 1 else a.strategy
-            plan = build_plan(name, {} if n == 1 else _options(a.option), n, 1, comm=False)
-            phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "warmup"
-            rec = {
-                "hardware": a.hardware,
-                "device_kind": dev.device_kind,
-                "model": a.model,
-                "resolution": r,
-                "patches": n,
-                "strategy": plan.strategy.describe(),
-                "phase": phase,
-                "dtype": a.dtype,
-                "unet_batch": 2,
-            }
-            if time.perf_counter() - start > a.budget_s:
-                rec.update(status="skipped", error=f"time budget {a.budget_s:.0f} s spent")
-                _emit(a, rec, rows, append_record, provenance)
-                continue
-            try:
-                if latent % (n * 2**unet.config.num_downsamples):
-                    raise ValueError(f"latent {latent} rows do not split into {n} patches")
-                x_abs, t_abs, cond_abs = abstract_inputs(unet, (latent // n, latent), 1)
-                fill = lambda s: jnp.asarray(rng.rand(*s.shape), s.dtype)  # noqa: E731
-                x, cond = fill(x_abs), jax.tree.map(fill, cond_abs)
-                t = jnp.asarray(500.0, jnp.float32)
-                axis = plan.strategy.patch_axis(0)
-                state = None
-                if phase == "steady":
-                    warm = make_step(unet, plan, "warmup", axis, 5.0, mesh)
-                    _, shapes = jax.eval_shape(warm, params, x, t, cond, None)
-                    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-                # the stale buffers donated, as the denoising loop carries them (updated in place)
-                donate = (4,) if state is not None else ()
-                step = jax.jit(make_step(unet, plan, phase, axis, 5.0, mesh), donate_argnums=donate)
+    weights = {}  # the model whose weights are on the device
+    for model, r, n, strategy in _points(a):
+        name = "single" if n == 1 else strategy
+        plan = build_plan(name, {} if n == 1 else _options(a.option), n, 1, comm=False)
+        phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "warmup"
+        rec = {"hardware": a.hardware, "device_kind": dev.device_kind, "model": model,
+               "resolution": r, "patches": n, "strategy": plan.strategy.describe(),
+               "phase": phase, "dtype": a.dtype}  # fmt: skip
+        if time.perf_counter() - start > a.budget_s:
+            rec.update(status="skipped", error=f"time budget {a.budget_s:.0f} s spent")
+            _emit(a, rec, rows, append_record, provenance)
+            continue
+        try:
+            if model not in weights:  # drawn on the device, once per model
+                weights.clear()
+                unet = abstract_denoiser(model, dtype)
+                weights[model] = unet, random_params_on_device(unet.abstract_params(), 0)
+            unet, params = weights[model]
+            latent = r // latent_factor(model)
+            if latent % (n * unet.row_multiple):
+                raise ValueError(f"latent {latent} rows do not split into {n} patches")
+            x_abs, _, cond_abs = abstract_inputs(unet, (latent // n, latent), 1)
+            rec["unet_batch"] = unet.guidance_halves
+            fill = lambda s: jnp.asarray(rng.rand(*s.shape), s.dtype)  # noqa: E731
+            x, cond = fill(x_abs), jax.tree.map(fill, cond_abs)
+            t = jnp.asarray(500.0, jnp.float32)
+            axis = plan.strategy.patch_axis(0)
+            state = None
+            if phase == "steady":
+                warm = make_step(unet, plan, "warmup", axis, 5.0, mesh)
+                _, shapes = jax.eval_shape(warm, params, x, t, cond, None)
+                state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            # the stale buffers donated, as the denoising loop carries them (updated in place)
+            donate = (4,) if state is not None else ()
+            step = jax.jit(make_step(unet, plan, phase, axis, 5.0, mesh), donate_argnums=donate)
+            t0 = time.perf_counter()
+            compiled = step.lower(params, x, t, cond, state).compile()
+            rec["compile_s"] = time.perf_counter() - t0
+            out, new = compiled(params, x, t, cond, state)
+            jax.block_until_ready(out)
+            state = new if donate else state
+            times = []
+            for _ in range(a.repeats):
                 t0 = time.perf_counter()
-                compiled = step.lower(params, x, t, cond, state).compile()
-                rec["compile_s"] = time.perf_counter() - t0
                 out, new = compiled(params, x, t, cond, state)
                 jax.block_until_ready(out)
+                times.append(time.perf_counter() - t0)
                 state = new if donate else state
-                times = []
-                for _ in range(a.repeats):
-                    t0 = time.perf_counter()
-                    out, new = compiled(params, x, t, cond, state)
-                    jax.block_until_ready(out)
-                    times.append(time.perf_counter() - t0)
-                    state = new if donate else state
-                rec["unet_call_s_median"] = statistics.median(times)
-                rec["unet_call_s_all"] = times
-                rec["status"] = "ok"
-            except Exception as e:  # noqa: BLE001 - every point gets a record, also a failed one
-                rec["status"] = "error"
-                rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-            _emit(a, rec, rows, append_record, provenance)
+            rec["unet_call_s_median"] = statistics.median(times)
+            rec["unet_call_s_all"] = times
+            rec["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - every point gets a record, also a failed one
+            rec["status"] = "error"
+            rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        _emit(a, rec, rows, append_record, provenance)
     lines = [
-        f"{a.model} per-device program, {a.dtype}, CFG batch 2, {dev.device_kind} "
-        f"(profile {a.hardware}), collectives replaced by stand-ins",
+        f"Per-device program, {a.dtype}, {dev.device_kind} (profile {a.hardware}), collectives "
+        "replaced by stand-ins",
         "",
-        "| resolution | patches | strategy | ms per UNet call | status |",
-        "|---|---|---|---|---|",
+        "| model | resolution | patches | strategy | ms per denoiser call | status |",
+        "|---|---|---|---|---|---|",
     ]
     for rec in rows:
         ms = rec.get("unet_call_s_median")
         lines.append(
-            f"| {rec['resolution']} | {rec['patches']} | {rec['strategy']} | "
+            f"| {rec['model']} | {rec['resolution']} | {rec['patches']} | {rec['strategy']} | "
             f"{'-' if ms is None else f'{ms * 1e3:.1f}'} | {rec['status']} |"
         )
     (a.out / "table.md").write_text("\n".join(lines) + "\n")
     print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s -> {a.out}")
+
+
+def _points(a):
+    """(model, resolution, patches, strategy) in order: per model, its resolutions, patch
+    counts and strategies (N = 1 once: `single`)."""
+    for model in a.models:
+        for r in a.resolutions:
+            for n in a.patches:
+                for strategy in a.strategies[:1] if n == 1 else a.strategies:
+                    yield model, r, n, strategy
 
 
 def _options(pairs: list[str]) -> dict:

@@ -17,6 +17,9 @@
 #              (lowered with abstract weights: seconds, nothing compiled)
 #   blocks     family_timing.py: splash block sizes swept on the DiTs at 1024²
 #   large      family_timing.py: 2048², splash
+#   shards     shard_timing.py: one device's program of an N-way step (N = 1, 2, 4, 8; collectives
+#              stood in by local copies) per strategy, PixArt-α at 1024²: the compute that bounds
+#              every speedup (SHARD_MODELS=, SHARD_PATCHES=, SHARD_STRATEGIES= choose)
 #   quant      quant_timing.py: PixArt-α in bf16 against w8, int8 and fp8 (int8 on the MXU)
 # KERNELS= (families, dits, unets), BLOCK_MODELS= and BLOCKS= (blocks) replace the defaults.
 # Results: $DEST/<part>/ (default results/tpu_v5e); with the device tool ($OUT set) they come
@@ -74,6 +77,7 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   UNETS=(tiny)
   K=chunked  # splash needs a TPU
   RES=(64 128)
+  SHARD_PATCHES=${SHARD_PATCHES:-1 2}
   QT=(--dtype float32 --repeats 1 --resolution 64)
 else
   FT+=(--repeats 5 --hardware tpu-v5e)
@@ -96,8 +100,11 @@ for p in "${PARTS[@]}"; do
               --attention ${BLOCKS:-$K:512x512 $K:512x1024 $K:1024x1024 $K:1024x2048 $K:2048x2048} ;;
     large) part large 400 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
              --resolutions 2048 --attention $K ;;
+    shards) part shards 400 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
+              --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
+              --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} ;;
     quant) part quant 300 $PY experiments/device/quant_timing.py --model "${DITS[0]}" "${QT[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large quant"
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant"
        exit 2 ;;
   esac
 done
