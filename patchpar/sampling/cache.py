@@ -42,6 +42,10 @@ class StepCache:
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    # a threshold cache skips no step in a run shorter than this (its threshold does not
+    # depend on the run's length), and why
+    min_steps: ClassVar[int] = 0
+    min_steps_why: ClassVar[str] = ""
 
     def validate(self, denoiser, steps: int) -> None:
         if self.name not in denoiser.caches:
@@ -49,6 +53,10 @@ class StepCache:
             raise ValueError(
                 f"cache {self.name!r} does not exist for a {denoiser.family} denoiser ({self.summary}); "
                 f"caches for it: {have}"
+            )
+        if steps < self.min_steps:
+            raise self._inert(
+                steps, "skipped", self.min_steps_why, f"at least {self.min_steps} steps"
             )
 
     def describe(self) -> str:
@@ -97,19 +105,13 @@ class FirstBlockCache(StepCache):
 
     name: ClassVar[str] = "fbcache"
     summary: ClassVar[str] = "it skips a transformer's blocks after the first"
+    min_steps: ClassVar[int] = 2
+    min_steps_why: ClassVar[str] = (
+        "the first step runs every block (the residual later steps compare with)"
+    )
 
     def __post_init__(self):
         _check_threshold("fbcache", self.threshold, "diffusers' default 0.05")
-
-    def validate(self, denoiser, steps: int) -> None:
-        super().validate(denoiser, steps)
-        if steps < 2:  # the threshold does not depend on the run's length
-            raise self._inert(
-                steps,
-                "skipped",
-                "the first step runs every block (the residual later steps compare with)",
-                "at least 2 steps",
-            )
 
     def blocks_computed(self, num_blocks: int, steps: int, computed_steps: int) -> float:
         return (steps + computed_steps * (num_blocks - 1)) / (steps * num_blocks)
@@ -371,6 +373,8 @@ class TeaCache(StepCache):
         "rescaled by a polynomial fitted on the family's trajectories: TeaCache's published "
         "one for FLUX.1, patchpar's own fit (the trained fmnist-dit) for PixArt"
     )
+    min_steps: ClassVar[int] = 3
+    min_steps_why: ClassVar[str] = "the first and the last step always run every block"
 
     def __post_init__(self):
         _check_threshold(
@@ -378,16 +382,6 @@ class TeaCache(StepCache):
             self.threshold,
             "TeaCache's FLUX.1 settings 0.25 to 0.8; PixArt, with patchpar's own fit: 0.01 to 0.02",
         )
-
-    def validate(self, denoiser, steps: int) -> None:
-        super().validate(denoiser, steps)
-        if steps < 3:  # the threshold does not depend on the run's length
-            raise self._inert(
-                steps,
-                "skipped",
-                "the first and the last step always run every block",
-                "at least 3 steps",
-            )
 
     def bind(self, steps: int) -> TeaCache:
         return replace(self, steps=steps)
