@@ -21,7 +21,10 @@
 #              stood in by local copies) per strategy, PixArt-α at 1024²: the compute that bounds
 #              every speedup (SHARD_MODELS=, SHARD_PATCHES=, SHARD_STRATEGIES= choose)
 #   quant      quant_timing.py: PixArt-α in bf16 against w8, int8 and fp8 (int8 on the MXU)
-# KERNELS= (families, dits, unets), BLOCK_MODELS= and BLOCKS= (blocks) replace the defaults.
+#   peer       peer_unet.py: SDXL's UNet, patchpar's beside diffusers 0.35's Flax UNet (the JAX
+#              peer; its wheel travels in .whl-tpu, its needs come from the machine's index)
+# KERNELS= (families, dits, unets), BLOCK_MODELS= and BLOCKS= (blocks), OURS= and PEERS= (peer)
+# replace the defaults.
 # Results: $DEST/<part>/ (default results/tpu_v5e); with the device tool ($OUT set) they come
 # back as $OUT/tpu_suite.tgz (unpack into results/tpu_v5e/).
 set -uo pipefail
@@ -39,8 +42,10 @@ export PATCHPAR_COMPILE_CACHE=${PATCHPAR_COMPILE_CACHE:-/tmp/patchpar-compile-ca
 if [ -z "${MINI:-}" ] && ! $PY -c "import flax, yaml" 2>/dev/null; then
   pip_in() { PIP_CONFIG_FILE=/dev/null $PY -m pip install --isolated -q --no-compile \
     --no-cache-dir --upgrade --target "$SITE" "$@"; }
-  pip_in --only-binary=:all: --index-url file:///opt/pypi/simple flax pyyaml \
-    || echo "tpu_suite: flax/pyyaml did not install from the machine's index"
+  # flax and pyyaml for patchpar; the rest for the peer part's diffusers (carried, no deps)
+  pip_in --only-binary=:all: --index-url file:///opt/pypi/simple flax pyyaml huggingface-hub \
+    safetensors regex requests filelock importlib-metadata pillow \
+    || echo "tpu_suite: flax/pyyaml/diffusers' needs did not install from the machine's index"
   if [ -d .whl-tpu ]; then
     pip_in --no-index --no-deps .whl-tpu/*.whl || echo "tpu_suite: the carried wheels failed"
   else
@@ -79,6 +84,8 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   RES=(64 128)
   SHARD_PATCHES=${SHARD_PATCHES:-1 2}
   QT=(--dtype float32 --repeats 1 --resolution 64)
+  PEER=(--model tiny:norm_num_groups=32 --resolution 64 --dtype float32 --repeats 1 --ours xla
+        --peer default --hardware cpu-gloo)
 else
   FT+=(--repeats 5 --hardware tpu-v5e)
   DITS=(pixart-alpha sd3.5-medium flux-dev:num_layers=3,num_single_layers=6
@@ -87,6 +94,7 @@ else
   K=splash
   RES=(1024 2048)
   QT=(--repeats 5)
+  PEER=(--repeats 5 --ours ${OURS:-splash:1024x1024 xla} --peer ${PEERS:-default split_head_dim})
 fi
 for p in "${PARTS[@]}"; do
   case $p in
@@ -104,7 +112,8 @@ for p in "${PARTS[@]}"; do
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
               --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} ;;
     quant) part quant 300 $PY experiments/device/quant_timing.py --model "${DITS[0]}" "${QT[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant"
+    peer) part peer 540 $PY experiments/device/peer_unet.py "${PEER[@]}" ;;
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant peer"
        exit 2 ;;
   esac
 done

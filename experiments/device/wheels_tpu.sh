@@ -3,7 +3,9 @@
 # (ignored by git; `carry` it to the device). The index there has jax, flax, numpy, pyyaml
 # (tpu_suite.sh installs them from it); it lacks tyro (patchpar's command line) with its needs,
 # and qwix (quantized inference). Versions are this checkout's .venv's, so the device runs what
-# the tests here ran. Pure-Python wheels: one download, whatever the machine's glibc.
+# the tests here ran. Beside them the JAX peer of peer_unet.py: diffusers 0.35.2, the last with
+# Flax models (its needs come from the machine's index). Pure-Python wheels: one download,
+# whatever the machine's glibc.
 #
 #   bash experiments/device/wheels_tpu.sh        then: device run ... carry [".whl-tpu"]
 set -euo pipefail
@@ -18,6 +20,7 @@ for name in "${PACKAGES[@]}"; do
   }
   pins+=("$name==$version")
 done
+pins+=("diffusers==0.35.2")
 rm -rf "$DEST" && mkdir -p "$DEST"
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
