@@ -22,7 +22,7 @@
 #              every speedup (SHARD_MODELS=, SHARD_PATCHES=, SHARD_STRATEGIES= choose)
 #   quant      quant_timing.py: PixArt-α in bf16 against w8, int8 and fp8 (int8 on the MXU)
 #   peer       peer_unet.py: SDXL's UNet, patchpar's beside diffusers 0.35's Flax UNet (the JAX
-#              peer; its wheel travels in .whl-tpu, its needs come from the machine's index)
+#              peer: .whl-tpu/diffusers-0.35.2-flax.zip, its needs from the machine's index)
 # KERNELS= (families, dits, unets), BLOCK_MODELS= and BLOCKS= (blocks), OURS= and PEERS= (peer)
 # replace the defaults.
 # Results: $DEST/<part>/ (default results/tpu_v5e); with the device tool ($OUT set) they come
@@ -112,7 +112,8 @@ for p in "${PARTS[@]}"; do
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
               --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} ;;
     quant) part quant 300 $PY experiments/device/quant_timing.py --model "${DITS[0]}" "${QT[@]}" ;;
-    peer) part peer 540 $PY experiments/device/peer_unet.py "${PEER[@]}" ;;
+    peer) part peer 540 env USE_TORCH=0 PYTHONPATH="$PYTHONPATH:$PWD/.whl-tpu/diffusers-0.35.2-flax.zip" \
+            $PY experiments/device/peer_unet.py "${PEER[@]}" ;;
     *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant peer"
        exit 2 ;;
   esac

@@ -3,9 +3,10 @@
 # (ignored by git; `carry` it to the device). The index there has jax, flax, numpy, pyyaml
 # (tpu_suite.sh installs them from it); it lacks tyro (patchpar's command line) with its needs,
 # and qwix (quantized inference). Versions are this checkout's .venv's, so the device runs what
-# the tests here ran. Beside them the JAX peer of peer_unet.py: diffusers 0.35.2, the last with
-# Flax models (its needs come from the machine's index). Pure-Python wheels: one download,
-# whatever the machine's glibc.
+# the tests here ran. Pure-Python wheels: one download, whatever the machine's glibc. Beside
+# them the JAX peer of peer_unet.py: diffusers 0.35.2, the last with Flax models, as a zip put
+# on PYTHONPATH (its needs come from the machine's index), without its pipelines' torch code:
+# the device tool carries at most 64 MiB with the tree.
 #
 #   bash experiments/device/wheels_tpu.sh        then: device run ... carry [".whl-tpu"]
 set -euo pipefail
@@ -20,9 +21,27 @@ for name in "${PACKAGES[@]}"; do
   }
   pins+=("$name==$version")
 done
-pins+=("diffusers==0.35.2")
 rm -rf "$DEST" && mkdir -p "$DEST"
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$DEST" "${pins[@]}"
+$PY -m pip download -q --no-deps --only-binary=:all: -d "$DEST/peer" diffusers==0.35.2
+$PY - "$DEST" <<'PY'
+import sys, zipfile
+from pathlib import Path
+
+dest = Path(sys.argv[1])
+wheel = next((dest / "peer").glob("diffusers-*.whl"))
+drop = ("diffusers/pipelines/", "diffusers/modular_pipelines/")  # their subpackages: torch
+with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(
+    dest / "diffusers-0.35.2-flax.zip", "w", zipfile.ZIP_DEFLATED
+) as out:
+    for name in src.namelist():
+        keep = name.startswith("diffusers/") and not (
+            name.startswith(drop) and name.count("/") > 2
+        )
+        if keep:
+            out.writestr(name, src.read(name))
+PY
+rm -rf "$DEST/peer"
 ls "$DEST"
