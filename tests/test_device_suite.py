@@ -233,3 +233,41 @@ def test_the_tpu_suite_in_miniature(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "| tiny-dit | 64 | 2 |" in (dest / "tables.md").read_text()
+
+
+def test_tpu_tables_set_patchpar_beside_its_peer_and_each_strategy_beside_single(tmp_path):
+    def write(part, recs):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    point = {"model": "sdxl", "resolution": 1024, "status": "ok", "compile_s": 1.0,
+             "memory_compiled": {"total": 2**30}, "batch": 2, "block_q": None, "block_kv": None}  # fmt: skip
+    write("peer", [
+        {**point, "implementation": "patchpar", "attention": "xla", "program_flops": 13.59e12,
+         "call_s_median": 0.16},
+        {**point, "implementation": "patchpar", "attention": "splash:1024x1024",
+         "program_flops": 12e12, "call_s_median": 0.12},
+        {**point, "implementation": "diffusers 0.35.2", "attention": "diffusers default",
+         "program_flops": 13.5e12, "call_s_median": 0.15},
+    ])  # fmt: skip
+    shard = {"model": "pixart-alpha", "resolution": 1024, "status": "ok"}
+    write("shards", [
+        {**shard, "patches": 1, "strategy": "single()", "unet_call_s_median": 0.2},
+        {**shard, "patches": 4, "strategy": "sync_patch()", "unet_call_s_median": 0.06},
+    ])  # fmt: skip
+    sys.path.insert(0, str(REPO / "experiments" / "device"))
+    try:
+        import tpu_tables
+    finally:
+        sys.path.pop(0)
+    tpu_tables.main([str(tmp_path)])
+    text = (tmp_path / "tables.md").read_text()
+    # one FLOP count for every row (the xla program's), time over the peer's best
+    assert "| sdxl | 1024 | patchpar | splash:1024x1024 | 120.0 | 57% | 0.80x | 1 |" in text
+    assert "| sdxl | 1024 | patchpar | xla | 160.0 | 43% | 1.07x | 1 |" in text
+    assert (
+        "| sdxl | 1024 | diffusers 0.35.2 | diffusers default | 150.0 | 46% | 1.00x | 1 |" in text
+    )
+    # the peer's records stay out of the per-family table
+    assert "| sdxl | 1024 | 2 |" not in text
+    assert "| pixart-alpha | 1024 | sync_patch | 4 | 60.0 | 1.20 |" in text

@@ -1,6 +1,9 @@
 """The tables of results/tpu_v5e/README.md, from the records the device suite brought back:
 per family at each resolution, every kernel's ms per call and MFU (the FLOPs from the `flops`
-part where a timing record has none), and FLUX.1-dev at full depth from its two reduced depths.
+part where a timing record has none), FLUX.1-dev at full depth from its two reduced depths,
+patchpar beside its JAX peer (`peer` part), and each strategy's per-device program against the
+single one (`shards` part: N x per-device time / single time, the efficiency loss that bounds
+every N-way speedup).
 
     python experiments/device/tpu_tables.py [results/tpu_v5e]      -> <folder>/tables.md
 
@@ -44,7 +47,7 @@ def main(argv=None) -> None:
     flops = {(r["model"], r["resolution"]): r["flops"] for r in recs if r["part"] == "flops"}
     timed = defaultdict(dict)  # (model, res) -> kernel -> record (the last run of each)
     for r in recs:
-        if r.get("status") == "ok" and r.get("call_s_median"):
+        if r.get("status") == "ok" and r.get("call_s_median") and "implementation" not in r:
             r["flops"] = r.get("flops") if r.get("flops") == r.get("flops") else None
             r["flops"] = r["flops"] or flops.get((r["model"], r["resolution"]))
             timed[(r["model"], r["resolution"])][kernel(r)] = r
@@ -63,7 +66,7 @@ def main(argv=None) -> None:
                 f"| {r['call_s_median'] * 1e3:.1f} | {mfu} | "
                 f"{r['memory_compiled']['total'] / 2**30:.2f} | {r['compile_s']:.0f} |"
             )
-    lines += ["", *flux_full(timed)]
+    lines += ["", *flux_full(timed), "", *peer(recs), "", *shards(recs)]
     (folder / "tables.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -99,6 +102,58 @@ def flux_full(timed) -> list[str]:
                 f"| {res} | {k} | {d0}, {d1} | {t * 1e3:.0f} | {f / 1e12:.1f} | "
                 f"{f / t / PEAK:.0%} |"
             )
+    return out
+
+
+def peer(recs) -> list[str]:
+    """patchpar and the peer per kernel, MFU of one FLOP count (patchpar's xla program's)."""
+    rows = [r for r in recs if r.get("implementation") and r.get("status") == "ok"]
+    out = [
+        "patchpar beside its JAX peer, one program, the same config and inputs (MFU of the "
+        "model's FLOPs: patchpar's xla program's count; `vs peer`: time over the peer's best):",
+        "",
+        "| model | px | implementation | attention | ms per call | MFU | vs peer | compile s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted({(r["model"], r["resolution"]) for r in rows}):
+        group = [r for r in rows if (r["model"], r["resolution"]) == key]
+        xla = [r for r in group if r["implementation"] == "patchpar" and r["attention"] == "xla"]
+        flops = xla[0]["program_flops"] if xla else None
+        peers = [r["call_s_median"] for r in group if r["implementation"] != "patchpar"]
+        best = min(peers) if peers else None
+        for r in group:
+            t = r["call_s_median"]
+            mfu = f"{flops / t / PEAK:.0%}" if flops else "-"
+            vs = f"{t / best:.2f}x" if best else "-"
+            out.append(
+                f"| {key[0]} | {key[1]} | {r['implementation']} | {r['attention']} | "
+                f"{t * 1e3:.1f} | {mfu} | {vs} | {r['compile_s']:.0f} |"
+            )
+    return out
+
+
+def shards(recs) -> list[str]:
+    """Per-device program of an N-way step against the single program of the same call."""
+    rows = [r for r in recs if r["part"] == "shards" and r.get("status") == "ok"]
+    out = [
+        "One device's program of an N-way step (collectives stood in by local copies): "
+        "ms per denoiser call, and N x that / the single program's (1.00 = no loss):",
+        "",
+        "| model | px | strategy | N | ms per call | N x per-device / single |",
+        "|---|---|---|---|---|---|",
+    ]
+    single = {
+        (r["model"], r["resolution"]): r["unet_call_s_median"] for r in rows if r["patches"] == 1
+    }
+    for r in rows:
+        one = single.get((r["model"], r["resolution"]))
+        t = r["unet_call_s_median"]
+        ratio = f"{r['patches'] * t / one:.2f}" if one else "-"
+        strategy = r["strategy"].split("(")[0]
+        out.append(
+            f"| {r['model']} | {r['resolution']} | {strategy} | {r['patches']} | {t * 1e3:.1f} | "
+            f"{ratio} |"
+        )
     return out
 
 
