@@ -14,7 +14,9 @@ attention). Ours: patchpar's kernels as family_timing.py writes them (`xla`, `sp
 FLOPs: each program's own count (`program_flops`, lowered with the CPU backend;
 patchpar/measure/flops.py); MFU of every point is of one count, the model's (patchpar's first
 program's), so a peer that counts fewer elementwise FLOPs (diffusers' Flax GELU is the tanh
-approximation, patchpar's the exact erf of the torch model) is not credited for them. The Flax UNet has GroupNorm with 32 groups
+approximation, patchpar's the exact erf of the torch model) is not credited for them.
+That count is patchpar's program with `xla` attention, lowered with abstract weights whatever
+`--ours` holds (a splash or cuDNN kernel is a custom call XLA does not count). The Flax UNet has GroupNorm with 32 groups
 fixed: a config with other groups is refused. Records: <out>/records.jsonl; table <out>/table.md.
 """
 
@@ -115,9 +117,11 @@ def main(argv=None) -> None:
     base = {"model": a.model, "resolution": a.resolution, "dtype": a.dtype, "batch": 2,
             "hardware": a.hardware, "device_kind": dev.device_kind, "peak_flops": peak}  # fmt: skip
 
-    model_flops = {}  # the first program's count: the MFU of every point is of it
     fn = abstract_denoiser(name, dtype, overrides=overrides)
     x, t, ctx, added = random_inputs(fn, name, a.resolution, dtype, 2)
+    # the model's FLOPs, the MFU of every point: patchpar's xla program, abstract weights
+    xla = jax.jit(fn.with_attention(resolve(kernel_spec("xla"), dtype)))
+    model_flops = program_flops(xla.lower(fn.abstract_params(), x, t, ctx, **added))
 
     def point(label, impl, make_call, params, args, kwargs):
         rec = {**base, "implementation": impl, "attention": label, "block_q": None,
@@ -129,8 +133,7 @@ def main(argv=None) -> None:
                 f = jax.jit(make_call())
                 lowered = f.lower(params, *args, **kwargs)
                 rec["program_flops"] = program_flops(lowered)
-                model_flops.setdefault("flops", rec["program_flops"])
-                rec["flops"] = model_flops["flops"]
+                rec["flops"] = model_flops
                 t0 = time.perf_counter()
                 compiled = lowered.compile()
                 rec["compile_s"] = time.perf_counter() - t0
