@@ -53,6 +53,11 @@ def parse(argv):
         "--flops-only", action="store_true",
         help="only each point's FLOPs: lowered with abstract weights, nothing drawn or compiled",
     )  # fmt: skip
+    p.add_argument(
+        "--profile", type=Path, metavar="DIR",
+        help="trace two more calls of every point with jax.profiler into DIR/<point>/ "
+        "(read them with experiments/device/profile_ops.py)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/tpu_v5e/families"))
     return p.parse_args(argv)
 
@@ -173,6 +178,8 @@ def main(argv=None) -> None:
                     if rec.get("flops"):
                         rec["mfu"] = rec["flops"] / rec["call_s_median"] / peak
                     rec["peak_bytes_in_use"] = (dev.memory_stats() or {}).get("peak_bytes_in_use")
+                    if a.profile:
+                        rec["profile"] = trace(a.profile, rec, compiled, args, added)
                     rec["status"] = "ok"
                 except Exception as e:  # noqa: BLE001 - every kernel gets a record
                     rec["status"] = "error"
@@ -181,6 +188,21 @@ def main(argv=None) -> None:
         del params
     write_table(a.out, rows, dev.device_kind)
     print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s -> {a.out}")
+
+
+def trace(root: Path, rec: dict, compiled, args, kwargs) -> str:
+    """Two calls of `compiled` traced by jax.profiler into root/<point>/; the folder's name."""
+    import jax
+
+    kernel = rec["attention"]
+    if kernel in ("splash", "chunked"):
+        kernel += f"-{rec['block_q']}x{rec['block_kv']}"
+    name = "".join(c if c.isalnum() or c in "-." else "_" for c in rec["model"])
+    name = f"{name}-{rec['resolution']}-{kernel}"
+    with jax.profiler.trace(str(root / name)):
+        for _ in range(2):
+            jax.block_until_ready(compiled(*args, **kwargs))
+    return name
 
 
 def write_table(out: Path, rows: list[dict], kind: str) -> None:

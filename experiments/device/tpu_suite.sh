@@ -21,6 +21,9 @@
 #              stood in by local copies) per strategy, PixArt-α at 1024²: the compute that bounds
 #              every speedup (SHARD_MODELS=, SHARD_PATCHES=, SHARD_STRATEGIES= choose)
 #   quant      quant_timing.py: PixArt-α in bf16 against w8, int8 and fp8 (int8 on the MXU)
+#   profile    family_timing.py --profile: SDXL and PixArt-α at 1024², splash 1024x1024, two calls
+#              traced by jax.profiler into profile/trace/ (read here by profile_ops.py)
+#   profile_mmdit  the same for SD3.5-medium and FLUX.1 (3+6 blocks), splash 512x1024
 #   peer       peer_unet.py: SDXL's UNet, patchpar's beside diffusers 0.35's Flax UNet (the JAX
 #              peer: .whl-tpu/diffusers-0.35.2-flax.zip, its needs from the machine's index)
 # KERNELS= (families, dits, unets), BLOCK_MODELS= and BLOCKS= (blocks), OURS= and PEERS= (peer)
@@ -81,6 +84,8 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   DITS=(tiny-dit tiny-sd3 tiny-flux:num_layers=1,num_single_layers=2)
   UNETS=(tiny)
   K=chunked  # splash needs a TPU
+  PK=chunked:128x128
+  PMK=chunked:128x128
   RES=(64 128)
   SHARD_PATCHES=${SHARD_PATCHES:-1 2}
   QT=(--dtype float32 --repeats 1 --resolution 64)
@@ -92,6 +97,8 @@ else
         flux-dev:num_layers=6,num_single_layers=12)
   UNETS=(sdxl)
   K=splash
+  PK=splash:1024x1024  # the best blocks of the committed sweeps (results/tpu_v5e/README.md)
+  PMK=splash:512x1024
   RES=(1024 2048)
   QT=(--repeats 5)
   PEER=(--repeats 5 --ours ${OURS:-splash:1024x1024 xla} --peer ${PEERS:-default split_head_dim})
@@ -112,9 +119,13 @@ for p in "${PARTS[@]}"; do
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
               --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} ;;
     quant) part quant 300 $PY experiments/device/quant_timing.py --model "${DITS[0]}" "${QT[@]}" ;;
+    profile) part profile 300 $PY "${FT[@]}" --models "${UNETS[@]}" "${DITS[0]}" --attention $PK \
+               --profile "$DEST/profile/trace" ;;
+    profile_mmdit) part profile_mmdit 240 $PY "${FT[@]}" --models "${DITS[@]:1:2}" \
+                     --attention $PMK --profile "$DEST/profile_mmdit/trace" ;;
     peer) part peer 540 env USE_TORCH=0 PYTHONPATH="$PYTHONPATH:$PWD/.whl-tpu/diffusers-0.35.2-flax.zip" \
             $PY experiments/device/peer_unet.py "${PEER[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant peer"
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer"
        exit 2 ;;
   esac
 done
