@@ -26,7 +26,7 @@
 #   profile_mmdit  the same for SD3.5-medium and FLUX.1 (3+6 blocks), splash 512x1024
 #   peer       peer_unet.py: SDXL's UNet, patchpar's beside diffusers 0.35's Flax UNet (the JAX
 #              peer: .whl-tpu/diffusers-0.35.2-flax.zip, its needs from the machine's index)
-# KERNELS= (families, dits, unets), BLOCK_MODELS= and BLOCKS= (blocks), OURS= and PEERS= (peer)
+# KERNELS= (families, dits, unets, large), BLOCK_MODELS= and BLOCKS= (blocks), OURS= and PEERS= (peer)
 # replace the defaults.
 # Results: $DEST/<part>/ (default results/tpu_v5e); with the device tool ($OUT set) they come
 # back as $OUT/tpu_suite.tgz (unpack into results/tpu_v5e/).
@@ -114,7 +114,7 @@ for p in "${PARTS[@]}"; do
     blocks) part blocks 400 $PY "${FT[@]}" --models ${BLOCK_MODELS:-"${DITS[@]:0:2}"} \
               --attention ${BLOCKS:-$K:512x512 $K:512x1024 $K:1024x1024 $K:1024x2048 $K:2048x2048} ;;
     large) part large 400 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
-             --resolutions 2048 --attention $K ;;
+             --resolutions 2048 --attention ${KERNELS:-$K} ;;
     shards) part shards 400 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
               --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} ;;
