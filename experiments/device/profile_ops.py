@@ -43,35 +43,81 @@ def hlo_stats(xplanes: list[Path]) -> list[dict]:
     return [{k: (c or {}).get("v") for k, c in zip(ids, row["c"])} for row in table["rows"]]
 
 
-def summarize(name: str, ops: list[dict], calls: int, top: int) -> list[str]:
+def summarize(name: str, ops: list[dict], calls: int, top: int, flops: float | None) -> list[str]:
+    """Markdown: busy time per call, the split by op category with the FLOP rate XLA's cost
+    model gives each, the custom calls' rate from the program's FLOPs (`flops`, the point's
+    record) less what XLA counts in the other ops, and the slowest ops."""
     busy = sum(o["total_self_time"] for o in ops) / calls / 1e3  # ms per call
-    by_cat = defaultdict(float)
+    ms, tflop = defaultdict(float), defaultdict(float)
     for o in ops:
-        by_cat[o["category"]] += o["total_self_time"] / calls / 1e3
+        t = o["total_self_time"] / calls / 1e3
+        ms[o["category"]] += t
+        tflop[o["category"]] += (o.get("model_flop_rate") or 0.0) * 1e9 * t / 1e3 / 1e12
+    counted = sum(tflop.values())
+    if flops and ms.get("custom-call"):  # a Pallas kernel's FLOPs: not in XLA's count
+        tflop["custom-call"] = max(flops / 1e12 - counted, 0.0)
     lines = [
         f"### {name}",
         "",
-        f"Device busy {busy:.1f} ms per call (ops' self time); by category:",
+        f"Device busy {busy:.1f} ms per call (the ops' self time), "
+        + (f"{flops / 1e12:.2f} TFLOP per call (the program's count)" if flops else ""),
         "",
-        "| category | ms per call | share |",
-        "|---|---|---|",
+        "| category | ms per call | share | TFLOP per call | TFLOP/s |",
+        "|---|---|---|---|---|",
     ]
-    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {cat} | {ms:.1f} | {ms / busy:.0%} |")
+    for cat, t in sorted(ms.items(), key=lambda kv: -kv[1]):
+        if t < 0.05:
+            continue
+        rate = tflop[cat] / (t / 1e3) if tflop[cat] else 0.0
+        lines.append(
+            f"| {cat} | {t:.1f} | {t / busy:.0%} | {tflop[cat]:.2f} | "
+            + (f"{rate:.0f} |" if rate else "- |")
+        )
     lines += [
         "",
-        "| op | category | calls | ms per call | share | model TFLOP/s | bound by | expression |",
+        "| op | category | calls | ms per call | share | TFLOP/s | bound by | expression |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for o in sorted(ops, key=lambda o: -o["total_self_time"])[:top]:
-        ms = o["total_self_time"] / calls / 1e3
+    for o in sorted(by_kernel(ops), key=lambda o: -o["total_self_time"])[:top]:
+        t = o["total_self_time"] / calls / 1e3
         expr = (o.get("hlo_op_expression") or "").replace("|", "/").replace("\n", " ")[:90]
-        rate = o.get("model_flop_rate") or 0.0
+        rate = (o.get("model_flop_rate") or 0.0) / 1e3
         lines.append(
-            f"| {o['hlo_op_name']} | {o['category']} | {o['occurrences'] // calls} | {ms:.2f} | "
-            f"{ms / busy:.1%} | {rate / 1e3:.1f} | {o.get('bound_by') or '-'} | `{expr}` |"
+            f"| {o['hlo_op_name']} | {o['category']} | {o['occurrences'] // calls} | {t:.2f} | "
+            f"{t / busy:.1%} | {rate:.0f} | {o.get('bound_by') or '-'} | `{expr}` |"
         )
     return lines + [""]
+
+
+def by_kernel(ops: list[dict]) -> list[dict]:
+    """The custom calls of one kernel (`splash_mha_fwd_no_residuals.42`, `.43`, ...) as one row:
+    their occurrences and self time summed, the first one's expression; other ops unchanged."""
+    rows, kernels = [], {}
+    for o in ops:
+        if o["category"] != "custom-call":
+            rows.append(o)
+            continue
+        stem = o["hlo_op_name"].rsplit(".", 1)[0]
+        if stem in kernels:
+            k = kernels[stem]
+            k["occurrences"] += o["occurrences"]
+            k["total_self_time"] += o["total_self_time"]
+        else:
+            kernels[stem] = {**o, "hlo_op_name": f"{stem}.*"}
+            rows.append(kernels[stem])
+    return rows
+
+
+def point_flops(traces: Path) -> dict[str, float]:
+    """The program FLOPs of each traced point, from the records beside the traces' folder."""
+    records = traces.parent / "records.jsonl"
+    out = {}
+    if records.exists():
+        for line in records.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("profile") and rec.get("flops"):
+                out[rec["profile"]] = rec["flops"]
+    return out
 
 
 def main(argv=None) -> None:
@@ -83,7 +129,12 @@ def main(argv=None) -> None:
     points = sorted(d for d in a.traces.iterdir() if d.is_dir()) if a.traces.is_dir() else []
     if not points:
         sys.exit(f"profile_ops: no traced points under {a.traces} (family_timing.py --profile)")
-    lines = [f"Per-op device time of the traces under `{a.traces}` (xprof hlo_stats)", ""]
+    flops = point_flops(a.traces)
+    lines = [
+        f"Per-op device time: xprof's hlo_stats of jax.profiler traces of {a.calls} calls per "
+        "point (`family_timing.py --profile`; read by `profile_ops.py`)",
+        "",
+    ]
     for point in points:
         xplanes = sorted(point.rglob("*.xplane.pb"))
         if not xplanes:
@@ -93,7 +144,7 @@ def main(argv=None) -> None:
         if not ops:  # XLA:CPU records no per-op device events
             lines += [f"### {point.name}", "", "no device ops in this trace", ""]
             continue
-        lines += summarize(point.name, ops, a.calls, a.top)
+        lines += summarize(point.name, ops, a.calls, a.top, flops.get(point.name))
     text = "\n".join(lines)
     if a.out:
         a.out.write_text(text)

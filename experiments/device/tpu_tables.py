@@ -133,26 +133,29 @@ def peer(recs) -> list[str]:
 
 
 def shards(recs) -> list[str]:
-    """Per-device program of an N-way step against the single program of the same call."""
-    rows = [r for r in recs if r["part"] == "shards" and r.get("status") == "ok"]
+    """Per-device program of an N-way step against the single program (N = 1) of the same
+    call where it ran there, else of the first call that ran it (named in the last column)."""
+    rows = [r for r in recs if r["part"].startswith("shards") and r.get("status") == "ok"]
     out = [
         "One device's program of an N-way step (collectives stood in by local copies): "
         "ms per denoiser call, and N x that / the single program's (1.00 = no loss):",
         "",
-        "| model | px | strategy | N | ms per call | N x per-device / single |",
-        "|---|---|---|---|---|---|",
+        "| model | px | strategy | N | ms per call | N x per-device / single | single from |",
+        "|---|---|---|---|---|---|---|",
     ]
-    single = {
-        (r["model"], r["resolution"]): r["unet_call_s_median"] for r in rows if r["patches"] == 1
-    }
+    single = {}  # (model, res) -> {part: seconds}
     for r in rows:
-        one = single.get((r["model"], r["resolution"]))
+        if r["patches"] == 1:
+            single.setdefault((r["model"], r["resolution"]), {})[r["part"]] = r["unet_call_s_median"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["resolution"], r["patches"])):
+        ones = single.get((r["model"], r["resolution"]), {})
+        part = r["part"] if r["part"] in ones else next(iter(ones), None)
         t = r["unet_call_s_median"]
-        ratio = f"{r['patches'] * t / one:.2f}" if one else "-"
+        ratio = f"{r['patches'] * t / ones[part]:.2f}" if part else "-"
         strategy = r["strategy"].split("(")[0]
         out.append(
             f"| {r['model']} | {r['resolution']} | {strategy} | {r['patches']} | {t * 1e3:.1f} | "
-            f"{ratio} |"
+            f"{ratio} | {part if part and part != r['part'] else 'this call'} |"
         )
     return out
 
