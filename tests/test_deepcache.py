@@ -5,7 +5,7 @@ it equals one device; a reused steady DistriFusion step keeps the deep blocks' s
 bytes of a reused step are the shallow branch's; bad input is a one-line error."""
 
 import sys
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import jax
@@ -46,7 +46,8 @@ def run(name: str, devices: int, c, cfg: int = 1, **options):
 
 
 def reference(c: DeepCache) -> np.ndarray:
-    """DeepCache's schedule run eagerly from the UNet's parts."""
+    """DeepCache's schedule run step by step from the UNet's parts (each part one compiled
+    call: the same arithmetic as op by op, without compiling each op's own program)."""
     fn, params = micro_unet("sd")
     x, _, cond = inputs("sd")
     smp = get_sampler("ddim")
@@ -55,6 +56,13 @@ def reference(c: DeepCache) -> np.ndarray:
     n = module.num_blocks
     down, up = module.branch_bounds(c.branch)
     g, b = cond.context.shape[:2]
+    prologue = jax.jit(lambda xs, ts, ctx: module.apply(v, xs, ts, ctx, method="prologue"))
+    epilogue = jax.jit(lambda last, aux: module.apply(v, last, aux, method="epilogue"))
+
+    @partial(jax.jit, static_argnums=(0, 1))
+    def blocks(start, stop, hs, aux):
+        return module.apply(v, start, stop, hs, aux, method="blocks")
+
     lat = x * sched.init_noise_sigma
     carry, feature = smp.init_carry(lat), None
     for i in range(STEPS):
@@ -62,15 +70,15 @@ def reference(c: DeepCache) -> np.ndarray:
         xs = jnp.broadcast_to(x_in[None], (g,) + x_in.shape).reshape((g * b,) + x_in.shape[1:])
         ts = jnp.broadcast_to(sched.timesteps[i], (g * b,))
         ctx = cond.context.reshape((g * b,) + cond.context.shape[2:])
-        hs, aux = module.apply(v, xs, ts, ctx, method="prologue")
-        shallow = module.apply(v, 0, down, hs, aux, method="blocks")
+        hs, aux = prologue(xs, ts, ctx)
+        shallow = blocks(0, down, hs, aux)
         if i % c.interval == 0:
-            deep = module.apply(v, down, up, shallow, aux, method="blocks")
+            deep = blocks(down, up, shallow, aux)
             feature, skips = deep[0], len(deep[1])
         else:  # the shallow down blocks' skips, but those the deep part consumes
             deep = (feature, shallow[1][:skips])
-        last = module.apply(v, up, n, deep, aux, method="blocks")
-        out = module.apply(v, last, aux, method="epilogue")
+        last = blocks(up, n, deep, aux)
+        out = epilogue(last, aux)
         eps = guided(out.reshape((g, b) + out.shape[1:]), GUIDANCE)
         lat, carry = smp.step(sched, i, lat, eps, carry)
     return np.asarray(lat)
