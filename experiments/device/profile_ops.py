@@ -40,7 +40,9 @@ def hlo_stats(xplanes: list[Path]) -> list[dict]:
         raise SystemExit(f"profile_ops: xprof found no hlo_stats in {xplanes[0].parent}")
     table = json.loads(data)
     ids = [c["id"] for c in table["cols"]]
-    return [{k: (c or {}).get("v") for k, c in zip(ids, row["c"])} for row in table["rows"]]
+    return [
+        {k: (c or {}).get("v") for k, c in zip(ids, row["c"], strict=True)} for row in table["rows"]
+    ]
 
 
 def summarize(name: str, ops: list[dict], calls: int, top: int, flops: float | None) -> list[str]:

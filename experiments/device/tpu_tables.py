@@ -146,7 +146,9 @@ def shards(recs) -> list[str]:
     single = {}  # (model, res) -> {part: seconds}
     for r in rows:
         if r["patches"] == 1:
-            single.setdefault((r["model"], r["resolution"]), {})[r["part"]] = r["unet_call_s_median"]
+            single.setdefault((r["model"], r["resolution"]), {})[r["part"]] = r[
+                "unet_call_s_median"
+            ]
     for r in sorted(rows, key=lambda r: (r["model"], r["resolution"], r["patches"])):
         ones = single.get((r["model"], r["resolution"]), {})
         part = r["part"] if r["part"] in ones else next(iter(ones), None)
