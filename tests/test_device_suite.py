@@ -197,11 +197,17 @@ def test_family_timing_records_time_flops_and_mfu(tmp_path):
         [sys.executable, "experiments/device/family_timing.py", "--models",
          "tiny-dit:num_layers=1", "--resolutions", "32", "--attention", "xla", "chunked:64x64",
          "--dtype", "float32", "--repeats", "1", "--hardware", "cpu-gloo", "--out",
-         str(tmp_path)],
+         str(tmp_path), "--profile", str(tmp_path / "trace")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     recs = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    # every point's two traced calls in a folder of its own, named in its record
+    assert [r["profile"] for r in recs] == [
+        "tiny-dit_num_layers_1-32-xla", "tiny-dit_num_layers_1-32-chunked-64x64"
+    ]  # fmt: skip
+    for r in recs:
+        assert list((tmp_path / "trace" / r["profile"]).rglob("*.xplane.pb")), r["profile"]
     assert [(r["attention"], r["block_q"], r["status"]) for r in recs] == [
         ("xla", 256, "ok"), ("chunked", 64, "ok")
     ]  # fmt: skip
@@ -271,3 +277,28 @@ def test_tpu_tables_set_patchpar_beside_its_peer_and_each_strategy_beside_single
     # the peer's records stay out of the per-family table
     assert "| sdxl | 1024 | 2 |" not in text
     assert "| pixart-alpha | 1024 | sync_patch | 4 | 60.0 | 1.20 |" in text
+
+
+def test_profile_summary_splits_time_by_category_and_prices_the_kernel_by_subtraction():
+    """profile_ops.py's table from xprof's per-op rows (made up here: xprof is not needed): ms
+    per call over the calls traced, a Pallas kernel's calls as one row, and its TFLOP the
+    program's count less what XLA counts in the other ops."""
+    sys.path.insert(0, str(REPO / "experiments" / "device"))
+    from profile_ops import summarize
+
+    def op(name, cat, us, gflops_per_s=0.0, n=2):
+        return {"hlo_op_name": name, "category": cat, "total_self_time": us, "occurrences": n,
+                "model_flop_rate": gflops_per_s, "bound_by": "Compute", "hlo_op_expression": name}  # fmt: skip
+
+    ops = [  # two calls traced: 60 ms of products at 150 TFLOP/s, 2 x 15 ms of a kernel, a copy
+        op("fusion.1", "convolution fusion", 120_000, 150_000),
+        op("splash.1", "custom-call", 30_000),
+        op("splash.2", "custom-call", 30_000),
+        op("copy.3", "data formatting", 20_000),
+    ]
+    text = "\n".join(summarize("point", ops, calls=2, top=5, flops=12e12))
+    assert "Device busy 100.0 ms per call" in text
+    assert "| convolution fusion | 60.0 | 60% | 9.00 | 150 |" in text
+    assert "| custom-call | 30.0 | 30% | 3.00 | 100 |" in text  # 12 - 9 TFLOP in 30 ms
+    assert "| splash.* | custom-call | 2 | 30.00 |" in text  # both kernel calls, one row
+    assert "| data formatting | 10.0 | 10% | 0.00 | - |" in text
