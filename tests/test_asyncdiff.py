@@ -41,11 +41,34 @@ def sample(name: str, devices: int, cfg: int = 1, **options) -> np.ndarray:
     return np.asarray(out)
 
 
+def compiled(f):
+    """`f` as one compiled call per structure of its arguments, every leaf that is not a JAX
+    array (a block index, a size a DiT's `aux` carries) fixed in the program: the same
+    arithmetic as op by op, without a program compiled for each op."""
+    programs = {}
+
+    def call(*args):
+        leaves, tree = jax.tree.flatten(args)
+        static = tuple(None if isinstance(a, jax.Array) else a for a in leaves)
+        if (tree, static) not in programs:
+
+            def whole(arrays):
+                it = iter(arrays)
+                return f(*jax.tree.unflatten(tree, [next(it) if c is None else c for c in static]))
+
+            programs[(tree, static)] = jax.jit(whole)
+        return programs[(tree, static)]([a for a in leaves if isinstance(a, jax.Array)])
+
+    return call
+
+
 def reference(fn, params, bounds, warmup, x, cond, smp, sched, scale, stride=1) -> np.ndarray:
-    """AsyncDiff's schedule run eagerly on one device, from the model's own parts. Stride 2:
-    the model runs on odd steps (rounds), the components on the next step's timestep and the
-    last one again on this step's; an even step takes the round before's next-step prediction
-    (after warm-up on an even step: the last warm-up step's)."""
+    """AsyncDiff's schedule run step by step on one device from the model's own parts (the
+    prologue op by op, where a DiT's `aux` keeps its Python sizes; the blocks and the epilogue
+    each one compiled call). Stride 2: the model runs on odd steps (rounds), the components on
+    the next step's timestep and the last one again on this step's; an even step takes the
+    round before's next-step prediction (after warm-up on an even step: the last warm-up
+    step's)."""
     module = fn.module.clone(ops=IDENTITY)
     v = {"params": params}
     g, b = cond.context.shape[:2]
@@ -58,6 +81,11 @@ def reference(fn, params, bounds, warmup, x, cond, smp, sched, scale, stride=1) 
         ts = jnp.broadcast_to(sched.timesteps[i], (g * b,))
         return module.apply(v, xs, ts, flat(cond.context), **added, method="prologue")
 
+    @compiled
+    def blocks(lo, hi, h_in, aux):
+        return module.apply(v, lo, hi, h_in, aux, method="blocks")
+
+    @compiled
     def predict(hs, aux):
         out = fn.prediction(module.apply(v, hs, aux, method="epilogue"))
         return guided(out.reshape((g, b) + out.shape[1:]), scale)
@@ -74,13 +102,13 @@ def reference(fn, params, bounds, warmup, x, cond, smp, sched, scale, stride=1) 
             new = []
             for k, (lo, hi) in enumerate(bounds):
                 h_in = hs if i < warmup or k == 0 else outs[k - 1]
-                hs = module.apply(v, lo, hi, h_in, aux, method="blocks")
+                hs = blocks(lo, hi, h_in, aux)
                 new.append(hs)
             eps = pending = predict(hs, aux)
             if stride == 2 and i >= warmup:  # the last component on this step's timestep
                 _, aux = prologue(x_in, i)
                 h_in = outs[-2] if len(bounds) > 1 else prologue(x_in, i)[0]
-                eps = predict(module.apply(v, *bounds[-1], h_in, aux, method="blocks"), aux)
+                eps = predict(blocks(*bounds[-1], h_in, aux), aux)
             outs = new
         lat, carry = smp.step(sched, i, lat, eps, carry)
     return np.asarray(lat)
@@ -114,7 +142,9 @@ def test_asynchronous_steps_equal_the_reference(devices, warmup):
     got = sample("asyncdiff", devices, warmup_steps=warmup)
     smp, sched = _schedule()
     want = reference(fn, params, bounds, warmup, x, cond, smp, sched, GUIDANCE)
-    assert max_diff(got, want) <= 1e-4
+    # the micro DiT's latents reach ~190: the reference's own programs round another way (1.2e-4
+    # apart, 8 ulps there); a wrong component split or warm-up is 70-85 apart
+    assert max_diff(got, want) <= rounding(want)
     assert max_diff(got, sample("single", 1)) > 1e-3  # stale inputs change the image
 
 
@@ -128,7 +158,7 @@ def test_stride_two_equals_the_reference(devices, warmup):
     got = sample("asyncdiff", devices, warmup_steps=warmup, stride=2)
     smp, sched = _schedule()
     want = reference(fn, params, bounds, warmup, x, cond, smp, sched, GUIDANCE, stride=2)
-    assert max_diff(got, want) <= 1e-4
+    assert max_diff(got, want) <= rounding(want)
     stride1 = reference(fn, params, bounds, warmup, x, cond, smp, sched, GUIDANCE)
     assert max_diff(got, stride1) > 1e-3  # not stride 1's schedule on the same components
     assert max_diff(sample("asyncdiff", devices, warmup_steps=STEPS, stride=2),
