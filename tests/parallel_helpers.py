@@ -99,3 +99,25 @@ def reordered(want) -> float:
     programs of another mesh, batch split or weight layout) may be apart: a few float32 ulps
     of the values' scale (1e-6 of it; bit for bit where XLA compiles both alike)."""
     return 1e-6 * max(1.0, float(np.abs(np.asarray(want)).max()))
+
+
+def compiled(f):
+    """`f` as one compiled call per structure of its arguments, every leaf that is not a JAX
+    array (a block index, a size a DiT's `aux` carries) fixed in the program: a reference
+    written from a model's parts runs the same arithmetic as op by op, without a program
+    compiled for each op."""
+    programs = {}
+
+    def call(*args):
+        leaves, tree = jax.tree.flatten(args)
+        static = tuple(None if isinstance(a, jax.Array) else a for a in leaves)
+        if (tree, static) not in programs:
+
+            def whole(arrays):
+                it = iter(arrays)
+                return f(*jax.tree.unflatten(tree, [next(it) if c is None else c for c in static]))
+
+            programs[(tree, static)] = jax.jit(whole)
+        return programs[(tree, static)]([a for a in leaves if isinstance(a, jax.Array)])
+
+    return call

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parallel_helpers import reordered, rounding
+from parallel_helpers import compiled, reordered, rounding
 from test_parallel_dit import GUIDANCE, inputs, max_diff
 from test_pipefusion import micro_dit
 
@@ -39,27 +39,6 @@ def sample(name: str, devices: int, cfg: int = 1, **options) -> np.ndarray:
     plan.validate(fn, x.shape[1:3], STEPS, GUIDANCE)
     out, _ = denoise(fn, plan, smp, params, cond, sched, x * sched.init_noise_sigma, GUIDANCE)
     return np.asarray(out)
-
-
-def compiled(f):
-    """`f` as one compiled call per structure of its arguments, every leaf that is not a JAX
-    array (a block index, a size a DiT's `aux` carries) fixed in the program: the same
-    arithmetic as op by op, without a program compiled for each op."""
-    programs = {}
-
-    def call(*args):
-        leaves, tree = jax.tree.flatten(args)
-        static = tuple(None if isinstance(a, jax.Array) else a for a in leaves)
-        if (tree, static) not in programs:
-
-            def whole(arrays):
-                it = iter(arrays)
-                return f(*jax.tree.unflatten(tree, [next(it) if c is None else c for c in static]))
-
-            programs[(tree, static)] = jax.jit(whole)
-        return programs[(tree, static)]([a for a in leaves if isinstance(a, jax.Array)])
-
-    return call
 
 
 def reference(fn, params, bounds, warmup, x, cond, smp, sched, scale, stride=1) -> np.ndarray:

@@ -5,7 +5,7 @@ it equals one device; a reused steady DistriFusion step keeps the deep blocks' s
 bytes of a reused step are the shallow branch's; bad input is a one-line error."""
 
 import sys
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 
 import jax
@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from parallel_helpers import GUIDANCE, denoise_cached, inputs, micro_unet  # noqa: E402
+from parallel_helpers import GUIDANCE, compiled, denoise_cached, inputs, micro_unet  # noqa: E402
 
 from patchpar.models.sites import IDENTITY  # noqa: E402
 from patchpar.parallel.engine import Plan  # noqa: E402
@@ -56,12 +56,11 @@ def reference(c: DeepCache) -> np.ndarray:
     n = module.num_blocks
     down, up = module.branch_bounds(c.branch)
     g, b = cond.context.shape[:2]
-    prologue = jax.jit(lambda xs, ts, ctx: module.apply(v, xs, ts, ctx, method="prologue"))
-    epilogue = jax.jit(lambda last, aux: module.apply(v, last, aux, method="epilogue"))
-
-    @partial(jax.jit, static_argnums=(0, 1))
-    def blocks(start, stop, hs, aux):
-        return module.apply(v, start, stop, hs, aux, method="blocks")
+    prologue = compiled(lambda xs, ts, ctx: module.apply(v, xs, ts, ctx, method="prologue"))
+    epilogue = compiled(lambda last, aux: module.apply(v, last, aux, method="epilogue"))
+    blocks = compiled(
+        lambda start, stop, hs, aux: module.apply(v, start, stop, hs, aux, method="blocks")
+    )
 
     lat = x * sched.init_noise_sigma
     carry, feature = smp.init_carry(lat), None
