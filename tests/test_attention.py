@@ -100,7 +100,7 @@ def test_auto_resolves_per_backend():
     assert resolve(AttentionSpec("auto"), jnp.bfloat16, "gpu").impl == "cudnn"
     assert resolve(AttentionSpec("auto"), jnp.float32, "gpu").impl == "chunked"
     tpu = resolve(AttentionSpec("auto", 200, 300), jnp.bfloat16, "tpu")
-    assert (tpu.impl, tpu.block_q, tpu.block_kv) == ("splash", 256, 256)
+    assert (tpu.impl, tpu.block_q, tpu.block_kv) == ("chunked", 200, 300)
     assert available("cpu") == ["auto", "xla", "chunked"]
 
 
