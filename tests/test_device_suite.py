@@ -256,11 +256,21 @@ def test_tpu_tables_set_patchpar_beside_its_peer_and_each_strategy_beside_single
         {**point, "implementation": "diffusers 0.35.2", "attention": "diffusers default",
          "program_flops": 13.5e12, "call_s_median": 0.15},
     ])  # fmt: skip
-    shard = {"model": "pixart-alpha", "resolution": 1024, "status": "ok"}
+    shard = {"model": "pixart-alpha", "resolution": 1024, "status": "ok", "block_q": 256,
+             "block_kv": 512}  # fmt: skip
+    splash, chunked = {**shard, "attention": "splash"}, {**shard, "attention": "chunked"}
     write("shards", [
-        {**shard, "patches": 1, "strategy": "single()", "unet_call_s_median": 0.2},
-        {**shard, "patches": 4, "strategy": "sync_patch()", "unet_call_s_median": 0.06},
+        {**splash, "patches": 1, "strategy": "single()", "unet_call_s_median": 0.2},
+        {**splash, "patches": 4, "strategy": "sync_patch()", "unet_call_s_median": 0.06},
     ])  # fmt: skip
+    write("shards_chunked", [
+        {**chunked, "patches": 1, "strategy": "single()", "unet_call_s_median": 0.1},
+        {**chunked, "patches": 4, "strategy": "distrifusion()", "unet_call_s_median": 0.03},
+    ])  # fmt: skip
+    # a later call without a single program of its own: the ratio is over the same kernel's
+    write(
+        "shards_more", [{**chunked, "patches": 2, "strategy": "pcpp()", "unet_call_s_median": 0.04}]
+    )
     sys.path.insert(0, str(REPO / "experiments" / "device"))
     try:
         import tpu_tables
@@ -276,7 +286,18 @@ def test_tpu_tables_set_patchpar_beside_its_peer_and_each_strategy_beside_single
     )
     # the peer's records stay out of the per-family table
     assert "| sdxl | 1024 | 2 |" not in text
-    assert "| pixart-alpha | 1024 | sync_patch | 4 | 60.0 | 1.20 |" in text
+    assert (
+        "| pixart-alpha | 1024 | splash 256x512 | sync_patch | 4 | 60.0 | 1.20 | `shards/` |"
+        in text
+    )
+    assert (
+        "| pixart-alpha | 1024 | chunked 256x512 | distrifusion | 4 | 30.0 | 1.20 | `shards_chunked/` |"
+        in text
+    )
+    assert (
+        "| pixart-alpha | 1024 | chunked 256x512 | pcpp | 2 | 40.0 | 0.80 (single from "
+        "`shards_chunked/`) | `shards_more/` |" in text
+    )
 
 
 def test_profile_summary_splits_time_by_category_and_prices_the_kernel_by_subtraction():

@@ -16,6 +16,7 @@ ulysses and ring alike; PipeFusion and AsyncDiff own their programs and are not 
 one device with every collective replaced by a local stand-in of the same shape
 (`Plan(comm=False)`; the stand-in K/V gather repeats the local part N times), on a one-device
 mesh; N = 1 is `single`. A point is skipped (recorded as such) once `--budget-s` has passed.
+Every program runs `--attention` (default `auto`, the backend's kernel; records name it).
 Records: <out>/records.jsonl (hardware = the profile name given, device kind, model,
 resolution, patches, strategy, phase, seconds per denoiser call); table: <out>/table.md. Needs
 only jax, flax, numpy and pyyaml.
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from family_timing import kernel_spec  # noqa: E402
 
 
 def parse(argv):
@@ -44,6 +47,10 @@ def parse(argv):
     p.add_argument(
         "--option", action="append", default=[], metavar="KEY=VALUE",
         help="a strategy option (e.g. comm_groups=per_site); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--attention", default="auto",
+        help="the kernel of every program, impl[:QxKV] (auto: the backend's default)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
@@ -64,6 +71,7 @@ def main(argv=None) -> None:
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import abstract_inputs
+    from patchpar.models.attention import resolve
     from patchpar.models.components import random_params_on_device
     from patchpar.models.presets import abstract_denoiser, latent_factor
     from patchpar.parallel.engine import make_step
@@ -77,6 +85,7 @@ def main(argv=None) -> None:
     dev = jax.devices()[0]
     a.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.RandomState(0)
+    kernel = resolve(kernel_spec(a.attention), dtype)
     rows = []
     weights = {}  # the model whose weights are on the device
     for model, r, n, strategy in _points(a):
@@ -85,7 +94,8 @@ def main(argv=None) -> None:
         phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "warmup"
         rec = {"hardware": a.hardware, "device_kind": dev.device_kind, "model": model,
                "resolution": r, "patches": n, "strategy": plan.strategy.describe(),
-               "phase": phase, "dtype": a.dtype}  # fmt: skip
+               "phase": phase, "dtype": a.dtype, "attention": kernel.impl,
+               "block_q": kernel.block_q, "block_kv": kernel.block_kv}  # fmt: skip
         if time.perf_counter() - start > a.budget_s:
             rec.update(status="skipped", error=f"time budget {a.budget_s:.0f} s spent")
             _emit(a, rec, rows, append_record, provenance)
@@ -93,7 +103,7 @@ def main(argv=None) -> None:
         try:
             if model not in weights:  # drawn on the device, once per model
                 weights.clear()
-                unet = abstract_denoiser(model, dtype)
+                unet = abstract_denoiser(model, dtype).with_attention(kernel)
                 weights[model] = unet, random_params_on_device(unet.abstract_params(), 0)
             unet, params = weights[model]
             latent = r // latent_factor(model)
@@ -135,7 +145,7 @@ def main(argv=None) -> None:
         _emit(a, rec, rows, append_record, provenance)
     lines = [
         f"Per-device program, {a.dtype}, {dev.device_kind} (profile {a.hardware}), collectives "
-        "replaced by stand-ins",
+        f"replaced by stand-ins, attention {kernel.impl} {kernel.block_q}x{kernel.block_kv}",
         "",
         "| model | resolution | patches | strategy | ms per denoiser call | status |",
         "|---|---|---|---|---|---|",

@@ -15,6 +15,7 @@ the line at 19. MFU of the full model is its FLOPs over its time, the same line'
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -133,33 +134,63 @@ def peer(recs) -> list[str]:
 
 
 def shards(recs) -> list[str]:
-    """Per-device program of an N-way step against the single program (N = 1) of the same
-    call where it ran there, else of the first call that ran it (named in the last column)."""
+    """Per-device program of an N-way step against the single program (N = 1, the same
+    attention kernel) of the same call where it ran there, else of the first call that ran it
+    (named beside the ratio)."""
     rows = [r for r in recs if r["part"].startswith("shards") and r.get("status") == "ok"]
     out = [
         "One device's program of an N-way step (collectives stood in by local copies): "
         "ms per denoiser call, and N x that / the single program's (1.00 = no loss):",
         "",
-        "| model | px | strategy | N | ms per call | N x per-device / single | single from |",
-        "|---|---|---|---|---|---|---|",
+        "| model | px | attention | strategy | N | ms per call | N x per-device / single | call |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    single = {}  # (model, res) -> {part: seconds}
+
+    def kernel(r):
+        if "attention" in r:
+            return f"{r['attention']} {r['block_q']}x{r['block_kv']}"
+        return _auto_then(r.get("git_commit"))
+
+    single = {}  # (model, res, kernel) -> {part: seconds}
     for r in rows:
         if r["patches"] == 1:
-            single.setdefault((r["model"], r["resolution"]), {})[r["part"]] = r[
-                "unet_call_s_median"
-            ]
-    for r in sorted(rows, key=lambda r: (r["model"], r["resolution"], r["patches"])):
-        ones = single.get((r["model"], r["resolution"]), {})
+            key = (r["model"], r["resolution"], kernel(r))
+            single.setdefault(key, {})[r["part"]] = r["unet_call_s_median"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["resolution"], kernel(r), r["patches"])):
+        ones = single.get((r["model"], r["resolution"], kernel(r)), {})
         part = r["part"] if r["part"] in ones else next(iter(ones), None)
         t = r["unet_call_s_median"]
         ratio = f"{r['patches'] * t / ones[part]:.2f}" if part else "-"
+        if part and part != r["part"]:
+            ratio += f" (single from `{part}/`)"
         strategy = r["strategy"].split("(")[0]
         out.append(
-            f"| {r['model']} | {r['resolution']} | {strategy} | {r['patches']} | {t * 1e3:.1f} | "
-            f"{ratio} | {part if part and part != r['part'] else 'this call'} |"
+            f"| {r['model']} | {r['resolution']} | {kernel(r)} | {strategy} | {r['patches']} | "
+            f"{t * 1e3:.1f} | {ratio} | `{r['part']}/` |"
         )
     return out
+
+
+# The commit from which `auto` is `chunked` on a TPU (splash before it); shard records written
+# before shard_timing.py recorded its kernel ran `auto` at their commit.
+AUTO_CHUNKED = "a9f5735"
+
+
+@functools.cache
+def _auto_then(commit: str | None) -> str:
+    """What `auto` resolved to on a TPU at `commit` (256x512 blocks either way)."""
+    import subprocess
+
+    if not commit:
+        return "auto"
+    try:
+        chunked = subprocess.run(
+            ["git", "merge-base", "--is-ancestor", AUTO_CHUNKED, commit],
+            cwd=Path(__file__).parent, capture_output=True, check=False,
+        ).returncode == 0  # fmt: skip
+    except OSError:
+        return "auto"
+    return f"{'chunked' if chunked else 'splash'} 256x512"
 
 
 if __name__ == "__main__":
