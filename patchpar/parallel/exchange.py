@@ -9,7 +9,8 @@ collectives (GPU, TPU) may start them as soon as the group's last site has run a
 with the compute of groups g+1..; on XLA:CPU collectives run synchronously, and the gain is the
 number of collectives (each pays gloo's latency). Exchanging is data movement (and an
 elementwise mean for GroupNorm statistics), so the buffers equal those of per-site exchanges
-bit for bit. A compressed site's payloads are its `uint8` wire payloads; its new bases come
+(bit for bit where XLA compiles the two programs' arithmetic alike; within float rounding
+where it fuses them differently). A compressed site's payloads are its `uint8` wire payloads; its new bases come
 from the same update as at the site (`PatchSite.absorb`).
 """
 
