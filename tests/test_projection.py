@@ -386,6 +386,11 @@ def test_device_script_in_miniature_feeds_the_projection(micro_folder, tmp_path,
     w = WorkloadCache(tmp_path / "w.jsonl")
     wl = [x for x in w if x.devices == 2][0]
     assert timed_compute(recs, "a100-sxm", wl) is None  # other hardware: the fitted curve
+    # the single program of the timed program's own attention kernel, never another kernel's
+    assert recs[0]["attention"] == recs[1]["attention"] == "chunked"
+    other = {**recs[0], "attention": "xla", "unet_call_s_median": 123.0}
+    assert timed_compute([*recs, other], "cpu-gloo", wl)["single"] == recs[0]["unet_call_s_median"]
+    assert timed_compute([other, recs[1]], "cpu-gloo", wl) is None
 
 
 # ------------------------------------------------------------------ the committed checks

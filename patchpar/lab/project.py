@@ -329,8 +329,9 @@ def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | Non
     """Measured seconds per UNet call for `w` on `hardware` from experiments/device/
     shard_timing.py records: {"warmup", "steady", "single"}, or None where they lack this
     point (same model, resolution, dtype, patches = devices with cfg=1, strategy, and the
-    one-patch `single` run). The script times one phase (the steady program of a stale
-    strategy); it stands for both phases (they differ by the stale buffers' writes)."""
+    one-patch `single` run of the same attention kernel where the records name one). The script
+    times one phase (the steady program of a stale strategy); it stands for both phases (they
+    differ by the stale buffers' writes)."""
     if w.cfg != 1:
         return None
     ok = [
@@ -344,8 +345,11 @@ def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | Non
         and r.get("unet_batch") == w.unet_batch
     ]
     mine = [r for r in ok if r["patches"] == w.devices and r["strategy"] == w.strategy]
-    single = [r for r in ok if r["patches"] == 1]
-    if not mine or not single:
+    if not mine:
+        return None
+    kernel = lambda r: (r.get("attention"), r.get("block_q"), r.get("block_kv"))  # noqa: E731
+    single = [r for r in ok if r["patches"] == 1 and kernel(r) == kernel(mine[-1])]
+    if not single:
         return None
     s = mine[-1]["unet_call_s_median"]
     return {"warmup": s, "steady": s, "single": single[-1]["unet_call_s_median"]}
