@@ -12,6 +12,12 @@ single program is its baseline.
 Records: <out>/records.jsonl (one per strategy, chips and kernel, with the projection's split
 and the timings file it read); table: <out>/table.md. Workloads (FLOPs and collectives from
 PixArt-α's programs lowered here with abstract weights) are cached in <out>/workloads.jsonl.
+
+Then the published multi-chip TPU figures (../shared/ANCHORS.md), each beside the projection of
+the same run and its error; nothing is fitted on them. They are data parallel, one image per
+chip, so each is one chip's latency per image: SDXL's UNet priced by its time measured on this
+chip (`peer_chunked/`), the encoders, the VAE and every model on v6e by the profile's fitted
+curve (borrowed from a100-sxm). <out>/published.jsonl and published.md.
 """
 
 from __future__ import annotations
@@ -36,6 +42,25 @@ TIMINGS = {
         ("sync_patch", "distrifusion", "pcpp", "ulysses", "ring"),
     ),
 }
+
+
+# (model, steps, hardware, what, published seconds per image on one chip, source)
+PUBLISHED = [
+    ("sdxl", 20, "tpu-v5e", "MLPerf v4.1 SDXL on v5e-4, minimum latency", 2.40,
+     "mlcommons/inference_results_v4.1, closed/Google, tpu_v5e_x4_flax"),
+    ("sdxl", 20, "tpu-v5e", "MLPerf v4.1 SDXL on v5e-4, offline 1.753 samples/s over 4 chips",
+     4 / 1.753, "same"),
+    ("sdxl", 20, "tpu-v6e", "MLPerf v4.1 SDXL on v6e-4, offline 5.439 samples/s over 4 chips",
+     4 / 5.439, "mlcommons/inference_results_v4.1, closed/Google, tpu_v6_x4_flax"),
+    ("flux-dev", 28, "tpu-v6e", "MaxDiffusion FLUX.1-dev 1024², batch 4 on v6e-4, data parallel",
+     5.5, "AI-Hypercomputer/maxdiffusion README"),
+    ("flux-schnell", 4, "tpu-v6e", "MaxDiffusion FLUX.1-schnell, batch 4 on v6e-4, data parallel",
+     0.8, "same"),
+]  # fmt: skip
+NOT_PROJECTED = (
+    "MaxDiffusion Wan 2.2 720p on v7x-8 (194.4 s) and v7x-16 (106.0 s): patchpar has no video "
+    "family yet and no v7x profile"
+)
 
 
 def parse(argv):
@@ -82,7 +107,60 @@ def main(argv=None) -> int:
     tmp.replace(a.out / "records.jsonl")
     (a.out / "table.md").write_text(table(rows))
     print(table(rows))
+    checks = published(a, cache, prov)
+    tmp = a.out / "published.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in checks))
+    tmp.replace(a.out / "published.jsonl")
+    (a.out / "published.md").write_text(published_md(checks))
+    print(published_md(checks))
     return 0
+
+
+def published(a, cache, prov) -> list[dict]:
+    """Each published figure beside the projection of one image on one chip."""
+    from patchpar import hardware
+    from patchpar.lab.config import build_plan
+    from patchpar.lab.results import read_records
+    from patchpar.measure.projection import project
+
+    peer = read_records(RESULTS / "peer_chunked" / "records.jsonl")
+    unet = [r for r in peer if r["implementation"] == "patchpar" and r["model"] == "sdxl"]
+    rows = []
+    for model, steps, hw_name, what, seconds, source in PUBLISHED:
+        hw = hardware.load(hw_name)
+        w = cache.get(model, RESOLUTION, build_plan("single", {}, 1, 1), 1, "bfloat16")
+        measured = None
+        if hw_name == "tpu-v5e" and model == "sdxl" and unet:  # the UNet call timed on the chip
+            t = unet[-1]["call_s_median"]
+            measured = {"warmup": t, "steady": t, "single": t}
+        p = project(w, w, hw, steps, measured=measured)
+        rows.append({
+            "model": model, "resolution": RESOLUTION, "steps": steps, "hardware": hw_name,
+            "what": what, "source": source, "published_s": seconds, "projected_s": p.latency_s,
+            "error": p.latency_s / seconds - 1, "compute_s": p.compute_s,
+            "encode_s": p.encode_s, "decode_s": p.decode_s, "compute_source": p.compute_source,
+            "provenance": prov,
+        })  # fmt: skip
+    return rows
+
+
+def published_md(rows) -> str:
+    lines = [
+        "Published multi-chip TPU figures (data parallel, one image per chip) beside the "
+        "projection of one image on one chip at 1024²: seconds per image, the error, and the "
+        "projection's split (denoiser calls, text encoders, VAE decode)",
+        "",
+        "| run | steps | published s | projected s | error | denoiser s | encoders s | VAE s | "
+        "denoiser compute |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['what']} | {r['steps']} | {r['published_s']:.3f} | {r['projected_s']:.3f} | "
+            f"{r['error']:+.0%} | {r['compute_s']:.3f} | {r['encode_s']:.3f} | "
+            f"{r['decode_s']:.3f} | {r['compute_source']} |"
+        )
+    return "\n".join([*lines, "", f"Not projected: {NOT_PROJECTED}."]) + "\n"
 
 
 def table(rows) -> str:
