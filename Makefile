@@ -24,8 +24,8 @@ $(FMNIST):
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q dataset-fashion-mnist) || \
 		{ echo "could not install Debian's dataset-fashion-mnist; put its four *-ubyte.gz files in $(dir $(FMNIST))"; exit 1; }
 
-# uv installs the same pins as pip in half the time (37 s against 69 s from nothing on a 2-core
-# machine); where uv cannot be installed or fails, pip does it. Neither writes bytecode for
+# uv installs the same pins as pip in half the time (32-37 s against 69 s from nothing on a
+# 2-core machine); where uv cannot be installed or fails, pip does it. Neither writes bytecode for
 # every file of every package (torch's many thousands: half of pip's time otherwise); Python
 # writes it for what is imported, once.
 $(STAMP): pyproject.toml constraints.txt

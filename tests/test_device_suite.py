@@ -271,6 +271,9 @@ def test_tpu_tables_set_patchpar_beside_its_peer_and_each_strategy_beside_single
     write(
         "shards_more", [{**chunked, "patches": 2, "strategy": "pcpp()", "unet_call_s_median": 0.04}]
     )
+    # a record from before the kernel was recorded, at a commit git does not know: not guessed
+    write("shards_old", [{**shard, "patches": 1, "strategy": "single()", "git_commit": "0000000",
+                          "unet_call_s_median": 0.3}])  # fmt: skip
     sys.path.insert(0, str(REPO / "experiments" / "device"))
     try:
         import tpu_tables
@@ -298,6 +301,7 @@ def test_tpu_tables_set_patchpar_beside_its_peer_and_each_strategy_beside_single
         "| pixart-alpha | 1024 | chunked 256x512 | pcpp | 2 | 40.0 | 0.80 (single from "
         "`shards_chunked/`) | `shards_more/` |" in text
     )
+    assert "| pixart-alpha | 1024 | auto | single | 1 | 300.0 | 1.00 | `shards_old/` |" in text
 
 
 def test_profile_summary_splits_time_by_category_and_prices_the_kernel_by_subtraction():

@@ -9,7 +9,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from parallel_helpers import GUIDANCE, inputs, micro_unet, rounding
+from parallel_helpers import GUIDANCE, inputs, micro_unet, reordered, rounding
 
 from patchpar.lab.config import RunConfig, with_overrides
 from patchpar.measure.comm import hlo_text_with_metadata, parse_collectives
@@ -39,7 +39,7 @@ def _run(strategy, options, patch, cfg, data, fsdp, kind="sd"):
 # (strategy, options, patch, cfg, data, fsdp); 4 steps, 1 warm-up step + 3 steady ones
 CASES = [
     ("distrifusion", {"gn": "corrected"}, 2, 1, 1, False),
-    # pcpp's packed sends: bit-exact here in the slow tier, and over 2 processes (slow); the
+    # pcpp's packed sends: here in the slow tier, and over 2 processes (slow); the
     # default tier has pcpp's whole band equal to distrifusion (test_parallel_unet.py)
     pytest.param("pcpp", {"send": "band", "portion": 0.3}, 2, 1, 1, False, marks=SLOW),
     pytest.param("pcpp", {"send": "band", "portion": 0.3}, 4, 2, 1, False, marks=SLOW),
@@ -58,13 +58,13 @@ CASES = [
 
 @pytest.mark.parametrize("strategy, options, patch, cfg, data, fsdp", CASES)
 def test_packed_equals_per_site(strategy, options, patch, cfg, data, fsdp):
-    """The final latent and every stale buffer, for one group and for three, within float32
-    rounding (`rounding`, the suite's bound for the same arithmetic in another order): the
-    exchange only moves bytes, but the two programs' compute is compiled apart, and bit
-    identity holds only where XLA compiles them alike (with XLA:CPU's older loop emitters the
-    packed program lands 1 ulp from the per-site one in 2 of 65 buffers after 2 steps, 18 ulps
-    after 4). A packing off by one element fails it by orders of magnitude
-    (test_a_packing_off_by_one_element_fails)."""
+    """The final latent within float32 rounding (`rounding`, the suite's bound for the same
+    arithmetic in another order) and every stale buffer within 10 x `reordered` (1e-5 of its
+    scale, at least of 1): the exchange only moves bytes, but the two programs' compute is
+    compiled apart, and bit identity holds only where XLA compiles them alike (with XLA:CPU's
+    older loop emitters the packed program lands 1 ulp from the per-site one in 2 of 65 buffers
+    after 2 steps, 18 ulps, 1.1e-6 of the scale, after 4). A packing off by one element fails
+    it by orders of magnitude (test_a_packing_off_by_one_element_fails)."""
     opts = {"warmup_steps": 0, **options}
     ref_out, ref_state = _run(
         strategy, tuple(sorted({**opts, "comm_groups": "per_site"}.items())), patch, cfg, data, fsdp
@@ -77,7 +77,7 @@ def test_packed_equals_per_site(strategy, options, patch, cfg, data, fsdp):
         assert np.abs(out - ref_out).max() <= rounding(ref_out)
         assert jax.tree.structure(state) == jax.tree.structure(ref_state)
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
-            assert np.abs(a - b).max() <= rounding(b)
+            assert np.abs(a - b).max() <= 10 * reordered(b)
     if not options.get("no_sync") and options.get("gn") != "sync":  # the steady phase is stale
         sync, _ = _run("sync_patch", (), patch, cfg, data, False)
         assert np.abs(ref_out - sync).max() > 1e-4
@@ -93,14 +93,21 @@ def test_a_packing_off_by_one_element_fails(monkeypatch):
         return common_pack(parts) if len(parts) == 1 else jax.numpy.roll(common_pack(parts), 1)
 
     common_pack = common._pack
-    monkeypatch.setattr(common, "_pack", shifted)
     strategy, options = "distrifusion", {"gn": "corrected", "warmup_steps": 0}
-    per_site, _ = _run.__wrapped__(
+    per_site, _ = _run(
         strategy, tuple(sorted({**options, "comm_groups": "per_site"}.items())), 2, 1, 1, False
     )
-    planted, _ = _run.__wrapped__(
-        strategy, tuple(sorted({**options, "comm_groups": 1}.items())), 2, 1, 1, False
-    )
+    # the same static arguments as the other test's: JAX's trace caches would hand back the
+    # correct program (and keep the planted one for the next test) without this
+    jax.clear_caches()
+    try:
+        monkeypatch.setattr(common, "_pack", shifted)
+        planted, _ = _run.__wrapped__(
+            strategy, tuple(sorted({**options, "comm_groups": 1}.items())), 2, 1, 1, False
+        )
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
     assert np.abs(planted - per_site).max() > 100 * rounding(per_site)
 
 

@@ -184,13 +184,14 @@ def _auto_then(commit: str | None) -> str:
     if not commit:
         return "auto"
     try:
-        chunked = subprocess.run(
+        code = subprocess.run(
             ["git", "merge-base", "--is-ancestor", AUTO_CHUNKED, commit],
             cwd=Path(__file__).parent, capture_output=True, check=False,
-        ).returncode == 0  # fmt: skip
+        ).returncode  # fmt: skip
     except OSError:
         return "auto"
-    return f"{'chunked' if chunked else 'splash'} 256x512"
+    # 0: AUTO_CHUNKED is an ancestor, 1: it is not, else (a commit git does not know): unknown
+    return {0: "chunked 256x512", 1: "splash 256x512"}.get(code, "auto")
 
 
 if __name__ == "__main__":

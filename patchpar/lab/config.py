@@ -257,7 +257,7 @@ class CachedDecodeFlags(DecodeFlags):
 class ModelConfig:
     name: Annotated[str, tyro.conf.arg(help=HELP["model"])] = "tiny"
     attention: str = "auto"
-    """Attention kernel: auto (chunked on CPU, cudnn on GPU for bf16, splash on TPU), xla
+    """Attention kernel: auto (chunked on CPU and TPU, cudnn on GPU for bf16), xla
     (whole logits: the reference), chunked (blockwise, online softmax), cudnn or splash."""
     block_q: int = 256
     """Chunked/splash attention: queries per block (MaxDiffusion's flash block_q)."""

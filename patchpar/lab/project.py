@@ -329,7 +329,8 @@ def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | Non
     """Measured seconds per UNet call for `w` on `hardware` from experiments/device/
     shard_timing.py records: {"warmup", "steady", "single"}, or None where they lack this
     point (same model, resolution, dtype, patches = devices with cfg=1, strategy, and the
-    one-patch `single` run of the same attention kernel where the records name one). The script
+    one-patch `single` run of the same attention kernel; records that name no kernel, written
+    before shard_timing.py recorded it, match each other: give one kernel's files). The script
     times one phase (the steady program of a stale strategy); it stands for both phases (they
     differ by the stale buffers' writes)."""
     if w.cfg != 1:

@@ -85,8 +85,9 @@ def resolve(spec: AttentionSpec, dtype=jnp.float32, backend: str | None = None) 
     impl = spec.impl
     if impl == "auto":
         low = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        # on a TPU v5e `chunked` 256x512 was measured faster than splash's best blocks on
-        # SDXL, PixArt-α and SD3.5, and within 2% of them on FLUX.1 (results/tpu_v5e)
+        # on a TPU v5e at 1024² `chunked` 256x512 was measured faster than splash's best
+        # blocks on SDXL, PixArt-α and SD3.5, within 2% of them on FLUX.1 (results/tpu_v5e);
+        # other TPU generations and sizes are not measured yet
         impl = {"gpu": "cudnn" if low else "chunked"}.get(backend, "chunked")
     elif backend not in _NEEDS.get(impl, (backend,)) and not (impl == "splash" and spec.interpret):
         raise ValueError(
