@@ -476,6 +476,42 @@ def test_xdit_check_rederived_from_its_workloads(tmp_path, monkeypatch, capsys):
     assert "median absolute error" in capsys.readouterr().out
 
 
+TPU_PROJECTION = REPO / "results" / "tpu_v5e" / "projection"
+
+
+@pytest.mark.skipif(
+    not (TPU_PROJECTION / "records.jsonl").is_file(), reason="no TPU projection committed"
+)
+def test_tpu_projection_rederived_from_its_workloads_and_the_chips_timings(tmp_path, monkeypatch):
+    """The committed TPU projections (every strategy on 4 and 8 chips, and the published TPU
+    figures beside one chip's) follow from the committed workloads, the chip's committed
+    timings and today's profiles: a profile or pricing change shows here."""
+    import importlib.util
+    import shutil
+
+    from patchpar.measure import projection
+
+    def not_cached(*args):
+        raise AssertionError(f"workload {args[:2]} missing from the committed cache")
+
+    monkeypatch.setattr(projection, "compute_workload", not_cached)
+    shutil.copy(TPU_PROJECTION / "workloads.jsonl", tmp_path / "workloads.jsonl")
+    path = REPO / "experiments" / "device" / "tpu_projection.py"
+    spec = importlib.util.spec_from_file_location("tpu_projection", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path)]) == 0
+    for name, key in (("records.jsonl", "latency_s"), ("published.jsonl", "projected_s")):
+        ours, committed = (
+            [json.loads(x) for x in (folder / name).read_text().splitlines()]
+            for folder in (tmp_path, TPU_PROJECTION)
+        )
+        assert len(ours) == len(committed) > 0
+        for a, b in zip(ours, committed, strict=True):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), b
+    assert {r["compute_source"] for r in ours} >= {"measured"}
+
+
 @pytest.mark.skipif(not (LATENCY / "paper.jsonl").is_file(), reason="no paper check committed")
 def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
     """experiments/notebooks/latency.ipynb reads the committed records only and draws its plots
