@@ -102,21 +102,24 @@ def main(argv=None) -> int:
                 })  # fmt: skip
                 print(f"{kernel} {n} chips {name}: {p.latency_s:.3f} s, {p.speedup:.2f}x "
                       f"({p.compute_source})", flush=True)  # fmt: skip
-    tmp = a.out / "records.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-    tmp.replace(a.out / "records.jsonl")
+    _write_jsonl(a.out / "records.jsonl", rows)
     (a.out / "table.md").write_text(table(rows))
     print(table(rows))
-    checks = published(a, cache, prov)
-    tmp = a.out / "published.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in checks))
-    tmp.replace(a.out / "published.jsonl")
+    checks = published(cache, prov)
+    _write_jsonl(a.out / "published.jsonl", checks)
     (a.out / "published.md").write_text(published_md(checks))
     print(published_md(checks))
     return 0
 
 
-def published(a, cache, prov) -> list[dict]:
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Whole or not at all: a temporary file, then a rename."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def published(cache, prov) -> list[dict]:
     """Each published figure beside the projection of one image on one chip."""
     from patchpar import hardware
     from patchpar.lab.config import build_plan
