@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from family_timing import kernel_spec  # noqa: E402
+from family_timing import kernel_spec, model_spec  # noqa: E402
 
 
 def parse(argv):
@@ -51,6 +51,11 @@ def parse(argv):
     p.add_argument(
         "--attention", default="auto",
         help="the kernel of every program, impl[:QxKV] (auto: the backend's default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile", type=Path, metavar="DIR",
+        help="trace two more calls of every point with jax.profiler into DIR/<point>/ "
+        "(read them with experiments/device/profile_ops.py)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
@@ -103,10 +108,11 @@ def main(argv=None) -> None:
         try:
             if model not in weights:  # drawn on the device, once per model
                 weights.clear()
-                unet = abstract_denoiser(model, dtype).with_attention(kernel)
+                name_, overrides = model_spec(model)
+                unet = abstract_denoiser(name_, dtype, overrides=overrides).with_attention(kernel)
                 weights[model] = unet, random_params_on_device(unet.abstract_params(), 0)
             unet, params = weights[model]
-            latent = r // latent_factor(model)
+            latent = r // latent_factor(model_spec(model)[0])
             if latent % (n * unet.row_multiple):
                 raise ValueError(f"latent {latent} rows do not split into {n} patches")
             x_abs, _, cond_abs = abstract_inputs(unet, (latent // n, latent), 1)
@@ -138,6 +144,8 @@ def main(argv=None) -> None:
                 state = new if donate else state
             rec["unet_call_s_median"] = statistics.median(times)
             rec["unet_call_s_all"] = times
+            if a.profile:
+                rec["profile"] = _trace(a.profile, rec, compiled, (params, x, t, cond), state)
             rec["status"] = "ok"
         except Exception as e:  # noqa: BLE001 - every point gets a record, also a failed one
             rec["status"] = "error"
@@ -168,6 +176,21 @@ def _points(a):
             for n in a.patches:
                 for strategy in a.strategies[:1] if n == 1 else a.strategies:
                     yield model, r, n, strategy
+
+
+def _trace(root: Path, rec: dict, compiled, args, state) -> str:
+    """Two more calls of the point traced by jax.profiler into root/<point>/ (the stale state
+    carried from call to call, as the timed calls do); the folder's name."""
+    import jax
+
+    name = "".join(c if c.isalnum() or c in "-." else "_" for c in rec["model"])
+    name = f"{name}-{rec['resolution']}-{rec['patches']}-{rec['strategy'].split('(')[0]}"
+    with jax.profiler.trace(str(root / name)):
+        for _ in range(2):
+            out, new = compiled(*args, state)
+            jax.block_until_ready(out)
+            state = new if state is not None else state
+    return name
 
 
 def _options(pairs: list[str]) -> dict:

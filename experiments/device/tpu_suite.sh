@@ -19,8 +19,10 @@
 #   large      family_timing.py: 2048², splash
 #   shards     shard_timing.py: one device's program of an N-way step (N = 1, 2, 4, 8; collectives
 #              stood in by local copies) per strategy, PixArt-α at 1024²: the compute that bounds
-#              every speedup (SHARD_MODELS=, SHARD_PATCHES=, SHARD_STRATEGIES= choose)
-#   quant      quant_timing.py: PixArt-α in bf16 against w8, int8 and fp8 (int8 on the MXU)
+#              every speedup (SHARD_MODELS=, SHARD_PATCHES=, SHARD_STRATEGIES= choose;
+#              SHARD_PROFILE=1 traces two calls of each point into shards/trace/)
+#   quant      quant_timing.py: PixArt-α (QUANT_MODELS= chooses) in bf16 against w8, int8 and
+#              fp8 (int8 on the MXU; QUANT_MODES= chooses)
 #   profile    family_timing.py --profile: SDXL and PixArt-α at 1024², splash 1024x1024, two calls
 #              traced by jax.profiler into profile/trace/ (read here by profile_ops.py)
 #   profile_mmdit  the same for SD3.5-medium and FLUX.1 (3+6 blocks), splash 512x1024
@@ -117,8 +119,10 @@ for p in "${PARTS[@]}"; do
              --resolutions 2048 --attention ${KERNELS:-$K} ;;
     shards) part shards 400 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
-              --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} ;;
-    quant) part quant 300 $PY experiments/device/quant_timing.py --model "${DITS[0]}" "${QT[@]}" ;;
+              --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} \
+              ${SHARD_PROFILE:+--profile "$DEST/shards/trace"} ;;
+    quant) part quant 400 $PY experiments/device/quant_timing.py --models ${QUANT_MODELS:-"${DITS[0]}"} \
+             ${QUANT_MODES:+--modes $QUANT_MODES} "${QT[@]}" ;;
     profile) part profile 300 $PY "${FT[@]}" --models "${UNETS[@]}" "${DITS[0]}" --attention $PK \
                --profile "$DEST/profile/trace" ;;
     profile_mmdit) part profile_mmdit 240 $PY "${FT[@]}" --models "${DITS[@]:1:2}" \
