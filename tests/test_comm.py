@@ -112,6 +112,34 @@ CASES = [
 ]
 
 
+def test_a_collective_in_a_loop_counts_as_often_as_the_loop_runs():
+    """An all-gather inside a 3-step loop nested in a 2-step loop: received 6 times (a
+    scanned stack of blocks), or 3 times with the outer loop counted once (a phase's loop over
+    steps, `outer_once`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from patchpar.measure.comm import hlo_text_with_metadata
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("patch",))
+
+    def local(x):
+        def inner(_, y):
+            with jax.named_scope("pp_kv"):
+                return y + lax.all_gather(y, "patch").sum(0)
+
+        return lax.fori_loop(0, 2, lambda _, y: lax.fori_loop(0, 3, inner, y), x)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("patch"), out_specs=P("patch"),
+                      check_vma=False)  # fmt: skip
+    text = hlo_text_with_metadata(jax.jit(f).lower(jnp.ones((4, 8), jnp.float32)))
+    assert len(parse_collectives(text, 2)) == 6
+    assert len(parse_collectives(text, 2, outer_once=True)) == 3
+    assert count_hlo(text, 2).summary()["kv"]["max"] == 6 * 2 * 8 * 4  # 6 x the other's (2, 8)
+
+
 @pytest.mark.parametrize("kind, strategy, options, devices, cfg", CASES)
 def test_hlo_bytes_equal_analytic_bytes(kind, strategy, options, devices, cfg):
     unet, params = micro_unet(kind)

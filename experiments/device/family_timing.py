@@ -31,6 +31,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -57,6 +58,11 @@ def parse(argv):
         "--profile", type=Path, metavar="DIR",
         help="trace two more calls of every point with jax.profiler into DIR/<point>/ "
         "(read them with experiments/device/profile_ops.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--scan", nargs="+", choices=["off", "on"], default=["off"],
+        help="the blocks unrolled (off) and/or scanned (on: model.scan_blocks, one loop per "
+        "stack of identical blocks); `on` runs after `off`, on the weights stacked in place",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/tpu_v5e/families"))
     return p.parse_args(argv)
@@ -101,9 +107,7 @@ def main(argv=None) -> None:
     from patchpar.hardware import load as load_profile
     from patchpar.lab.results import append_record, provenance
     from patchpar.measure.cost import (
-        check_fits,
         check_weights_fit,
-        memory_per_device,
         param_bytes,
     )
     from patchpar.measure.flops import program_flops
@@ -159,35 +163,62 @@ def main(argv=None) -> None:
             if a.flops_only:
                 emit({**point, "status": "ok" if point.get("flops") else "error"})
                 continue
-            for spec in specs:
-                rec = {**point, "attention": spec.impl, "block_q": spec.block_q,
-                       "block_kv": spec.block_kv}  # fmt: skip
-                if time.perf_counter() - start > a.budget_s:
-                    emit({**rec, "status": "skipped", "error": f"budget {a.budget_s:.0f} s spent"})
-                    continue
-                try:
-                    f = jax.jit(fn.with_attention(resolve(spec, dtype)))
+            for scanned in sorted({v == "on" for v in a.scan}):  # unrolled first
+                g = fn.with_scan() if scanned else fn
+                stack_s = 0.0
+                if scanned:  # once per model and size; the unrolled weights given up
                     t0 = time.perf_counter()
-                    compiled = f.lower(*args, **added).compile()
-                    rec["compile_s"] = time.perf_counter() - t0
-                    rec["memory_compiled"] = memory_per_device(compiled)
-                    check_fits(rec["memory_compiled"], f"{text} at {res}px")
-                    _, times = timed(compiled, args, added, a.repeats)
-                    rec["call_s_median"] = median(times)
-                    rec["call_s_all"] = times
-                    if rec.get("flops"):
-                        rec["mfu"] = rec["flops"] / rec["call_s_median"] / peak
-                    rec["peak_bytes_in_use"] = (dev.memory_stats() or {}).get("peak_bytes_in_use")
-                    if a.profile:
-                        rec["profile"] = trace(a.profile, rec, compiled, args, added)
-                    rec["status"] = "ok"
-                except Exception as e:  # noqa: BLE001 - every kernel gets a record
-                    rec["status"] = "error"
-                    rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                emit(rec)
+                    with warnings.catch_warnings():  # the unrolled buffers are not reused: freed
+                        warnings.simplefilter("ignore")
+                        params = jax.jit(g.prepare, donate_argnums=0)(params)
+                    params = jax.block_until_ready(params)
+                    stack_s = time.perf_counter() - t0
+                for spec in specs:
+                    rec = {**point, "attention": spec.impl, "block_q": spec.block_q,
+                           "block_kv": spec.block_kv, "scan_blocks": scanned}  # fmt: skip
+                    if time.perf_counter() - start > a.budget_s:
+                        emit({**rec, "status": "skipped",
+                              "error": f"budget {a.budget_s:.0f} s spent"})  # fmt: skip
+                        continue
+                    run_point(a, rec, g, spec, (params, x, t, ctx), added, stack_s, emit)
         del params
     write_table(a.out, rows, dev.device_kind)
     print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s -> {a.out}")
+
+
+def run_point(a, rec, fn, spec, args, added, stack_s, emit) -> None:
+    """Compile and time one point into `rec` (emitted, a failed one with its error):
+    `first_call_s` is the weights' stacking (scanned), the compile and the first call."""
+    import jax
+
+    from patchpar.hardware import load as load_profile
+    from patchpar.measure.cost import check_fits, memory_per_device
+    from patchpar.models.attention import resolve
+
+    dev = jax.devices()[0]
+    try:
+        f = jax.jit(fn.with_attention(resolve(spec, getattr(jax.numpy, a.dtype))))
+        t0 = time.perf_counter()
+        compiled = f.lower(*args, **added).compile()
+        rec["compile_s"] = time.perf_counter() - t0
+        rec["memory_compiled"] = memory_per_device(compiled)
+        check_fits(rec["memory_compiled"], f"{rec['model']} at {rec['resolution']}px")
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args, **added))
+        rec["first_call_s"] = stack_s + rec["compile_s"] + time.perf_counter() - t0
+        _, times = timed(compiled, args, added, a.repeats)
+        rec["call_s_median"] = median(times)
+        rec["call_s_all"] = times
+        if rec.get("flops"):
+            rec["mfu"] = rec["flops"] / rec["call_s_median"] / load_profile(a.hardware).peak_flops
+        rec["peak_bytes_in_use"] = (dev.memory_stats() or {}).get("peak_bytes_in_use")
+        if a.profile:
+            rec["profile"] = trace(a.profile, rec, compiled, args, added)
+        rec["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - every kernel gets a record
+        rec["status"] = "error"
+        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    emit(rec)
 
 
 def trace(root: Path, rec: dict, compiled, args, kwargs) -> str:
@@ -212,8 +243,8 @@ def write_table(out: Path, rows: list[dict], kind: str) -> None:
         "profile's peak, memory (XLA's buffer assignment; the device's peak), compile s",
         "",
         "| model | px | batch | attention | ms | TFLOP | MFU | compiled GiB | peak GiB | "
-        "compile s | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "compile s | first call s | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def num(v, fmt, scale=1.0):
@@ -223,13 +254,16 @@ def write_table(out: Path, rows: list[dict], kind: str) -> None:
         kernel = r.get("attention", "-")
         if kernel in ("splash", "chunked"):
             kernel += f" {r['block_q']}x{r['block_kv']}"
+        if r.get("scan_blocks"):
+            kernel += ", scanned"
         lines.append(
             f"| {r['model']} | {r.get('resolution', '-')} | {r.get('batch', '-')} | {kernel} | "
             f"{num(r.get('call_s_median'), '.1f', 1e3)} | {num(r.get('flops'), '.2f', 1e-12)} | "
             f"{num(r.get('mfu'), '.0%')} | "
             f"{num((r.get('memory_compiled') or {}).get('total'), '.2f', 1 / gib)} | "
             f"{num(r.get('peak_bytes_in_use'), '.2f', 1 / gib)} | "
-            f"{num(r.get('compile_s'), '.0f')} | {r['status']} |"
+            f"{num(r.get('compile_s'), '.0f')} | {num(r.get('first_call_s'), '.1f')} | "
+            f"{r['status']} |"
         )
     (out / "table.md").write_text("\n".join(lines) + "\n")
 

@@ -266,6 +266,10 @@ class ModelConfig:
     quant: str = "none"
     """Quantized denoiser (Qwix, patchpar/quant.py): none; w8 or w4 (int8 / int4 weights,
     activations in the compute dtype); int8 or fp8 (int8 / fp8 e4m3 weights x activations)."""
+    scan_blocks: bool = False
+    """Run each stack of identical blocks (a DiT's transformer blocks, a UNet transformer's) as
+    one scanned loop: a much shorter compile, outputs equal within float rounding
+    (patchpar/models/scan.py); not with quant, PipeFusion, AsyncDiff or a DiT's step cache."""
 
     def attention_spec(self):
         from patchpar.models.attention import AttentionSpec
@@ -578,6 +582,7 @@ class RunConfig:
             raise ValueError(f"cache: {e}") from None
         try:
             check_mode(self.model.quant)
+            check_scan(self.model.scan_blocks, self.model.quant, self.strategy.name)
         except ValueError as e:
             raise ValueError(f"model.{e}") from None
         try:
@@ -590,6 +595,23 @@ class RunConfig:
         except ValueError as e:
             raise ValueError(f"mesh.{e}") from None
         return self
+
+
+def check_scan(scan_blocks: bool, quant: str, strategy: str) -> None:
+    """Scanned blocks run whole, on float weights: ValueError for a quantized model or a
+    strategy that runs the blocks apart (each its own stage or device)."""
+    if not scan_blocks:
+        return
+    if quant != "none":
+        raise ValueError(
+            f"scan_blocks with quant={quant!r}: a quantized model runs its blocks unrolled; "
+            f"turn one of them off"
+        )
+    if strategy in ("pipefusion", "asyncdiff"):
+        raise ValueError(
+            f"scan_blocks with strategy {strategy!r}: it runs the blocks apart (stages of "
+            f"layers); turn scan_blocks off"
+        )
 
 
 def unused_options(config: RunConfig) -> list[str]:
@@ -691,6 +713,7 @@ def point_config(config: RunConfig | dict) -> dict:
         "block_q": 256,
         "block_kv": 512,
         "quant": "none",
+        "scan_blocks": False,
         **d.get("model", {}),
     }
     d["sampler"] = {**d.get("sampler", {})}

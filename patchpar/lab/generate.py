@@ -12,7 +12,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from patchpar.lab.config import DTYPES, HELP, CachedDecodeFlags, fsdp_unused
+from patchpar.lab.config import DTYPES, HELP, CachedDecodeFlags, check_scan, fsdp_unused
 from patchpar.lab.launch import is_writer, launch
 
 
@@ -64,6 +64,10 @@ class GenerateConfig(CachedDecodeFlags):
     quant: str = "none"
     """Quantized denoiser (patchpar/quant.py): none, w8 or w4 (int8 / int4 weights), int8 or
     fp8 (int8 / fp8 e4m3 weights x activations)."""
+    scan_blocks: bool = False
+    """Run each stack of identical blocks (a DiT's transformer blocks, a UNet transformer's) as
+    one scanned loop: a much shorter compile, outputs equal within float rounding
+    (patchpar/models/scan.py); not with quant, PipeFusion, AsyncDiff or a DiT's step cache."""
     out: Path = Path("runs/generate")
     """Output folder."""
     processes: int = 0
@@ -83,6 +87,7 @@ def check(config: GenerateConfig) -> list[str]:
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
     check_mode(config.quant)
+    check_scan(config.scan_blocks, config.quant, config.strategy)
     for name in ("height", "width"):
         v = getattr(config, name)
         if v is not None and v <= 0:
@@ -148,12 +153,16 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     vae_plan = config.vae_plan()
     t0 = time.perf_counter()
     log(f"loading {config.model}")
-    pipe = load_pipeline(
-        config.model,
-        getattr(jnp, resolve_dtype(config.dtype, config.model)),
-        resolve(AttentionSpec(config.attention)),
-        config.quant,
-    ).with_true_cfg(true_cfg)
+    pipe = (
+        load_pipeline(
+            config.model,
+            getattr(jnp, resolve_dtype(config.dtype, config.model)),
+            resolve(AttentionSpec(config.attention)),
+            config.quant,
+        )
+        .with_true_cfg(true_cfg)
+        .with_scan(config.scan_blocks)
+    )
     t_load = time.perf_counter() - t0
     checkpoint = getattr(pipe, "quant_checkpoint", None)  # the quantized weights, not the floats
     if checkpoint is not None:
@@ -187,6 +196,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         "compute_dtype": jnp.dtype(pipe.unet.module.dtype).name,
         "attention": pipe.unet.module.attn.impl,
         "quant": pipe.quant,
+        "scan_blocks": config.scan_blocks,
         "quant_checkpoint": None if checkpoint is None else str(checkpoint),
         "strategy": plan.strategy.describe(),
         "devices": plan.devices,

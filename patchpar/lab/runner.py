@@ -270,7 +270,7 @@ def preflight(config: RunConfig) -> None:
     config.plan()
     m = config.model
     pipe = get_pipeline(m.name, config.sampler.dtype, m.attention_spec(), m.quant)
-    pipe = pipe.with_true_cfg(config.sampler.true_cfg_scale)
+    pipe = pipe.with_true_cfg(config.sampler.true_cfg_scale).with_scan(m.scan_blocks)
     present = not config.mesh.processes and jax.device_count() >= config.mesh.devices
     checked_plan(config, pipe, devices_present=present)
 
@@ -297,7 +297,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     pipe = get_pipeline(
         config.model.name, s.dtype, config.model.attention_spec(), config.model.quant
     )
-    pipe = pipe.with_true_cfg(s.true_cfg_scale)
+    pipe = pipe.with_true_cfg(s.true_cfg_scale).with_scan(config.model.scan_blocks)
     metrics: dict = {"load_s": time.perf_counter() - t0, "layout": process_layout(config)}
     metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
     metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded

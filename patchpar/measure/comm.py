@@ -12,6 +12,9 @@ wrapped in a generic `async-start(..., calls=...)` is counted from the wrapped c
 the parallel layer puts around its collectives (`pp_halo`, `pp_gn`, `pp_kv`, `pp_cfg`,
 `pp_tp`, `pp_fsdp`, `pp_pipe`, `pp_text`, `pp_cache`).
 Use the pre-optimisation HLO to count bf16 as bf16: the CPU backend upcasts bf16 collectives.
+A collective inside a while loop (a scanned stack of blocks) counts as often as the loop runs
+(`measure.flops.computation_runs`: its trip count, where a constant bounds it); `outer_once`
+counts the entry's own loops once (a phase's loop over steps, whose body is one step).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ SITES = (
     "cache",
 )  # pp_<site> scopes; anything else is "other"
 
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(")
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(OPS) + r")(?P<async>-start|-done)?\("
@@ -184,12 +188,22 @@ def _attr(line: str, name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
-    """Every collective in an HLO module's text (`-done` halves of async pairs skipped).
-    `num_devices` resolves `replica_groups={}` (all devices) for all-gather / reduce-scatter,
-    whose operand size depends on the group size."""
+def parse_collectives(
+    hlo_text: str, num_devices: int | None = None, outer_once: bool = False
+) -> list[Collective]:
+    """Every collective in an HLO module's text (`-done` halves of async pairs skipped), one
+    entry per time it runs (a loop's body: its trip count). `num_devices` resolves
+    `replica_groups={}` (all devices) for all-gather / reduce-scatter, whose operand size
+    depends on the group size; `outer_once`: the entry's own loops run once."""
+    from patchpar.measure.flops import computation_runs
+
+    runs = computation_runs(hlo_text, outer_once) if " while(" in hlo_text else {}
     out = []
+    comp = None
     for line in hlo_text.splitlines():
+        if (h := _HEADER.match(line)) and line.rstrip().endswith("{"):
+            comp = h.group("name")
+            continue
         m = _INSTR.match(line)
         if not m or m.group("async") == "-done":
             continue
@@ -214,7 +228,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         if op_name:
             found = [s for s in SITES if f"pp_{s}" in op_name.group(1)]
             site = found[-1] if found else "other"
-        out.append(Collective(op, operand, pairs, groups, site, is_async))
+        out += [Collective(op, operand, pairs, groups, site, is_async)] * runs.get(comp, 1)
     return out
 
 

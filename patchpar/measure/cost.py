@@ -208,7 +208,7 @@ def count_lowered(
     (`measure.flops`; XLA's own count takes a loop's body once). `local_out`: one device's slab
     of the guided output (for the CFG gather and the released code's output gather)."""
     text = hlo_text_with_metadata(lowered)
-    collectives = parse_collectives(text, plan.devices)
+    collectives = parse_collectives(text, plan.devices, outer_once=phase_loop)
     hlo = count_collectives(collectives, plan.devices)
     model = analytic_count(plan, log, local_out, out_itemsize)
     entry = {

@@ -251,6 +251,30 @@ class HloFlops:
         return corr
 
 
+def computation_runs(text: str, outer_once: bool = False) -> dict[str, int]:
+    """How many times each computation of an HLO module's text runs per run of its entry: a
+    while loop's body as often as its trip count says (once where it is not a constant bound),
+    times its caller's. `outer_once`: the entry's own loops once (a phase's loop over steps)."""
+    hlo = HloFlops(text, backend=None)
+    runs: dict[str, int] = {}
+
+    def visit(name: str, n: int, outer: bool) -> None:
+        runs[name] = runs.get(name, 0) + n
+        comp = hlo.comps[name]
+        for instr in comp.instrs.values():
+            if instr.op == "while":
+                k = hlo.trip_count(comp, instr)
+                body = dict(_ATTR.findall(instr.attrs))["body"]
+                visit(body, n * (1 if outer or k is None else k), False)
+                continue
+            for _, callee in _called(instr):
+                if callee in hlo.comps and hlo.comps[callee].instrs:
+                    visit(callee, n, outer)
+
+    visit(hlo.entry, 1, outer_once)
+    return runs
+
+
 def program_flops(
     lowered, outer_once: bool = False, text: str | None = None, xla_flops: float | None = None
 ) -> float:

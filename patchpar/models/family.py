@@ -100,6 +100,11 @@ class Denoiser(Protocol):
 
     def with_attention(self, spec: AttentionSpec) -> Denoiser: ...
 
+    def prepare(self, params):
+        """The parameters as its module takes them, from the checkpoint's layout (a scanned
+        stack's blocks stacked, `patchpar.models.scan`); done once before a run's programs."""
+        ...
+
     def example_inputs(self, batch: int = 1, height=None, width=None, seq: int = 77):
         """((sample, timesteps, encoder_hidden_states), {extras}) as abstract arrays."""
         ...

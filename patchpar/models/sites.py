@@ -26,6 +26,7 @@ keep per-site state in a Flax variable collection (`mod.variable("stale", ...)`)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import jax
@@ -122,6 +123,16 @@ class SiteOps:
         `cls` itself here. FSDP returns a wrapper that gathers the layer's weights, sharded at
         rest, over the mesh when the layer runs (`patchpar.parallel.sites.PatchOps.layer`)."""
         return cls
+
+    def repeated(self, n: int):
+        """A context: the site calls traced inside it run `n` times (a scanned stack of
+        blocks, `patchpar.models.scan`); the parallel layer's byte models count them so."""
+        del n
+        return contextlib.nullcontext()
+
+    def one_trace(self):
+        """A context around one trace of a `repeated` body."""
+        return contextlib.nullcontext()
 
     def input_layer(self) -> SiteOps:
         """The ops of the model's first convolution, which reads the sampler's latent: its halo

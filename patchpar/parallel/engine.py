@@ -231,7 +231,9 @@ class StepProgram(Program):
                 )
 
     def place(self, plan, unet, params):
-        return params  # placed inside the program by the logical-axis rules (`parallel.rules`)
+        # placed inside the program by the logical-axis rules (`parallel.rules`); a scanned
+        # stack's blocks stacked here, once (`Denoiser.prepare`)
+        return unet.prepare(params)
 
     def weight_bytes(self, plan, unet, params) -> int:
         return weight_bytes_per_device(params, plan.rules(), plan.degrees(), unet.logical)
@@ -373,6 +375,7 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
 
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
+        params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program
         # split by the logical-axis rules
         params, param_specs = placed(params, rules, unet.logical, local_shapes, plan.degrees())
         fn = jax.shard_map(

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from patchpar.models.scan import LAYER
 from patchpar.parallel.sites import PatchOps, exchange
 from patchpar.parallel.sites.common import COLLECTIVES
 
@@ -57,8 +60,21 @@ def exchange_packed(tree: dict, ops: PatchOps, groups: int, stale: dict) -> dict
                 node = out
                 for part in path:
                     node = node.setdefault(part, {})
-                node.update(op.absorb(received, held, sends))
+                if not scanned(path):
+                    node.update(op.absorb(received, held, sends))
+                    continue
+                # a scanned stack's site: every payload has a layer axis in front (a
+                # gather's behind its device axis); each layer's buffers from its own
+                received = {c: jnp.moveaxis(v, 1, 0) if c == "gather" else v
+                            for c, v in received.items()}  # fmt: skip
+                node.update(jax.vmap(op.absorb)(received, held, sends))
     return out
+
+
+def scanned(path: tuple[str, ...]) -> bool:
+    """Whether a site's module path runs inside a scanned stack of blocks (its variables have a
+    leading layer axis: `patchpar.models.scan`)."""
+    return any(path[i : i + 2] == ("scan", LAYER) for i in range(len(path) - 1))
 
 
 def check_groups(groups: int, sites: int) -> None:

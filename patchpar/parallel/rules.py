@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec as P
 
+from patchpar.models.scan import SCANNED
 from patchpar.parallel.mesh import AXES, CFG, DATA, MODEL, PATCH, divisors
 from patchpar.parallel.sites.common import bits
 
@@ -103,7 +104,10 @@ def check_rules(rules: dict[str, Axes], table: Table = ()) -> None:
 
 def logical_axes(path: str, ndim: int, table: Table) -> tuple:
     """Logical axis names of the parameter at `path` ('down_blocks_0/.../to_q/kernel') in a
-    family's `table`."""
+    family's `table`. A block's parameter in a scanned stack (`patchpar.models.scan`) has a
+    layer axis in front, never split."""
+    if SCANNED in path:
+        return (None,) + logical_axes(path.replace(SCANNED, "/", 1), ndim - 1, table)
     for pattern, names in table:
         if re.search(pattern, path):
             return names

@@ -90,6 +90,19 @@ class Pipeline:
             return self
         return replace(self, text=replace(self.text, true_cfg_scale=float(scale)))
 
+    def with_scan(self, on: bool) -> Pipeline:
+        """This pipeline with its denoiser's stacks of identical blocks scanned (`on`) or
+        unrolled (`patchpar.models.scan`); its parameters stay as loaded (stacked once per
+        plan, when placed)."""
+        if bool(getattr(self.unet.module, "scan", False)) == on:
+            return self
+        if self.quant != "none":
+            raise ValueError(
+                f"scan_blocks with a {self.quant}-quantized denoiser: a quantized model runs its "
+                f"blocks unrolled; turn one of them off"
+            )
+        return replace(self, unet=self.unet.with_scan(on))
+
     def quantized(self, mode: str) -> Pipeline:
         """This pipeline with its denoiser quantized (`patchpar.quant`: w8, w4, int8, fp8;
         `none`: itself), its weights stored quantized; the text encoders and the VAE stay in

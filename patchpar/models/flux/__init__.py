@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import abstract_init, random_params
 from patchpar.models.family import Family, max_sequence_length
@@ -17,8 +18,10 @@ from patchpar.models.flux import presets as _presets
 from patchpar.models.flux.model import (
     CLASS_NAMES,
     DOUBLE,
+    DOUBLES,
     LOGICAL,
     SINGLE,
+    SINGLES,
     FluxConfig,
     FluxTransformer2DModel,
     apply_rope,
@@ -95,7 +98,7 @@ class FluxFn:
         if pooled_projections is None:
             raise ValueError("a FLUX transformer needs pooled_projections (CLIP's pooled output)")
         return self.module.apply(
-            {"params": params},
+            {"params": self.prepare(params)},
             sample,
             timesteps,
             encoder_hidden_states,
@@ -108,6 +111,10 @@ class FluxFn:
 
     def with_attention(self, spec: AttentionSpec) -> FluxFn:
         return replace(self, module=self.module.clone(attn=spec))
+
+    def with_scan(self, on: bool = True) -> FluxFn:
+        """Each stack of identical blocks as one scanned loop (`patchpar.models.scan`)."""
+        return replace(self, module=self.module.clone(scan=on))
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 512
@@ -128,9 +135,18 @@ class FluxFn:
             added["guidance"] = sds((batch,), jnp.float32)
         return args, added
 
+    def prepare(self, params):
+        """The parameters as its module takes them: with `scan` on, each scanned run's blocks
+        stacked (`patchpar.models.scan`)."""
+        if not self.module.scan:
+            return params
+        doubles, singles = self.module.kinds
+        return scan.stack(scan.stack(params, DOUBLES, doubles), SINGLES, singles)
+
     def abstract_params(self):
+        """The parameters' shapes, in the unrolled layout (as checkpoints hold them)."""
         args, added = self.example_inputs(1, 2, 2, seq=4)
-        return abstract_init(self.module, *args, **added)
+        return abstract_init(self.module.clone(scan=False), *args, **added)
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
     AdaNormContinuous,
@@ -45,8 +46,9 @@ from patchpar.models.layers import (
 from patchpar.models.sites import IDENTITY, SiteOps
 
 CLASS_NAMES = ("FluxTransformer2DModel",)
-DOUBLE = "transformer_blocks_{}"  # the double-stream blocks' parameter names, layer i
-SINGLE = "single_transformer_blocks_{}"  # the single-stream blocks'
+DOUBLES, SINGLES = "transformer_blocks", "single_transformer_blocks"
+DOUBLE = DOUBLES + "_{}"  # the double-stream blocks' parameter names, layer i
+SINGLE = SINGLES + "_{}"  # the single-stream blocks'
 # FLUX's logical axes (`parallel.rules`): heads in every Q/K/V projection, the feed-forwards'
 # and the single blocks' MLP widths. A single block's proj_mlp (4 x width) and proj_out (its
 # input [attention (width) | MLP (4 x width)]) are laid out as 4 and 5 parts of the width, each
@@ -314,6 +316,7 @@ class FluxTransformer2DModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False  # each stack of identical blocks as one scanned loop (`models.scan`)
 
     teacache_coefficients = TEACACHE_COEFFICIENTS  # the `teacache` cache's rescaling
 
@@ -325,12 +328,11 @@ class FluxTransformer2DModel(nn.Module):
         self.x_embedder = layer(nn.Dense)(d, dtype=dt, param_dtype=dt)
         self.time_text_embed = layer(_TimeText)(cfg, dt)
         self.context_embedder = layer(nn.Dense)(d, dtype=dt, param_dtype=dt)
-        self.transformer_blocks = [
-            layer(DoubleBlock)(cfg, dt, ops, self.attn) for _ in range(cfg.num_layers)
-        ]
-        self.single_transformer_blocks = [
-            layer(SingleBlock)(cfg, dt, ops, self.attn) for _ in range(cfg.num_single_layers)
-        ]
+        kinds = self.kinds
+        scan.build(self, DOUBLES, kinds[0], lambda i: (layer(DoubleBlock), (cfg, dt, ops, self.attn)),
+                   after=_text_read)  # fmt: skip
+        scan.build(self, SINGLES, kinds[1], lambda i: (layer(SingleBlock), (cfg, dt, ops, self.attn)),
+                   after=_text_read)  # fmt: skip
         self.norm_out = layer(AdaNormContinuous)(d, dt)
         self.proj_out = layer(nn.Dense)(cfg.out_channels, dtype=dt, param_dtype=dt)
 
@@ -353,6 +355,15 @@ class FluxTransformer2DModel(nn.Module):
     def num_blocks(self) -> int:
         return self.config.num_layers + self.config.num_single_layers
 
+    @property
+    def kinds(self) -> tuple[list[bool], list[bool]]:
+        """Per double and per single block, whether a later block reads its text tokens (all
+        but the last block): blocks of one kind can share a scanned loop."""
+        last, n = self.num_blocks - 1, self.config.num_layers
+        return [j < last for j in range(n)], [
+            n + j < last for j in range(self.config.num_single_layers)
+        ]
+
     def prologue(self, sample, timesteps, encoder_hidden_states, pooled_projections,
                  guidance=None):  # fmt: skip
         """-> ((image tokens, text tokens), aux)."""
@@ -366,10 +377,22 @@ class FluxTransformer2DModel(nn.Module):
         """Blocks lo..hi-1 of the double-then-single order on (image, text) tokens."""
         (img, txt), (temb, rope, (_, w)) = hs, aux
         n, last = self.config.num_layers, self.num_blocks - 1
-        for j in range(lo, hi):
-            run = self.double if j < n else self.single
-            img, txt = run(j if j < n else j - n, img, txt, temb, rope, w // 2, j < last)
-        return img, txt
+        shared = (temb, rope, w // 2)
+        if self.scan and (lo, hi) != (0, self.num_blocks):
+            scan.check_whole(self, lo, hi)
+
+        def one(run, offset):
+            return lambda i, c: run(i, *c, temb, rope, w // 2, offset + i < last)
+
+        kinds = self.kinds
+        carry = (img, txt)
+        if lo < n:
+            carry = scan.run(self, DOUBLES, kinds[0], lo, min(hi, n), carry, shared,
+                             one(self.double, 0))  # fmt: skip
+        if hi > n:
+            carry = scan.run(self, SINGLES, kinds[1], max(lo, n) - n, hi - n, carry, shared,
+                             one(self.single, n))  # fmt: skip
+        return carry
 
     def epilogue(self, hs, aux) -> jax.Array:
         temb, _, (h, w) = aux
@@ -378,7 +401,9 @@ class FluxTransformer2DModel(nn.Module):
     def modulated(self, hs, aux) -> jax.Array:
         """The first block's modulated image input (B, T, D): what TeaCache compares."""
         (img, txt), (temb, rope, (_, w)) = hs, aux
-        return self.transformer_blocks[0](img, txt, temb, rope, w // 2, modulated_only=True)
+        if "0" not in self.transformer_blocks:
+            scan.check_whole(self, 0, 1)
+        return self.transformer_blocks["0"](img, txt, temb, rope, w // 2, modulated_only=True)
 
     def embed(self, sample: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(B, h, W, C) latent rows -> ((B, h/2 * W/2, D) image tokens, their RoPE table)."""
@@ -401,12 +426,16 @@ class FluxTransformer2DModel(nn.Module):
     def double(self, i: int, img, txt, temb, rope, row: int, text_read: bool = True):
         """Double block i; `text_read`: a later block reads its text tokens, so the copy
         this device keeps goes through the text-stream site (`ops.text_stream`)."""
-        img, txt = self.transformer_blocks[i](img, txt, temb, rope, row)
+        if str(i) not in self.transformer_blocks:
+            scan.check_whole(self, i, i + 1)
+        img, txt = self.transformer_blocks[str(i)](img, txt, temb, rope, row)
         return img, self.ops.text_stream(self, txt) if text_read else txt
 
     def single(self, i: int, img, txt, temb, rope, row: int, text_read: bool = True):
         """Single block i (the last block's text tokens are read by nothing)."""
-        img, txt = self.single_transformer_blocks[i](img, txt, temb, rope, row)
+        if str(i) not in self.single_transformer_blocks:
+            scan.check_whole(self, self.config.num_layers + i, self.config.num_layers + i + 1)
+        img, txt = self.single_transformer_blocks[str(i)](img, txt, temb, rope, row)
         return img, self.ops.text_stream(self, txt) if text_read else txt
 
     def head(self, img, temb, h: int, w: int) -> jax.Array:
@@ -415,6 +444,13 @@ class FluxTransformer2DModel(nn.Module):
         b, c = x.shape[0], self.config.out_channels // 4
         x = x.reshape(b, h // 2, w // 2, c, 2, 2).transpose(0, 1, 4, 2, 5, 3)
         return x.reshape(b, h, w, c)
+
+
+def _text_read(ops: SiteOps, block, out):
+    """A scanned block's output as the next block reads it: its text tokens through the
+    text-stream site (`FluxTransformer2DModel.double`)."""
+    img, txt = out
+    return img, ops.text_stream(block, txt)
 
 
 class _TimeText(nn.Module):  # the parameter layout of CombinedTimestep(Guidance)TextProjEmbeddings

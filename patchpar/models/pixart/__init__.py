@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import (
     T5EncoderFn,
@@ -25,6 +26,7 @@ from patchpar.models.loading import CheckpointError, read_config, write_componen
 from patchpar.models.pixart import presets as _presets
 from patchpar.models.pixart.model import (
     BLOCK,
+    BLOCKS,
     CLASS_NAMES,
     LOGICAL,
     UNSUPPORTED,
@@ -118,7 +120,7 @@ class PixArtFn:
                 f"off), but added_cond_kwargs={sorted(added)} were given"
             )
         return self.module.apply(
-            {"params": params},
+            {"params": self.prepare(params)},
             sample,
             timesteps,
             encoder_hidden_states,
@@ -132,6 +134,17 @@ class PixArtFn:
 
     def with_attention(self, spec: AttentionSpec) -> PixArtFn:
         return replace(self, module=self.module.clone(attn=spec))
+
+    def with_scan(self, on: bool = True) -> PixArtFn:
+        """Its blocks as one scanned loop (`patchpar.models.scan`), or unrolled."""
+        return replace(self, module=self.module.clone(scan=on))
+
+    def prepare(self, params):
+        """The parameters as its module takes them: with `scan` on, the blocks' stacked (done
+        once before a run's programs; a call given the unrolled layout stacks them itself)."""
+        if not self.module.scan:
+            return params
+        return scan.stack(params, BLOCKS, [0] * self.config.num_layers)
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 120
@@ -155,8 +168,9 @@ class PixArtFn:
         return args, added
 
     def abstract_params(self):
+        """The parameters' shapes, in the unrolled layout (as checkpoints hold them)."""
         args, added = self.example_inputs(1, self.config.patch_size, seq=4)
-        return abstract_init(self.module, *args, **added)
+        return abstract_init(self.module.clone(scan=False), *args, **added)
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
     ATTENTION_AXES,
@@ -50,7 +51,8 @@ LOGICAL: tuple[tuple[str, tuple], ...] = ATTENTION_AXES + (
     (r"ff/net_0/proj/bias$", ("mlp",)),
     (r"ff/net_2/kernel$", ("mlp", "embed")),
 )
-BLOCK = "transformer_blocks_{}"  # the blocks' parameter names, layer i
+BLOCKS = "transformer_blocks"
+BLOCK = BLOCKS + "_{}"  # the blocks' parameter names, layer i
 # config.json keys that must hold these values (anything else is another architecture)
 _REQUIRED = {
     "norm_type": "ada_norm_single",
@@ -334,6 +336,7 @@ class PixArtTransformer2DModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False  # the blocks as one scanned loop (`patchpar.models.scan`)
 
     teacache_coefficients = TEACACHE_COEFFICIENTS  # the `teacache` cache's rescaling
 
@@ -344,9 +347,8 @@ class PixArtTransformer2DModel(nn.Module):
         self.adaln_single = layer(AdaLayerNormSingle)(cfg, dt)
         if cfg.caption_channels is not None:
             self.caption_projection = layer(CaptionProjection)(cfg.inner_dim, dt)
-        self.transformer_blocks = [
-            layer(PixArtBlock)(cfg, dt, ops, self.attn) for _ in range(cfg.num_layers)
-        ]
+        scan.build(self, BLOCKS, [0] * cfg.num_layers,
+                   lambda i: (layer(PixArtBlock), (cfg, dt, ops, self.attn)))  # fmt: skip
         d = cfg.inner_dim
         self.scale_shift_table = self.param(
             "scale_shift_table", nn.initializers.normal(d**-0.5), (2, d), dt
@@ -389,9 +391,10 @@ class PixArtTransformer2DModel(nn.Module):
     def blocks(self, lo: int, hi: int, hs, aux):
         """Blocks lo..hi-1 on `hs`."""
         (x,), (temb, ctx, (_, w)) = hs, aux
-        for i in range(lo, hi):
-            x = self.block(i, x, ctx, temb, w // self.config.patch_size)
-        return (x,)
+        row = w // self.config.patch_size
+        one = lambda i, c: (self.block(i, c[0], ctx, temb, row),)  # noqa: E731
+        shared = (ctx[0], ctx[1], temb[0], row)
+        return scan.run(self, BLOCKS, [0] * self.num_blocks, lo, hi, (x,), shared, one)
 
     def epilogue(self, hs, aux) -> jax.Array:
         temb, _, (h, w) = aux
@@ -402,7 +405,9 @@ class PixArtTransformer2DModel(nn.Module):
         compares."""
         (x,), (temb, ctx, (_, w)) = hs, aux
         row = w // self.config.patch_size
-        return self.transformer_blocks[0](x, ctx[0], ctx[1], temb[0], row, modulated_only=True)
+        if "0" not in self.transformer_blocks:
+            scan.check_whole(self, 0, 1)
+        return self.transformer_blocks["0"](x, ctx[0], ctx[1], temb[0], row, modulated_only=True)
 
     def embed(self, sample: jax.Array) -> jax.Array:
         """(B, h, W, C) latent rows -> (B, h/p * W/p, D) tokens with their positions."""
@@ -423,7 +428,9 @@ class PixArtTransformer2DModel(nn.Module):
 
     def block(self, i: int, x, ctx, temb, row: int) -> jax.Array:
         """Block i on (B, T, D) tokens; `row`: tokens per image row (W / p)."""
-        return self.transformer_blocks[i](x, ctx[0], ctx[1], temb[0], row)
+        if str(i) not in self.transformer_blocks:
+            scan.check_whole(self, i, i + 1)
+        return self.transformer_blocks[str(i)](x, ctx[0], ctx[1], temb[0], row)
 
     def head(self, x, temb, h: int, w: int) -> jax.Array:
         """(B, T, D) tokens of an h x w latent slab -> (B, h, w, out_channels)."""

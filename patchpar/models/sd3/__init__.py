@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import abstract_init, random_params
 from patchpar.models.family import T5_TOKENS, Family, max_sequence_length
@@ -21,6 +22,7 @@ from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.sd3 import presets as _presets
 from patchpar.models.sd3.model import (
     BLOCK,
+    BLOCKS,
     CLASS_NAMES,
     LOGICAL,
     JointBlock,
@@ -108,7 +110,11 @@ class SD3Fn:
                 "an SD3 transformer needs pooled_projections (the CLIP pooled outputs)"
             )
         return self.module.apply(
-            {"params": params}, sample, timesteps, encoder_hidden_states, pooled_projections
+            {"params": self.prepare(params)},
+            sample,
+            timesteps,
+            encoder_hidden_states,
+            pooled_projections,
         )
 
     def with_ops(self, ops: SiteOps) -> SD3Fn:
@@ -116,6 +122,10 @@ class SD3Fn:
 
     def with_attention(self, spec: AttentionSpec) -> SD3Fn:
         return replace(self, module=self.module.clone(attn=spec))
+
+    def with_scan(self, on: bool = True) -> SD3Fn:
+        """Each run of identical blocks as one scanned loop (`patchpar.models.scan`)."""
+        return replace(self, module=self.module.clone(scan=on))
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 333
@@ -132,10 +142,18 @@ class SD3Fn:
         )
         return args, {"pooled_projections": sds((batch, cfg.pooled_projection_dim), dt)}
 
+    def prepare(self, params):
+        """The parameters as its module takes them: with `scan` on, each scanned run's blocks
+        stacked (`patchpar.models.scan`)."""
+        if not self.module.scan:
+            return params
+        return scan.stack(params, BLOCKS, self.module.kinds)
+
     def abstract_params(self):
+        """The parameters' shapes, in the unrolled layout (as checkpoints hold them)."""
         p = self.config.patch_size
         args, added = self.example_inputs(1, p, p, seq=4)
-        return abstract_init(self.module, *args, **added)
+        return abstract_init(self.module.clone(scan=False), *args, **added)
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
     AdaNormContinuous,
@@ -44,7 +45,8 @@ from patchpar.models.layers import (
 from patchpar.models.sites import IDENTITY, SiteOps
 
 CLASS_NAMES = ("SD3Transformer2DModel",)
-BLOCK = "transformer_blocks_{}"  # the joint blocks' parameter names, layer i
+BLOCKS = "transformer_blocks"
+BLOCK = BLOCKS + "_{}"  # the joint blocks' parameter names, layer i
 # SD3's logical axes (`parallel.rules`): heads in every attention projection (both attentions
 # of a dual block), the feed-forwards' widths.
 LOGICAL: tuple[tuple[str, tuple], ...] = (
@@ -317,6 +319,14 @@ class _TimeText(nn.Module):  # CombinedTimestepTextProjEmbeddings' parameter lay
         return emb + SiluProjection(d, self.dtype, name="text_embedder")(pooled)
 
 
+def _text_read(ops: SiteOps, block, out):
+    """A scanned block's output as the next block reads it: its text tokens through the
+    text-stream site (`SD3Transformer2DModel.block`; the last block, which leaves none, is
+    never scanned)."""
+    img, txt = out
+    return img, ops.text_stream(block, txt)
+
+
 class SD3Transformer2DModel(nn.Module):
     """diffusers SD3Transformer2DModel on the NHWC latent. Runs unchanged on a row slab (rows a
     multiple of p); the sites go through `ops`. The forward is its parts in order: `embed`,
@@ -326,6 +336,7 @@ class SD3Transformer2DModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False  # each run of identical blocks as one scanned loop (`models.scan`)
 
     def setup(self):
         cfg, dt, ops = self.config, self.dtype, self.ops
@@ -335,10 +346,9 @@ class SD3Transformer2DModel(nn.Module):
         self.time_text_embed = layer(_TimeText)(cfg, dt)
         self.context_embedder = layer(nn.Dense)(cfg.caption_projection_dim, dtype=dt,
                                                 param_dtype=dt)  # fmt: skip
-        self.transformer_blocks = [
-            layer(JointBlock)(cfg, i == last, i in cfg.dual_attention_layers, dt, ops, self.attn)
-            for i in range(cfg.num_layers)
-        ]
+        scan.build(self, BLOCKS, self.kinds, lambda i: (layer(JointBlock), (
+            cfg, i == last, i in cfg.dual_attention_layers, dt, ops, self.attn)),
+            after=_text_read)  # fmt: skip
         self.norm_out = layer(AdaNormContinuous)(d, dt)
         p = cfg.patch_size
         self.proj_out = layer(nn.Dense)(p * p * cfg.out_channels, dtype=dt, param_dtype=dt)
@@ -361,6 +371,14 @@ class SD3Transformer2DModel(nn.Module):
     def num_blocks(self) -> int:
         return self.config.num_layers
 
+    @property
+    def kinds(self) -> list[tuple[bool, bool]]:
+        """Per block (the last, `context_pre_only`; a dual-attention block): blocks of one
+        kind can share a scanned loop."""
+        cfg = self.config
+        last = cfg.num_layers - 1
+        return [(i == last, i in cfg.dual_attention_layers) for i in range(cfg.num_layers)]
+
     def prologue(self, sample, timesteps, encoder_hidden_states, pooled_projections):
         """-> ((image tokens, text tokens), aux)."""
         b, h, w, _ = sample.shape
@@ -372,9 +390,9 @@ class SD3Transformer2DModel(nn.Module):
     def blocks(self, lo: int, hi: int, hs, aux):
         """Joint blocks lo..hi-1 on (image, text) tokens."""
         (img, txt), (temb, (_, w)) = hs, aux
-        for i in range(lo, hi):
-            img, txt = self.block(i, img, txt, temb, w // self.config.patch_size)
-        return img, txt
+        row = w // self.config.patch_size
+        one = lambda i, c: self.block(i, *c, temb, row)  # noqa: E731
+        return scan.run(self, BLOCKS, self.kinds, lo, hi, (img, txt), (temb, row), one)
 
     def epilogue(self, hs, aux) -> jax.Array:
         temb, (h, w) = aux
@@ -397,7 +415,9 @@ class SD3Transformer2DModel(nn.Module):
     def block(self, i: int, img, txt, temb, row: int):
         """Joint block i; the text tokens it leaves for the next go through the text-stream
         site (`ops.text_stream`); the last block (`context_pre_only`) leaves none."""
-        img, txt = self.transformer_blocks[i](img, txt, temb, row)
+        if str(i) not in self.transformer_blocks:
+            scan.check_whole(self, i, i + 1)
+        img, txt = self.transformer_blocks[str(i)](img, txt, temb, row)
         return img, None if txt is None else self.ops.text_stream(self, txt)
 
     def head(self, img, temb, h: int, w: int) -> jax.Array:

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
 from patchpar.models.components import (
@@ -25,7 +26,7 @@ from patchpar.models.family import Family
 from patchpar.models.loading import CheckpointError, write_component, write_scheduler
 from patchpar.models.sites import SiteOps
 from patchpar.models.unet import presets as _presets
-from patchpar.models.unet.model import LOGICAL, UNet2DConditionModel, UNetConfig
+from patchpar.models.unet.model import BLOCKS, LOGICAL, UNet2DConditionModel, UNetConfig
 from patchpar.models.vae import AutoencoderKL, VAEConfig
 
 
@@ -84,7 +85,11 @@ class UNetFn:
 
     def __call__(self, params, sample, timesteps, encoder_hidden_states, **added_cond):
         return self.module.apply(
-            {"params": params}, sample, timesteps, encoder_hidden_states, **added_cond
+            {"params": self.prepare(params)},
+            sample,
+            timesteps,
+            encoder_hidden_states,
+            **added_cond,
         )
 
     def with_ops(self, ops: SiteOps) -> UNetFn:
@@ -114,9 +119,18 @@ class UNetFn:
             }
         return args, added
 
+    def with_scan(self, on: bool = True) -> UNetFn:
+        """Each transformer's blocks as one scanned loop (`patchpar.models.scan`)."""
+        return replace(self, module=self.module.clone(scan=on))
+
+    def prepare(self, params):
+        """The parameters as its module takes them: with `scan` on, each transformer's blocks
+        stacked (`patchpar.models.scan`)."""
+        return scan.stack_nested(params, BLOCKS) if self.module.scan else params
+
     def abstract_params(self):
         args, added = self.example_inputs(1, self.row_multiple)
-        return abstract_init(self.module, *args, **added)
+        return abstract_init(self.module.clone(scan=False), *args, **added)
 
     def init(self, seed: int = 0):
         return random_params(self.abstract_params(), seed)

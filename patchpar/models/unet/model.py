@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.layers import (
     ATTENTION_AXES,
@@ -24,6 +25,7 @@ from patchpar.models.layers import (
 )
 from patchpar.models.sites import IDENTITY, SiteOps
 
+BLOCKS = "transformer_blocks"  # a Transformer2DModel's blocks: transformer_blocks_<i>
 DOWN_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
 
@@ -236,6 +238,7 @@ class Transformer2DModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False  # a transformer's blocks as one scanned loop (`models.scan`)
 
     @nn.compact
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:  # (B, h, W, C)
@@ -247,10 +250,12 @@ class Transformer2DModel(nn.Module):
             x = layer(nn.Dense)(c, dtype=dt, param_dtype=dt, name="proj_in")(x.reshape(b, h * w, c))
         else:
             x = layer(Conv)(c, 1, padding=0, dtype=dt, name="proj_in")(x).reshape(b, h * w, c)
-        for i in range(self.num_layers):
-            x = layer(BasicTransformerBlock)(
-                c, self.heads, dt, self.ops, self.attn, name=f"transformer_blocks_{i}"
-            )(x, context, w)
+        fields = (c, self.heads, dt, self.ops, self.attn)
+        if self.scan and self.num_layers > 1:
+            (x,) = scan.Layers(BasicTransformerBlock, fields, self.num_layers, self.ops,
+                               name=scan.key(BLOCKS, 0))((x,), context, w)  # fmt: skip
+        for i in range(0 if self.scan and self.num_layers > 1 else self.num_layers):
+            x = layer(BasicTransformerBlock)(*fields, name=f"{BLOCKS}_{i}")(x, context, w)
         if self.use_linear_projection:
             x = layer(nn.Dense)(c, dtype=dt, param_dtype=dt, name="proj_out")(x)
             x = x.reshape(b, h, w, c)
@@ -264,7 +269,9 @@ def _resnet(cfg: UNetConfig, channels: int, dtype, ops, name: str) -> ResnetBloc
     return block(channels, cfg.norm_num_groups, cfg.norm_eps, True, dtype, ops, name=name)
 
 
-def _transformer(cfg: UNetConfig, level: int, dtype, ops, attn, name: str) -> Transformer2DModel:
+def _transformer(
+    cfg: UNetConfig, level: int, dtype, ops, attn, name: str, scan_blocks: bool = False
+) -> Transformer2DModel:
     """The transformer of resolution level `level` (heads and depth are per level)."""
     return Transformer2DModel(
         cfg.block_out_channels[level],
@@ -275,6 +282,7 @@ def _transformer(cfg: UNetConfig, level: int, dtype, ops, attn, name: str) -> Tr
         dtype,
         ops,
         attn,
+        scan_blocks,
         name=name,
     )
 
@@ -289,6 +297,7 @@ class DownBlock(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False
 
     def setup(self):
         cfg, i, dt, ops = self.cfg, self.index, self.dtype, self.ops
@@ -296,7 +305,7 @@ class DownBlock(nn.Module):
         cross = cfg.down_block_types[i] == "CrossAttnDownBlock2D"
         self.resnets = [_resnet(cfg, c, dt, ops, None) for _ in range(cfg.layers_per_block)]
         self.attentions = [
-            _transformer(cfg, i, dt, ops, self.attn, None)
+            _transformer(cfg, i, dt, ops, self.attn, None, self.scan)
             for _ in range(cfg.layers_per_block if cross else 0)
         ]
         last = i == len(cfg.block_out_channels) - 1
@@ -335,15 +344,16 @@ class MidBlock(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False
 
     @nn.compact
     def __call__(self, x, emb, ctx) -> jax.Array:
         cfg, dt, ops = self.cfg, self.dtype, self.ops
         c = cfg.block_out_channels[-1]
         x = _resnet(cfg, c, dt, ops, "resnets_0")(x, emb)
-        x = _transformer(cfg, len(cfg.block_out_channels) - 1, dt, ops, self.attn, "attentions_0")(
-            x, ctx
-        )
+        x = _transformer(
+            cfg, len(cfg.block_out_channels) - 1, dt, ops, self.attn, "attentions_0", self.scan
+        )(x, ctx)
         return _resnet(cfg, c, dt, ops, "resnets_1")(x, emb)
 
 
@@ -355,6 +365,7 @@ class UpBlock(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False
 
     @nn.compact
     def __call__(self, x, skips: list[jax.Array], emb, ctx) -> jax.Array:
@@ -366,7 +377,7 @@ class UpBlock(nn.Module):
             x = jnp.concatenate([x, skips.pop()], axis=-1)  # (B, h, W, C + Cskip)
             x = _resnet(cfg, c, dt, ops, f"resnets_{j}")(x, emb)
             if cfg.up_block_types[i] == "CrossAttnUpBlock2D":
-                x = _transformer(cfg, bi, dt, ops, self.attn, f"attentions_{j}")(x, ctx)
+                x = _transformer(cfg, bi, dt, ops, self.attn, f"attentions_{j}", self.scan)(x, ctx)
         if i < n - 1:
             x = ops.layer(Upsample2D)(c, dt, ops, name="upsamplers_0")(x)
         return x
@@ -395,6 +406,7 @@ class UNet2DConditionModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
     attn: AttentionSpec = AUTO
+    scan: bool = False  # each transformer's blocks as one scanned loop (`models.scan`)
 
     def setup(self):
         cfg, dt, ops = self.config, self.dtype, self.ops
@@ -405,9 +417,10 @@ class UNet2DConditionModel(nn.Module):
             self.add_embedding = layer(TimestepEmbedding)(4 * boc[0], dt)
         # The model's input is exact every step: its halo comes fresh even for stale strategies.
         self.conv_in = layer(Conv)(boc[0], dtype=dt, ops=ops.input_layer())
-        self.down_blocks = [DownBlock(cfg, i, dt, ops, self.attn) for i in range(len(boc))]
-        self.mid_block = MidBlock(cfg, dt, ops, self.attn)
-        self.up_blocks = [UpBlock(cfg, i, dt, ops, self.attn) for i in range(len(boc))]
+        sc = self.scan
+        self.down_blocks = [DownBlock(cfg, i, dt, ops, self.attn, sc) for i in range(len(boc))]
+        self.mid_block = MidBlock(cfg, dt, ops, self.attn, sc)
+        self.up_blocks = [UpBlock(cfg, i, dt, ops, self.attn, sc) for i in range(len(boc))]
         self.conv_norm_out = layer(GroupNorm)(cfg.norm_num_groups, cfg.norm_eps, dt, ops)
         self.conv_out = layer(Conv)(cfg.out_channels, dtype=dt, ops=ops)
 

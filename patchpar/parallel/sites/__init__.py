@@ -38,7 +38,9 @@ from patchpar.parallel.sites.common import (
     PatchSite,
     Site,
     exchange,
+    one_trace,
     record_sites,
+    repeated,
     shapes_only,
 )
 from patchpar.parallel.sites.context import QKVO, ContextAttention
@@ -129,6 +131,12 @@ class PatchOps(SiteOps):
 
     def model_sum(self, mod, y: jax.Array) -> jax.Array:
         return self.tp_op(mod, y)
+
+    def repeated(self, n: int):
+        return repeated(n)
+
+    def one_trace(self):
+        return one_trace()
 
     def layer(self, cls: type) -> type:
         return self.fsdp_op.layer(cls)

@@ -68,6 +68,47 @@ def shapes_only():
         _LOG.reset(token)
 
 
+_TRACES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "patchpar_site_traces", default=None
+)
+
+
+@contextlib.contextmanager
+def repeated(n: int):
+    """Site calls traced inside the block run `n` times (the body of a scanned stack of
+    blocks, `patchpar.models.scan`): recorded n times. The body is traced inside `one_trace`,
+    and of its traces (a lifted scan may trace it more than once) the last one counts."""
+    log = _LOG.get()
+    if log is None:
+        yield
+        return
+    traces: list = []
+    token = _TRACES.set(traces)
+    try:
+        yield
+    finally:
+        _TRACES.reset(token)
+    if traces:
+        log.extend(traces[-1] * n)
+
+
+@contextlib.contextmanager
+def one_trace():
+    """One trace of a repeated body (`repeated`): its site calls recorded apart."""
+    traces = _TRACES.get()
+    if traces is None:
+        yield
+        return
+    body: list = []
+    token, outer = _LOG.set(body), _TRACES.set(None)
+    try:
+        yield
+    finally:
+        _TRACES.reset(outer)
+        _LOG.reset(token)
+    traces.append(body)
+
+
 def note(op, **info) -> None:
     """Record one site call (shapes and sizes) for the analytic byte models."""
     log = _LOG.get()
