@@ -28,8 +28,12 @@
 #   profile_mmdit  the same for SD3.5-medium and FLUX.1 (3+6 blocks), splash 512x1024
 #   peer       peer_unet.py: SDXL's UNet, patchpar's beside diffusers 0.35's Flax UNet (the JAX
 #              peer: .whl-tpu/diffusers-0.35.2-flax.zip, its needs from the machine's index)
+#   compile    compile_timing.py: sync_patch's and DistriFusion's phase programs compiled, the
+#              blocks unrolled and scanned, the stale phases one after the other and in two
+#              threads (PixArt-α at 1024²; COMPILE_MODELS= chooses)
 # KERNELS= (families, dits, unets, large), BLOCK_MODELS= and BLOCKS= (blocks), OURS= and PEERS= (peer)
-# replace the defaults.
+# replace the defaults; SCAN="off on" times the family_timing parts with the blocks unrolled and
+# scanned (model.scan_blocks; default off).
 # Results: $DEST/<part>/ (default results/tpu_v5e); with the device tool ($OUT set) they come
 # back as $OUT/tpu_suite.tgz (unpack into results/tpu_v5e/).
 set -uo pipefail
@@ -91,6 +95,7 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   RES=(64 128)
   SHARD_PATCHES=${SHARD_PATCHES:-1 2}
   QT=(--dtype float32 --repeats 1 --resolution 64)
+  CT=(--dtype float32 --resolution 64)
   PEER=(--model tiny:norm_num_groups=32 --resolution 64 --dtype float32 --repeats 1 --ours xla
         --peer default --hardware cpu-gloo)
 else
@@ -103,19 +108,22 @@ else
   PMK=splash:512x1024
   RES=(1024 2048)
   QT=(--repeats 5)
+  CT=()
   PEER=(--repeats 5 --ours ${OURS:-splash:1024x1024 xla} --peer ${PEERS:-default split_head_dim})
 fi
+FTS=("${FT[@]}")  # the family_timing parts: with SCAN= too
+[ -n "${SCAN:-}" ] && FTS+=(--scan $SCAN)
 for p in "${PARTS[@]}"; do
   case $p in
-    families) part families 540 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
+    families) part families 540 $PY "${FTS[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
                 --attention ${KERNELS:-xla $K} ;;
-    dits) part dits 400 $PY "${FT[@]}" --models "${DITS[@]}" --attention ${KERNELS:-xla $K} ;;
-    unets) part unets 400 $PY "${FT[@]}" --models "${UNETS[@]}" --attention ${KERNELS:-xla $K} ;;
+    dits) part dits 400 $PY "${FTS[@]}" --models "${DITS[@]}" --attention ${KERNELS:-xla $K} ;;
+    unets) part unets 400 $PY "${FTS[@]}" --models "${UNETS[@]}" --attention ${KERNELS:-xla $K} ;;
     flops) part flops 120 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" --flops-only \
              --resolutions "${RES[@]}" ;;
-    blocks) part blocks 400 $PY "${FT[@]}" --models ${BLOCK_MODELS:-"${DITS[@]:0:2}"} \
+    blocks) part blocks 400 $PY "${FTS[@]}" --models ${BLOCK_MODELS:-"${DITS[@]:0:2}"} \
               --attention ${BLOCKS:-$K:512x512 $K:512x1024 $K:1024x1024 $K:1024x2048 $K:2048x2048} ;;
-    large) part large 400 $PY "${FT[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
+    large) part large 400 $PY "${FTS[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
              --resolutions 2048 --attention ${KERNELS:-$K} ;;
     shards) part shards 400 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
@@ -123,13 +131,15 @@ for p in "${PARTS[@]}"; do
               ${SHARD_PROFILE:+--profile "$DEST/shards/trace"} ;;
     quant) part quant 400 $PY experiments/device/quant_timing.py --models ${QUANT_MODELS:-"${DITS[0]}"} \
              ${QUANT_MODES:+--modes $QUANT_MODES} "${QT[@]}" ;;
-    profile) part profile 300 $PY "${FT[@]}" --models "${UNETS[@]}" "${DITS[0]}" --attention $PK \
+    profile) part profile 300 $PY "${FTS[@]}" --models "${UNETS[@]}" "${DITS[0]}" --attention $PK \
                --profile "$DEST/profile/trace" ;;
-    profile_mmdit) part profile_mmdit 240 $PY "${FT[@]}" --models "${DITS[@]:1:2}" \
+    profile_mmdit) part profile_mmdit 240 $PY "${FTS[@]}" --models "${DITS[@]:1:2}" \
                      --attention $PMK --profile "$DEST/profile_mmdit/trace" ;;
     peer) part peer 540 env USE_TORCH=0 PYTHONPATH="$PYTHONPATH:$PWD/.whl-tpu/diffusers-0.35.2-flax.zip" \
             $PY experiments/device/peer_unet.py "${PEER[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer"
+    compile) part compile 400 $PY experiments/device/compile_timing.py \
+               --models ${COMPILE_MODELS:-"${DITS[0]}"} "${CT[@]}" ;;
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer compile"
        exit 2 ;;
   esac
 done
