@@ -59,7 +59,7 @@ SITES = (
     "cache",
 )  # pp_<site> scopes; anything else is "other"
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+[({]")
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(OPS) + r")(?P<async>-start|-done)?\("

@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+[({]")  # `(params) -> type {` or `{`
 _OPCODE = re.compile(r"\s*(?P<op>[\w\-]+)\(")
 _ATTR = re.compile(
     r"\b(to_apply|body|condition|calls|true_computation|false_computation|select|scatter)"
@@ -257,6 +257,8 @@ def computation_runs(text: str, outer_once: bool = False) -> dict[str, int]:
     times its caller's. `outer_once`: the entry's own loops once (a phase's loop over steps)."""
     hlo = HloFlops(text, backend=None)
     runs: dict[str, int] = {}
+    if not any(c.entry for c in hlo.comps.values()):
+        return runs  # not a module this reading follows: every computation once
 
     def visit(name: str, n: int, outer: bool) -> None:
         runs[name] = runs.get(name, 0) + n
