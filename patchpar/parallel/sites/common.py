@@ -287,19 +287,29 @@ def _unpack(received, members, sends, c, got) -> None:
         at += size
 
 
+def stand_in(x):
+    """What a collective's local stand-in returns (`Plan(comm=False)`: one device's compute
+    alone): `x`, opaque to XLA's passes, as a real collective's result is. A bare broadcast
+    standing in for an all-gather was moved by XLA into the attention kernel's loop over query
+    blocks and rebuilt there once per block (PixArt-α at 1024² on 4 patches, TPU v5e: 12 of the
+    program's 46 ms, results/tpu_v5e/shards_n4_profiled/ops.md); a real gather's result is
+    made once, where it arrives."""
+    return lax.optimization_barrier(x)
+
+
 def _collective(c: str, x: jax.Array, n: int, local: bool) -> jax.Array:
     if c == "gather":  # (n, *x.shape); the stand-in repeats the local part n times (n, not the
         # mesh's axis size: experiments/device/shard_timing.py runs one device's program of an
         # n-way plan on a one-device mesh)
         if local:
-            return jnp.broadcast_to(x, (n,) + x.shape)
+            return stand_in(jnp.broadcast_to(x, (n,) + x.shape))
         return lax.all_gather(x, PATCH, axis=0)
     if c == "other":
-        return x if local else _swapped(x)
+        return stand_in(x) if local else _swapped(x)
     if c == "mean" and n == 2:
-        return (x + (x if local else _swapped(x))) / 2
+        return (x + (stand_in(x) if local else _swapped(x))) / 2
     if local:
-        return x
+        return stand_in(x)
     if c == "mean":
         return lax.pmean(x, PATCH)
     if c == "down":
@@ -318,6 +328,6 @@ def _swap(down: jax.Array, up: jax.Array, local: bool) -> tuple[jax.Array, jax.A
     where nothing comes (as `down` and `up` apart)."""
     first = lax.axis_index(PATCH) == 0
     got = jnp.where(first, down, up)
-    got = got if local else _swapped(got)
+    got = stand_in(got) if local else _swapped(got)
     zero = jnp.zeros_like(got)
     return jnp.where(first, zero, got), jnp.where(first, got, zero)

@@ -39,7 +39,7 @@ from jax import lax
 from patchpar.models.attention import AttentionSpec, OnlineSoftmax, attend, attend_joint
 from patchpar.parallel.codecs import Codec, from_rows, rows_bytes, to_rows
 from patchpar.parallel.mesh import PATCH, divisors
-from patchpar.parallel.sites.common import PatchSite, note
+from patchpar.parallel.sites.common import PatchSite, note, stand_in
 
 QKVO = ("q", "k", "v", "o")  # the tensors of a context-parallel attention on the wire
 Codecs = tuple  # (Codec | None,) x 4, for Q, K, V, O (None: as it is)
@@ -190,7 +190,7 @@ def joint_context_attention(tq, tk, tv, q, k, v, heads, spec, n, ulysses, local=
 def _gather_heads(x, n: int, ulysses: int, local: bool):
     """(B, S, lh, D) of this device's heads -> (B, S, u * lh, D) of its Ulysses group."""
     if local:
-        return jnp.concatenate([x] * ulysses, axis=2)
+        return stand_in(jnp.concatenate([x] * ulysses, axis=2))
     with jax.named_scope("pp_kv"):
         return lax.all_gather(x, PATCH, axis=2, axis_index_groups=_groups(n, ulysses), tiled=True)
 
@@ -208,7 +208,7 @@ def _all_to_all(x, split: int, concat: int, n: int, ulysses: int, local: bool,
         part = x[jnp.asarray(members)] if len(members) < x.shape[0] else x
         wire = part if codec is None else to_rows(part, codec)
         if local:  # same shapes, no exchange
-            got = jnp.concatenate(jnp.split(wire, ulysses, axis=split), axis=concat)
+            got = stand_in(jnp.concatenate(jnp.split(wire, ulysses, axis=split), axis=concat))
         else:
             with jax.named_scope("pp_kv"):
                 got = lax.all_to_all(
@@ -255,7 +255,7 @@ def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, 
         nxt = None
         if hop < r - 1:  # issued before this block's compute: free to overlap with it
             if local:
-                nxt = parts
+                nxt = [stand_in(w) for w in parts]
             else:
                 with jax.named_scope("pp_kv"):
                     nxt = [lax.ppermute(w, PATCH, pairs) for w in parts]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from patchpar.parallel.sites.common import Site, bits, nbytes, note
+from patchpar.parallel.sites.common import Site, bits, nbytes, note, stand_in
 
 # The running layer's first input array, while its weights are gathered (`_after_input`)
 _AFTER: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
@@ -51,7 +51,7 @@ class FSDPGather(Site):
             flat = jnp.concatenate([_after_input(x.reshape(-1)) for x in shares])  # (L,)
             note(self, shape=flat.shape, itemsize=bits(flat.dtype) / 8)  # int4: 0.5
             if self.local:  # stand-in: this device's buffer k times
-                full = jnp.broadcast_to(flat, (k,) + flat.shape)
+                full = stand_in(jnp.broadcast_to(flat, (k,) + flat.shape))
             else:
                 with jax.named_scope("pp_fsdp"):
                     full = lax.all_gather(flat, axes, axis=0)  # (k, L), devices in mesh order

@@ -27,7 +27,7 @@ from jax import lax
 
 from patchpar.models.sites import SiteOps
 from patchpar.parallel.mesh import PATCH
-from patchpar.parallel.sites.common import STALE, Site, nbytes, note
+from patchpar.parallel.sites.common import STALE, Site, nbytes, note, stand_in
 
 SLOT = "slot"  # Flax collection: `at`, the index of the row patch being computed
 
@@ -79,8 +79,10 @@ class Hop(Site):
         """Device `dst` of each (src, dst) pair receives device `src`'s `x` (an array or a
         tuple of them: an MMDiT's image and text tokens, one permute each); the others
         zeros."""
-        if not pairs or self.local:
+        if not pairs:
             return x
+        if self.local:
+            return stand_in(x)
         if isinstance(x, tuple):
             return tuple(self.send(a, pairs) for a in x)
         note(self, shape=x.shape, itemsize=x.dtype.itemsize, pairs=tuple(pairs))
