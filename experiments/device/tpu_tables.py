@@ -38,7 +38,8 @@ def records(folder: Path) -> list[dict]:
 
 def kernel(r: dict) -> str:
     k = r["attention"]
-    return f"{k} {r['block_q']}x{r['block_kv']}" if k in ("splash", "chunked") else k
+    k = f"{k} {r['block_q']}x{r['block_kv']}" if k in ("splash", "chunked") else k
+    return k + ", scanned" if r.get("scan_blocks") else k
 
 
 def main(argv=None) -> None:
