@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calls import median, random_inputs, timed  # noqa: E402
+from calls import compile_and_time, random_inputs  # noqa: E402
 
 
 def parse(argv):
@@ -45,7 +45,6 @@ def main(argv=None) -> None:
 
     import patchpar  # noqa: F401
     from patchpar.lab.results import append_record, provenance
-    from patchpar.measure.cost import memory_per_device
     from patchpar.models.attention import AttentionSpec, available, resolve
     from patchpar.models.presets import abstract_denoiser
 
@@ -78,13 +77,7 @@ def main(argv=None) -> None:
             spec = resolve(AttentionSpec(impl), dtype)
             rec["attention"] = spec.impl
             f = jax.jit(unet.with_attention(spec))
-            t0 = time.perf_counter()
-            compiled = f.lower(params, x, t, ctx, **added).compile()
-            rec["compile_s"] = time.perf_counter() - t0
-            rec["memory_compiled"] = memory_per_device(compiled)
-            out, times = timed(compiled, (params, x, t, ctx), added, a.repeats)
-            rec["step_s_median"] = median(times)
-            rec["step_s_all"] = times
+            out = compile_and_time(f, (params, x, t, ctx), added, a.repeats, rec)
             stats = dev.memory_stats() or {}
             rec["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
             o = np.asarray(out, np.float32)

@@ -63,5 +63,23 @@ def timed(compiled, args, kwargs, repeats: int) -> tuple[object, list[float]]:
     return out, times
 
 
+def compile_and_time(f, args, kwargs, repeats: int, rec: dict):
+    """Compile the jitted `f` for `args`/`kwargs` and time it: `rec` gets `compile_s`,
+    `memory_compiled` (XLA's buffer assignment), `step_s_median` and `step_s_all`; returns the
+    first call's output."""
+    import time
+
+    from patchpar.measure.cost import memory_per_device
+
+    t0 = time.perf_counter()
+    compiled = f.lower(*args, **kwargs).compile()
+    rec["compile_s"] = time.perf_counter() - t0
+    rec["memory_compiled"] = memory_per_device(compiled)
+    out, times = timed(compiled, args, kwargs, repeats)
+    rec["step_s_median"] = median(times)
+    rec["step_s_all"] = times
+    return out
+
+
 def median(times: list[float]) -> float:
     return statistics.median(times)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calls import median, needs, random_inputs, timed  # noqa: E402
+from calls import compile_and_time, needs, random_inputs  # noqa: E402
 from family_timing import CFG_BATCH, kernel_spec, model_spec  # noqa: E402
 
 
@@ -54,7 +54,6 @@ def main(argv=None) -> None:
     import numpy as np
 
     from patchpar.lab.results import append_record, provenance
-    from patchpar.measure.cost import memory_per_device
     from patchpar.models.attention import resolve
     from patchpar.models.components import random_params_on_device
     from patchpar.models.presets import abstract_denoiser, model_family
@@ -87,14 +86,7 @@ def main(argv=None) -> None:
                     qf, qp = quantize(fn, params, mode)
                 rec["quantize_s"] = time.perf_counter() - t0
                 rec["weight_bytes_by_dtype"] = weight_dtypes(qp)
-                f = jax.jit(qf)
-                t0 = time.perf_counter()
-                compiled = f.lower(qp, x, t, ctx, **added).compile()
-                rec["compile_s"] = time.perf_counter() - t0
-                rec["memory_compiled"] = memory_per_device(compiled)
-                out, times = timed(compiled, (qp, x, t, ctx), added, a.repeats)
-                rec["step_s_median"] = median(times)
-                rec["step_s_all"] = times
+                out = compile_and_time(jax.jit(qf), (qp, x, t, ctx), added, a.repeats, rec)
                 rec["peak_bytes_in_use"] = (dev.memory_stats() or {}).get("peak_bytes_in_use")
                 o = np.asarray(out, np.float32)
                 ref = o if ref is None else ref
