@@ -174,6 +174,11 @@ def _quantized(fn, mode: str, warn: bool = True):
             f"a wider type (the numbers are {mode}'s, the speed is not)",
             stacklevel=3,
         )
+    if getattr(fn, "scanned", False):
+        raise ValueError(
+            f"quant={mode!r} with scanned blocks: Qwix quantizes the unrolled model; quantize "
+            f"it unrolled (scan_blocks off)"
+        )
     done = mode_of(fn)
     if done is not None:
         raise ValueError(

@@ -149,30 +149,32 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001 - the model's record says why, the next one runs
             emit({**base, "status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"})
             continue
+        points = []  # (point, its inputs) per resolution
         for res in a.resolutions:
             point = {**base, "resolution": res}
             x, t, ctx, added = random_inputs(fn, name, res, dtype, batch)
-            args = (params, x, t, ctx)
             try:  # the model's FLOPs: the xla-attention program, lowered only
                 t0 = time.perf_counter()
                 low = jax.jit(fn.with_attention(resolve(kernel_spec("xla"), dtype)))
-                point["flops"] = program_flops(low.lower(*args, **added))
+                point["flops"] = program_flops(low.lower(abstract, x, t, ctx, **added))
                 point["flops_s"] = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001
                 point["flops_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             if a.flops_only:
                 emit({**point, "status": "ok" if point.get("flops") else "error"})
                 continue
-            for scanned in sorted({v == "on" for v in a.scan}):  # unrolled first
-                g = fn.with_scan() if scanned else fn
-                stack_s = 0.0
-                if scanned:  # once per model and size; the unrolled weights given up
-                    t0 = time.perf_counter()
-                    with warnings.catch_warnings():  # the unrolled buffers are not reused: freed
-                        warnings.simplefilter("ignore")
-                        params = jax.jit(g.prepare, donate_argnums=0)(params)
-                    params = jax.block_until_ready(params)
-                    stack_s = time.perf_counter() - t0
+            points.append((point, (x, t, ctx), added))
+        for scanned in sorted({v == "on" for v in a.scan} if points else ()):  # unrolled first
+            g = fn.with_scan() if scanned else fn
+            stack_s = 0.0
+            if scanned:  # once per model, after every unrolled point: the unrolled weights go
+                t0 = time.perf_counter()
+                with warnings.catch_warnings():  # the unrolled buffers are not reused: freed
+                    warnings.simplefilter("ignore")
+                    params = jax.jit(g.prepare, donate_argnums=0)(params)
+                params = jax.block_until_ready(params)
+                stack_s = time.perf_counter() - t0
+            for point, (x, t, ctx), added in points:
                 for spec in specs:
                     rec = {**point, "attention": spec.impl, "block_q": spec.block_q,
                            "block_kv": spec.block_kv, "scan_blocks": scanned}  # fmt: skip
@@ -180,7 +182,10 @@ def main(argv=None) -> None:
                         emit({**rec, "status": "skipped",
                               "error": f"budget {a.budget_s:.0f} s spent"})  # fmt: skip
                         continue
+                    if stack_s:
+                        rec["stack_s"] = stack_s  # in this point's first call, once
                     run_point(a, rec, g, spec, (params, x, t, ctx), added, stack_s, emit)
+                    stack_s = 0.0
         del params
     write_table(a.out, rows, dev.device_kind)
     print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s -> {a.out}")

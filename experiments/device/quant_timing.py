@@ -67,11 +67,18 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     for model in a.models:
         name, overrides = model_spec(model)
-        fn = abstract_denoiser(name, dtype, overrides=overrides).with_attention(kernel)
-        batch = CFG_BATCH.get(model_family(name).name, 2)
-        params = random_params_on_device(fn.abstract_params(), 0)
-        x, t, ctx, added = random_inputs(fn, name, a.resolution, dtype, batch)
-        ref = None
+        try:
+            fn = abstract_denoiser(name, dtype, overrides=overrides).with_attention(kernel)
+            batch = CFG_BATCH.get(model_family(name).name, 2)
+            params = random_params_on_device(fn.abstract_params(), 0)
+            x, t, ctx, added = random_inputs(fn, name, a.resolution, dtype, batch)
+        except Exception as e:  # noqa: BLE001 - the model's record says why, the next one runs
+            rec = {"model": model, "resolution": a.resolution, "status": "error",
+                   "error": f"{type(e).__name__}: {str(e)[:500]}"}  # fmt: skip
+            append_record(a.out / "records.jsonl", {**rec, **provenance()})
+            print(json.dumps(rec), flush=True)
+            continue
+        ref = qp = None
         for mode in a.modes:
             rec = {"model": model, "resolution": a.resolution, "dtype": a.dtype, "batch": batch,
                    "mode": mode, "attention": kernel.impl,

@@ -67,7 +67,8 @@ class GenerateConfig(CachedDecodeFlags):
     scan_blocks: bool = False
     """Run each stack of identical blocks (a DiT's transformer blocks, a UNet transformer's) as
     one scanned loop: a much shorter compile, outputs equal within float rounding
-    (patchpar/models/scan.py); not with quant, PipeFusion, AsyncDiff or a DiT's step cache."""
+    (patchpar/models/scan.py); not with quant, PipeFusion, AsyncDiff, or fbcache and teacache
+    on a DiT."""
     out: Path = Path("runs/generate")
     """Output folder."""
     processes: int = 0

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from patchpar.measure.flops import computation_runs
+
 DTYPE_BYTES = {  # bytes per element (int4: half a byte, XLA's packed s4/u4)
     "s4": 0.5,
     "u4": 0.5,
@@ -195,9 +197,7 @@ def parse_collectives(
     entry per time it runs (a loop's body: its trip count). `num_devices` resolves
     `replica_groups={}` (all devices) for all-gather / reduce-scatter, whose operand size
     depends on the group size; `outer_once`: the entry's own loops run once."""
-    from patchpar.measure.flops import computation_runs
-
-    runs = computation_runs(hlo_text, outer_once) if " while(" in hlo_text else {}
+    runs = computation_runs(hlo_text, outer_once)
     out = []
     comp = None
     for line in hlo_text.splitlines():

@@ -100,6 +100,16 @@ class Denoiser(Protocol):
 
     def with_attention(self, spec: AttentionSpec) -> Denoiser: ...
 
+    def with_scan(self, on: bool = True) -> Denoiser:
+        """Its runs of identical blocks as scanned loops (`patchpar.models.scan`), or
+        unrolled."""
+        ...
+
+    @property
+    def scanned(self) -> bool:
+        """Whether its runs of identical blocks run as scanned loops."""
+        ...
+
     def prepare(self, params):
         """The parameters as its module takes them, from the checkpoint's layout (a scanned
         stack's blocks stacked, `patchpar.models.scan`); done once before a run's programs."""

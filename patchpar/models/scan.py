@@ -22,6 +22,7 @@ layer axis in front (`parallel.exchange.exchange_packed` takes it).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -32,6 +33,14 @@ from patchpar.models.sites import IDENTITY, SiteOps
 
 LAYER = "layer"  # the block's name inside a scanned stack (its parameters: <stack>/scan/layer/...)
 SCANNED = f"/scan/{LAYER}/"  # in a parameter's path: a leading layer axis
+_SCANNED_PATH = re.compile(rf"_scan_(\d+){SCANNED}")
+
+
+def first_layer_path(path: str) -> str | None:
+    """A scanned run's parameter path ('<name>_scan_<lo>/scan/layer/...') as its first block's
+    ('<name>_<lo>/...'), whose rules it follows; None for a path outside a scanned run."""
+    out, n = _SCANNED_PATH.subn(r"_\1/", path, count=1)
+    return out if n else None
 
 
 class _Body(nn.Module):
@@ -69,6 +78,7 @@ class Layers(nn.Module):
             variable_axes={True: 0},  # every collection per layer
             split_rngs={"params": True},
             in_axes=(nn.broadcast,) * len(shared),
+            metadata_params={nn.PARTITION_NAME: None},  # FSDP's boxed shares: a layer axis
             length=self.n,
         )
         with self.ops.repeated(self.n):
@@ -131,18 +141,6 @@ def stack_nested(params: dict, name: str) -> dict:
     return out
 
 
-def unstack(params: dict, name: str) -> dict:
-    """Every scanned run's parameters (`<name>_scan_<lo>`) back to unrolled (`<name>_<i>`)."""
-    out = dict(params)
-    prefix = f"{name}_scan_"
-    for k in [k for k in params if k.startswith(prefix)]:
-        lo = int(k[len(prefix) :])
-        layers = out.pop(k)["scan"][LAYER]
-        for i in range(jax.tree.leaves(layers)[0].shape[0]):
-            out[f"{name}_{lo + i}"] = jax.tree.map(lambda x, i=i: x[i], layers)
-    return out
-
-
 def build(model, name: str, kinds, make, after=None) -> None:
     """In a model's `setup`: its blocks `<name>_<i>` (one kind per block in `kinds`), each its
     own module (`model.<name>[str(i)]`), or with `model.scan` each run of two or more
@@ -165,8 +163,13 @@ def run(model, name: str, kinds, lo: int, hi: int, carry: tuple, shared: tuple, 
     """Blocks [lo, hi) of `build`'s stack on `carry` (a tuple); `one(i, carry)` runs unrolled
     block i. A scanned run runs whole: ValueError where [lo, hi) cuts one."""
     loops = {a: b for a, b in scanned_runs(kinds)} if model.scan else {}
-    if any(a < lo < b or a < hi < b for a, b in loops.items()):
-        check_whole(model, lo, hi)
+    for a, b in loops.items():
+        if a < lo < b or a < hi < b:
+            raise ValueError(
+                f"{name} [{lo}, {hi}) cuts the scanned run of blocks [{a}, {b}): with "
+                f"model.scan_blocks on, a scanned run runs whole; turn scan_blocks off for a "
+                f"step cache or strategy that runs blocks apart"
+            )
     i = lo
     while i < hi:
         if i in loops:
@@ -178,13 +181,10 @@ def run(model, name: str, kinds, lo: int, hi: int, carry: tuple, shared: tuple, 
     return carry
 
 
-def check_whole(module, lo: int, hi: int) -> None:
-    """A scanned stack runs all its blocks at once: ValueError for any other part of it (what a
-    step cache, a layer-splitting strategy or TeaCache's first-block input would run)."""
-    n = module.num_blocks
-    if module.scan and (lo, hi) != (0, n):
-        raise ValueError(
-            f"blocks [{lo}, {hi}) of a model with scanned blocks: with model.scan_blocks on, "
-            f"its {n} blocks run only all together; turn scan_blocks off for step caches, "
-            f"PipeFusion and AsyncDiff"
-        )
+def refuse_apart(name: str, i: int) -> None:
+    """ValueError: block `name`_`i` runs inside a scanned run of blocks, so it cannot run
+    alone (as a step cache's first block, TeaCache's first-block input or a stage would)."""
+    raise ValueError(
+        f"{name}_{i} runs inside a scanned run of blocks: with model.scan_blocks on, a scanned "
+        f"run runs whole; turn scan_blocks off for a step cache or strategy that runs blocks apart"
+    )

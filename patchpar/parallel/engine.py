@@ -175,6 +175,7 @@ class Plan:
                 f"guidance_scale={guidance_scale} turns guidance off; use cfg=1 or guidance_scale > 1"
             )
         self.program.validate(self, unet, tuple(latent_hw), build_mesh)
+        check_scan_plan(self, unet)
         if self.cache is not None:
             self.cache.validate(unet, steps)
             if self.program.no_cache:
@@ -192,6 +193,28 @@ class Plan:
                     f"residual, an output) is another slab than the next step's; use split=row "
                     f"or split=col"
                 )
+
+
+# the step caches that run part of a DiT's stack of blocks apart (its first block)
+PARTIAL_CACHES = ("fbcache", "teacache")
+
+
+def check_scan_plan(plan: Plan, unet: Denoiser) -> None:
+    """A denoiser with scanned blocks (`model.scan_blocks`) runs each scanned run whole, on
+    the engine's program: ValueError for a program that runs the blocks apart (PipeFusion's
+    stages, AsyncDiff's components) or a step cache that runs a DiT's first block apart."""
+    if not unet.scanned:
+        return
+    if plan.program is not STEP:
+        raise ValueError(
+            f"scan_blocks with strategy {plan.strategy.name!r}: its program runs the blocks "
+            f"apart (stages of layers); turn scan_blocks off"
+        )
+    if plan.cache is not None and plan.cache.name in PARTIAL_CACHES and unet.stack is not None:
+        raise ValueError(
+            f"scan_blocks with cache {plan.cache.name!r}: it runs the first block apart from the "
+            f"others; turn scan_blocks off, or use taylorseer"
+        )
 
 
 class StepProgram(Program):
@@ -427,7 +450,7 @@ def _local_param_shapes(unet: Denoiser):
     once per module: make_step is built per phase and patch axis, and a full-size UNet's
     abstract init takes seconds."""
     with shapes_only():
-        return unet.abstract_params()
+        return jax.eval_shape(unet.prepare, unet.abstract_params())  # stacked where scanned
 
 
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec as P
 
-from patchpar.models.scan import SCANNED
+from patchpar.models.scan import first_layer_path
 from patchpar.parallel.mesh import AXES, CFG, DATA, MODEL, PATCH, divisors
 from patchpar.parallel.sites.common import bits
 
@@ -106,8 +106,8 @@ def logical_axes(path: str, ndim: int, table: Table) -> tuple:
     """Logical axis names of the parameter at `path` ('down_blocks_0/.../to_q/kernel') in a
     family's `table`. A block's parameter in a scanned stack (`patchpar.models.scan`) has a
     layer axis in front, never split."""
-    if SCANNED in path:
-        return (None,) + logical_axes(path.replace(SCANNED, "/", 1), ndim - 1, table)
+    if (first := first_layer_path(path)) is not None:
+        return (None,) + logical_axes(first, ndim - 1, table)
     for pattern, names in table:
         if re.search(pattern, path):
             return names

@@ -94,7 +94,7 @@ class Pipeline:
         """This pipeline with its denoiser's stacks of identical blocks scanned (`on`) or
         unrolled (`patchpar.models.scan`); its parameters stay as loaded (stacked once per
         plan, when placed)."""
-        if bool(getattr(self.unet.module, "scan", False)) == on:
+        if self.unet.scanned == on:
             return self
         if self.quant != "none":
             raise ValueError(

@@ -112,6 +112,10 @@ class FluxFn:
     def with_attention(self, spec: AttentionSpec) -> FluxFn:
         return replace(self, module=self.module.clone(attn=spec))
 
+    @property
+    def scanned(self) -> bool:
+        return self.module.scan
+
     def with_scan(self, on: bool = True) -> FluxFn:
         """Each stack of identical blocks as one scanned loop (`patchpar.models.scan`)."""
         return replace(self, module=self.module.clone(scan=on))

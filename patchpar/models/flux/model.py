@@ -378,8 +378,6 @@ class FluxTransformer2DModel(nn.Module):
         (img, txt), (temb, rope, (_, w)) = hs, aux
         n, last = self.config.num_layers, self.num_blocks - 1
         shared = (temb, rope, w // 2)
-        if self.scan and (lo, hi) != (0, self.num_blocks):
-            scan.check_whole(self, lo, hi)
 
         def one(run, offset):
             return lambda i, c: run(i, *c, temb, rope, w // 2, offset + i < last)
@@ -402,7 +400,7 @@ class FluxTransformer2DModel(nn.Module):
         """The first block's modulated image input (B, T, D): what TeaCache compares."""
         (img, txt), (temb, rope, (_, w)) = hs, aux
         if "0" not in self.transformer_blocks:
-            scan.check_whole(self, 0, 1)
+            scan.refuse_apart(DOUBLES, 0)
         return self.transformer_blocks["0"](img, txt, temb, rope, w // 2, modulated_only=True)
 
     def embed(self, sample: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -427,14 +425,14 @@ class FluxTransformer2DModel(nn.Module):
         """Double block i; `text_read`: a later block reads its text tokens, so the copy
         this device keeps goes through the text-stream site (`ops.text_stream`)."""
         if str(i) not in self.transformer_blocks:
-            scan.check_whole(self, i, i + 1)
+            scan.refuse_apart(DOUBLES, i)
         img, txt = self.transformer_blocks[str(i)](img, txt, temb, rope, row)
         return img, self.ops.text_stream(self, txt) if text_read else txt
 
     def single(self, i: int, img, txt, temb, rope, row: int, text_read: bool = True):
         """Single block i (the last block's text tokens are read by nothing)."""
         if str(i) not in self.single_transformer_blocks:
-            scan.check_whole(self, self.config.num_layers + i, self.config.num_layers + i + 1)
+            scan.refuse_apart(SINGLES, i)
         img, txt = self.single_transformer_blocks[str(i)](img, txt, temb, rope, row)
         return img, self.ops.text_stream(self, txt) if text_read else txt
 

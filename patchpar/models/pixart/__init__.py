@@ -135,6 +135,10 @@ class PixArtFn:
     def with_attention(self, spec: AttentionSpec) -> PixArtFn:
         return replace(self, module=self.module.clone(attn=spec))
 
+    @property
+    def scanned(self) -> bool:
+        return self.module.scan
+
     def with_scan(self, on: bool = True) -> PixArtFn:
         """Its blocks as one scanned loop (`patchpar.models.scan`), or unrolled."""
         return replace(self, module=self.module.clone(scan=on))

@@ -406,7 +406,7 @@ class PixArtTransformer2DModel(nn.Module):
         (x,), (temb, ctx, (_, w)) = hs, aux
         row = w // self.config.patch_size
         if "0" not in self.transformer_blocks:
-            scan.check_whole(self, 0, 1)
+            scan.refuse_apart(BLOCKS, 0)
         return self.transformer_blocks["0"](x, ctx[0], ctx[1], temb[0], row, modulated_only=True)
 
     def embed(self, sample: jax.Array) -> jax.Array:
@@ -429,7 +429,7 @@ class PixArtTransformer2DModel(nn.Module):
     def block(self, i: int, x, ctx, temb, row: int) -> jax.Array:
         """Block i on (B, T, D) tokens; `row`: tokens per image row (W / p)."""
         if str(i) not in self.transformer_blocks:
-            scan.check_whole(self, i, i + 1)
+            scan.refuse_apart(BLOCKS, i)
         return self.transformer_blocks[str(i)](x, ctx[0], ctx[1], temb[0], row)
 
     def head(self, x, temb, h: int, w: int) -> jax.Array:

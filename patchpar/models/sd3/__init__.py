@@ -123,6 +123,10 @@ class SD3Fn:
     def with_attention(self, spec: AttentionSpec) -> SD3Fn:
         return replace(self, module=self.module.clone(attn=spec))
 
+    @property
+    def scanned(self) -> bool:
+        return self.module.scan
+
     def with_scan(self, on: bool = True) -> SD3Fn:
         """Each run of identical blocks as one scanned loop (`patchpar.models.scan`)."""
         return replace(self, module=self.module.clone(scan=on))

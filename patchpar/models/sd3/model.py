@@ -416,7 +416,7 @@ class SD3Transformer2DModel(nn.Module):
         """Joint block i; the text tokens it leaves for the next go through the text-stream
         site (`ops.text_stream`); the last block (`context_pre_only`) leaves none."""
         if str(i) not in self.transformer_blocks:
-            scan.check_whole(self, i, i + 1)
+            scan.refuse_apart(BLOCKS, i)
         img, txt = self.transformer_blocks[str(i)](img, txt, temb, row)
         return img, None if txt is None else self.ops.text_stream(self, txt)
 

@@ -119,6 +119,10 @@ class UNetFn:
             }
         return args, added
 
+    @property
+    def scanned(self) -> bool:
+        return self.module.scan
+
     def with_scan(self, on: bool = True) -> UNetFn:
         """Each transformer's blocks as one scanned loop (`patchpar.models.scan`)."""
         return replace(self, module=self.module.clone(scan=on))
