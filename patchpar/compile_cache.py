@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,6 +119,9 @@ def hits() -> int:
     return _state["hits"]
 
 
+_COUNT_LOCK = threading.Lock()
+
+
 def compiled() -> int:
     """Programs this process has compiled since the cache was on (not found in it, or not
     readable: each then written to it)."""
@@ -125,10 +129,11 @@ def compiled() -> int:
 
 
 def _count(event: str, **kwargs) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _state["hits"] += 1
-    elif event == "/jax/compilation_cache/compile_requests_use_cache":  # one per program
-        _state["requests"] += 1
+    with _COUNT_LOCK:  # JAX reports from the thread that compiles (a run's phases: several)
+        if event == "/jax/compilation_cache/cache_hits":
+            _state["hits"] += 1
+        elif event == "/jax/compilation_cache/compile_requests_use_cache":  # one per program
+            _state["requests"] += 1
 
 
 def _install(folder: Path) -> None:

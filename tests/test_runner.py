@@ -453,3 +453,34 @@ def test_run_counts_the_programs_it_timed(swept, micro_folder):
     assert m["steady_bytes_per_device"] == st["hlo"]["all"]["max"] > 0
     # one step of the loop: the UNet call and guidance, plus the sampler's few elementwise ops
     assert st["flops_per_device"] <= m["flops_per_device_per_step"] <= 1.01 * st["flops_per_device"]
+
+
+@pytest.mark.parametrize("name", ["distrifusion", "pipefusion", "asyncdiff"])
+def test_a_runs_phases_compile_at_once_and_chain(name):
+    """`compile_phases` compiles a stale run's phases together, the later one lowered on the
+    earlier one's output shapes: the compiler places them as the earlier phase leaves them, so
+    nothing is compiled again (its inputs then would carry placements), and the phases chain to
+    the latent of the run in one piece."""
+    import jax
+    import numpy as np
+
+    from patchpar.lab.generation import get_pipeline
+    from patchpar.lab.runner import compile_phases
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+
+    pipe = get_pipeline("fmnist-dit", "auto")
+    options = {"warmup_steps": 2} if name != "pipefusion" else {}
+    plan = Plan(make_strategy(name, **options), 2)
+    cond = pipe.encode_prompt(["a bag"], None, 2.0, 32, 32)
+    x0 = pipe.initial_latents(1, 32, 32, 0)
+    programs, args = pipe.denoise_phases(cond, x0, "ddim", 4, 2.0, plan)
+    compiled, _, entering = compile_phases(programs, args)
+    assert [p for p, _, _ in compiled] == ["warmup", "steady"]
+    placed = [getattr(a, "sharding", None) for a in jax.tree.leaves(entering["steady"])]
+    assert placed and all(s is None for s in placed), "the steady phase was compiled again"
+    x, loop = args[3], None
+    for _, _, c in compiled:
+        x, loop = c(*args[:3], x, loop)
+    whole = pipe.denoise(cond, x0, "ddim", 4, 2.0, plan)
+    assert np.abs(np.asarray(x) - np.asarray(whole)).max() <= 1e-5

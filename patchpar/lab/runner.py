@@ -135,7 +135,8 @@ def compile_phases(programs, args):
     compiled)], {phase: (lowered, its site calls)}, {phase: its abstract inputs (x, loop)}).
     A later phase is lowered before the one before it is compiled, on its outputs' shapes and
     dtypes, the compiler choosing their placement; where it chose another placement than the
-    phase before leaves them in (not seen so far), that phase is lowered and compiled again
+    phase before leaves them in (not seen so far: tested for DistriFusion, PipeFusion and
+    AsyncDiff), that phase is lowered and compiled again
     on the compiled outputs."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -168,14 +169,16 @@ def compile_phases(programs, args):
 
 def _placed_alike(before, after) -> bool:
     """Whether compiled phase `after` takes its (x, loop) placed as compiled `before` leaves
-    them."""
+    them (a steady phase of PipeFusion or AsyncDiff reads its loop, not x)."""
     import jax
 
     given = jax.tree.leaves(before.output_shardings)
-    taken = jax.tree.leaves(after.input_shardings[0][3:])
+    # an input the program does not read has no placement (None): never transferred
+    taken = jax.tree.leaves(after.input_shardings[0][3:], is_leaf=lambda v: v is None)
     shapes = jax.tree.leaves(before.out_info)
     return len(given) == len(taken) and all(
-        a.is_equivalent_to(b, len(sh.shape)) for a, b, sh in zip(given, taken, shapes, strict=True)
+        b is None or a.is_equivalent_to(b, len(sh.shape))
+        for a, b, sh in zip(given, taken, shapes, strict=True)
     )
 
 
