@@ -465,7 +465,7 @@ def test_a_runs_phases_compile_at_once_and_chain(name):
     import numpy as np
 
     from patchpar.lab.generation import get_pipeline
-    from patchpar.lab.runner import compile_phases
+    from patchpar.lab.phases import compile_phases
     from patchpar.parallel.engine import Plan
     from patchpar.parallel.strategies import make_strategy
 

@@ -22,6 +22,7 @@ layer axis in front (`parallel.exchange.exchange_packed` takes it).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -41,6 +42,26 @@ def first_layer_path(path: str) -> str | None:
     ('<name>_<lo>/...'), whose rules it follows; None for a path outside a scanned run."""
     out, n = _SCANNED_PATH.subn(r"_\1/", path, count=1)
     return out if n else None
+
+
+class Scannable:
+    """What a denoiser (`Denoiser`) with a scannable module gets: `scanned`, `with_scan` and
+    `prepare`, its module's `scan` field and `stack_params` (the scanned layout of unrolled
+    parameters) doing the work."""
+
+    @property
+    def scanned(self) -> bool:
+        return self.module.scan
+
+    def with_scan(self, on: bool = True):
+        """Its runs of identical blocks as scanned loops, or unrolled."""
+        return dataclasses.replace(self, module=self.module.clone(scan=on))
+
+    def prepare(self, params):
+        """The parameters as its module takes them: with `scan` on, each scanned run's blocks
+        stacked (once before a run's programs; a call given the unrolled layout stacks them
+        itself)."""
+        return self.module.stack_params(params) if self.module.scan else params
 
 
 class _Body(nn.Module):

@@ -18,10 +18,8 @@ from patchpar.models.flux import presets as _presets
 from patchpar.models.flux.model import (
     CLASS_NAMES,
     DOUBLE,
-    DOUBLES,
     LOGICAL,
     SINGLE,
-    SINGLES,
     FluxConfig,
     FluxTransformer2DModel,
     apply_rope,
@@ -31,7 +29,7 @@ from patchpar.models.sites import SiteOps
 
 
 @dataclass(frozen=True)
-class FluxFn:
+class FluxFn(scan.Scannable):
     """`flux_apply(params, sample (B, H, W, C), timesteps (B,), encoder_hidden_states (B, S, Dt),
     pooled_projections=(B, Dp), guidance=(B,) | None)` -> (B, H, W, C): the unpacked latent in
     and out (the 2 x 2 packing and the RoPE ids are the model's own), the timesteps as
@@ -112,14 +110,6 @@ class FluxFn:
     def with_attention(self, spec: AttentionSpec) -> FluxFn:
         return replace(self, module=self.module.clone(attn=spec))
 
-    @property
-    def scanned(self) -> bool:
-        return self.module.scan
-
-    def with_scan(self, on: bool = True) -> FluxFn:
-        """Each stack of identical blocks as one scanned loop (`patchpar.models.scan`)."""
-        return replace(self, module=self.module.clone(scan=on))
-
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 512
     ):
@@ -138,14 +128,6 @@ class FluxFn:
         if cfg.guidance_embeds:
             added["guidance"] = sds((batch,), jnp.float32)
         return args, added
-
-    def prepare(self, params):
-        """The parameters as its module takes them: with `scan` on, each scanned run's blocks
-        stacked (`patchpar.models.scan`)."""
-        if not self.module.scan:
-            return params
-        doubles, singles = self.module.kinds
-        return scan.stack(scan.stack(params, DOUBLES, doubles), SINGLES, singles)
 
     def abstract_params(self):
         """The parameters' shapes, in the unrolled layout (as checkpoints hold them)."""

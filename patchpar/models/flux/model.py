@@ -364,6 +364,11 @@ class FluxTransformer2DModel(nn.Module):
             n + j < last for j in range(self.config.num_single_layers)
         ]
 
+    def stack_params(self, params) -> dict:
+        """Unrolled parameters in the scanned layout (`patchpar.models.scan.stack`)."""
+        doubles, singles = self.kinds
+        return scan.stack(scan.stack(params, DOUBLES, doubles), SINGLES, singles)
+
     def prologue(self, sample, timesteps, encoder_hidden_states, pooled_projections,
                  guidance=None):  # fmt: skip
         """-> ((image tokens, text tokens), aux)."""

@@ -26,7 +26,6 @@ from patchpar.models.loading import CheckpointError, read_config, write_componen
 from patchpar.models.pixart import presets as _presets
 from patchpar.models.pixart.model import (
     BLOCK,
-    BLOCKS,
     CLASS_NAMES,
     LOGICAL,
     UNSUPPORTED,
@@ -40,7 +39,7 @@ from patchpar.models.vae import AutoencoderKL, VAEConfig
 
 
 @dataclass(frozen=True)
-class PixArtFn:
+class PixArtFn(scan.Scannable):
     """`pixart_apply(params, sample (B, H, W, C), timesteps, encoder_hidden_states (B, S, Dt),
     encoder_attention_mask=None (B, S), added_cond_kwargs=None)` -> (B, H, W, out_channels);
     `added_cond_kwargs` holds `resolution` (B, 2) and `aspect_ratio` (B, 1) for a model with
@@ -134,21 +133,6 @@ class PixArtFn:
 
     def with_attention(self, spec: AttentionSpec) -> PixArtFn:
         return replace(self, module=self.module.clone(attn=spec))
-
-    @property
-    def scanned(self) -> bool:
-        return self.module.scan
-
-    def with_scan(self, on: bool = True) -> PixArtFn:
-        """Its blocks as one scanned loop (`patchpar.models.scan`), or unrolled."""
-        return replace(self, module=self.module.clone(scan=on))
-
-    def prepare(self, params):
-        """The parameters as its module takes them: with `scan` on, the blocks' stacked (done
-        once before a run's programs; a call given the unrolled layout stacks them itself)."""
-        if not self.module.scan:
-            return params
-        return scan.stack(params, BLOCKS, [0] * self.config.num_layers)
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 120

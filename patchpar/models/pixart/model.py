@@ -378,6 +378,10 @@ class PixArtTransformer2DModel(nn.Module):
     def num_blocks(self) -> int:
         return self.config.num_layers
 
+    def stack_params(self, params) -> dict:
+        """Unrolled parameters in the scanned layout (`patchpar.models.scan.stack`)."""
+        return scan.stack(params, BLOCKS, [0] * self.num_blocks)
+
     def prologue(self, sample, timesteps, encoder_hidden_states, encoder_attention_mask=None,
                  resolution=None, aspect_ratio=None):  # fmt: skip
         """-> ((tokens (B, T, D),), aux)."""

@@ -22,7 +22,6 @@ from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.sd3 import presets as _presets
 from patchpar.models.sd3.model import (
     BLOCK,
-    BLOCKS,
     CLASS_NAMES,
     LOGICAL,
     JointBlock,
@@ -38,7 +37,7 @@ POS_EMBED_KEY = "pos_embed.pos_embed"  # the position table diffusers keeps in t
 
 
 @dataclass(frozen=True)
-class SD3Fn:
+class SD3Fn(scan.Scannable):
     """`sd3_apply(params, sample (B, H, W, C), timesteps (B,), encoder_hidden_states (B, S, Dt),
     pooled_projections=(B, Dp))` -> (B, H, W, C): the timesteps as every flow-matching denoiser
     of patchpar takes them (sigma in [0, 1]; the model embeds sigma x 1000, what diffusers' SD3
@@ -123,14 +122,6 @@ class SD3Fn:
     def with_attention(self, spec: AttentionSpec) -> SD3Fn:
         return replace(self, module=self.module.clone(attn=spec))
 
-    @property
-    def scanned(self) -> bool:
-        return self.module.scan
-
-    def with_scan(self, on: bool = True) -> SD3Fn:
-        """Each run of identical blocks as one scanned loop (`patchpar.models.scan`)."""
-        return replace(self, module=self.module.clone(scan=on))
-
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 333
     ):
@@ -145,13 +136,6 @@ class SD3Fn:
             sds((batch, seq, cfg.joint_attention_dim), dt),
         )
         return args, {"pooled_projections": sds((batch, cfg.pooled_projection_dim), dt)}
-
-    def prepare(self, params):
-        """The parameters as its module takes them: with `scan` on, each scanned run's blocks
-        stacked (`patchpar.models.scan`)."""
-        if not self.module.scan:
-            return params
-        return scan.stack(params, BLOCKS, self.module.kinds)
 
     def abstract_params(self):
         """The parameters' shapes, in the unrolled layout (as checkpoints hold them)."""

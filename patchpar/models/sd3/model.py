@@ -379,6 +379,10 @@ class SD3Transformer2DModel(nn.Module):
         last = cfg.num_layers - 1
         return [(i == last, i in cfg.dual_attention_layers) for i in range(cfg.num_layers)]
 
+    def stack_params(self, params) -> dict:
+        """Unrolled parameters in the scanned layout (`patchpar.models.scan.stack`)."""
+        return scan.stack(params, BLOCKS, self.kinds)
+
     def prologue(self, sample, timesteps, encoder_hidden_states, pooled_projections):
         """-> ((image tokens, text tokens), aux)."""
         b, h, w, _ = sample.shape

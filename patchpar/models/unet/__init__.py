@@ -26,12 +26,12 @@ from patchpar.models.family import Family
 from patchpar.models.loading import CheckpointError, write_component, write_scheduler
 from patchpar.models.sites import SiteOps
 from patchpar.models.unet import presets as _presets
-from patchpar.models.unet.model import BLOCKS, LOGICAL, UNet2DConditionModel, UNetConfig
+from patchpar.models.unet.model import LOGICAL, UNet2DConditionModel, UNetConfig
 from patchpar.models.vae import AutoencoderKL, VAEConfig
 
 
 @dataclass(frozen=True)
-class UNetFn:
+class UNetFn(scan.Scannable):
     """`unet_apply(params, sample, timesteps, encoder_hidden_states, text_embeds=, time_ids=)`."""
 
     module: UNet2DConditionModel
@@ -118,19 +118,6 @@ class UNetFn:
                 "time_ids": sds((batch, 6), jnp.float32),
             }
         return args, added
-
-    @property
-    def scanned(self) -> bool:
-        return self.module.scan
-
-    def with_scan(self, on: bool = True) -> UNetFn:
-        """Each transformer's blocks as one scanned loop (`patchpar.models.scan`)."""
-        return replace(self, module=self.module.clone(scan=on))
-
-    def prepare(self, params):
-        """The parameters as its module takes them: with `scan` on, each transformer's blocks
-        stacked (`patchpar.models.scan`)."""
-        return scan.stack_nested(params, BLOCKS) if self.module.scan else params
 
     def abstract_params(self):
         args, added = self.example_inputs(1, self.row_multiple)

@@ -408,6 +408,10 @@ class UNet2DConditionModel(nn.Module):
     attn: AttentionSpec = AUTO
     scan: bool = False  # each transformer's blocks as one scanned loop (`models.scan`)
 
+    def stack_params(self, params) -> dict:
+        """Unrolled parameters in the scanned layout: each transformer's blocks stacked."""
+        return scan.stack_nested(params, BLOCKS)
+
     def setup(self):
         cfg, dt, ops = self.config, self.dtype, self.ops
         boc = cfg.block_out_channels
