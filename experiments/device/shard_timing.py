@@ -57,6 +57,10 @@ def parse(argv):
         help="trace two more calls of every point with jax.profiler into DIR/<point>/ "
         "(read them with experiments/device/profile_ops.py)",
     )  # fmt: skip
+    p.add_argument(
+        "--scan", action="store_true",
+        help="every program with its runs of identical blocks scanned (model.scan_blocks)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--hardware", default="h200-sxm", help="the profile these timings belong to")
@@ -100,7 +104,8 @@ def main(argv=None) -> None:
         rec = {"hardware": a.hardware, "device_kind": dev.device_kind, "model": model,
                "resolution": r, "patches": n, "strategy": plan.strategy.describe(),
                "phase": phase, "dtype": a.dtype, "attention": kernel.impl,
-               "block_q": kernel.block_q, "block_kv": kernel.block_kv}  # fmt: skip
+               "block_q": kernel.block_q, "block_kv": kernel.block_kv,
+               "scan_blocks": a.scan}  # fmt: skip
         if time.perf_counter() - start > a.budget_s:
             rec.update(status="skipped", error=f"time budget {a.budget_s:.0f} s spent")
             _emit(a, rec, rows, append_record, provenance)
@@ -110,7 +115,11 @@ def main(argv=None) -> None:
                 weights.clear()
                 name_, overrides = model_spec(model)
                 unet = abstract_denoiser(name_, dtype, overrides=overrides).with_attention(kernel)
-                weights[model] = unet, random_params_on_device(unet.abstract_params(), 0)
+                params = random_params_on_device(unet.abstract_params(), 0)
+                if a.scan:  # each run of identical blocks stacked once, as a run does
+                    unet = unet.with_scan()
+                    params = jax.block_until_ready(jax.jit(unet.prepare)(params))
+                weights[model] = unet, params
             unet, params = weights[model]
             latent = r // latent_factor(model_spec(model)[0])
             if latent % (n * unet.row_multiple):
@@ -153,7 +162,8 @@ def main(argv=None) -> None:
         _emit(a, rec, rows, append_record, provenance)
     lines = [
         f"Per-device program, {a.dtype}, {dev.device_kind} (profile {a.hardware}), collectives "
-        f"replaced by stand-ins, attention {kernel.impl} {kernel.block_q}x{kernel.block_kv}",
+        f"replaced by stand-ins, attention {kernel.impl} {kernel.block_q}x{kernel.block_kv}"
+        + (", blocks scanned" if a.scan else ""),
         "",
         "| model | resolution | patches | strategy | ms per denoiser call | status |",
         "|---|---|---|---|---|---|",

@@ -19,8 +19,9 @@
 #   large      family_timing.py: 2048², splash
 #   shards     shard_timing.py: one device's program of an N-way step (N = 1, 2, 4, 8; collectives
 #              stood in by local copies) per strategy, PixArt-α at 1024²: the compute that bounds
-#              every speedup (SHARD_MODELS=, SHARD_PATCHES=, SHARD_STRATEGIES= choose;
-#              SHARD_PROFILE=1 traces two calls of each point into shards/trace/)
+#              every speedup (SHARD_MODELS=, SHARD_RESOLUTIONS=, SHARD_PATCHES=,
+#              SHARD_STRATEGIES= choose; SHARD_SCAN=1 scans the blocks; SHARD_PROFILE=1 traces
+#              two calls of each point into shards/trace/)
 #   quant      quant_timing.py: PixArt-α (QUANT_MODELS= chooses) in bf16 against w8, int8 and
 #              fp8 (int8 on the MXU; QUANT_MODES= chooses)
 #   profile    family_timing.py --profile: SDXL and PixArt-α at 1024², splash 1024x1024, two calls
@@ -126,9 +127,9 @@ for p in "${PARTS[@]}"; do
     large) part large 400 $PY "${FTS[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
              --resolutions 2048 --attention ${KERNELS:-$K} ;;
     shards) part shards 400 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
-              --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions "${RES[0]}" \
+              --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions ${SHARD_RESOLUTIONS:-"${RES[0]}"} \
               --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} \
-              ${SHARD_PROFILE:+--profile "$DEST/shards/trace"} ;;
+              ${SHARD_PROFILE:+--profile "$DEST/shards/trace"} ${SHARD_SCAN:+--scan} ;;
     quant) part quant 400 $PY experiments/device/quant_timing.py --models ${QUANT_MODELS:-"${DITS[0]}"} \
              ${QUANT_MODES:+--modes $QUANT_MODES} "${QT[@]}" ;;
     profile) part profile 300 $PY "${FTS[@]}" --models "${UNETS[@]}" "${DITS[0]}" --attention $PK \
