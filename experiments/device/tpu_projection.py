@@ -7,7 +7,7 @@ predictions; where a strategy's per-chip program was timed with only one kernel,
 single program is its baseline.
 
     .venv/bin/python experiments/device/tpu_projection.py     # -> runs/tpu_projection
-    .venv/bin/python experiments/device/tpu_projection.py --out results/tpu_v5e/projection
+    .venv/bin/python experiments/device/tpu_projection.py --out results/tpu_v5e/projection_chunked
 
 Records: <out>/records.jsonl (one per strategy, chips and kernel, with the projection's split
 and the timings file it read); table: <out>/table.md. Workloads (FLOPs and collectives from
@@ -36,7 +36,12 @@ MODEL, RESOLUTION, STEPS = "pixart-alpha", 1024, 20
 RESULTS = REPO / "results" / "tpu_v5e"
 # kernel -> (folders of shard_timing records, the strategies timed there)
 TIMINGS = {
-    "chunked 256x512": (("shards_chunked",), ("sync_patch", "distrifusion")),
+    # the later folders' points replace the earlier ones' (the N = 4 and 8 points of
+    # sync_patch and distrifusion timed again with opaque stand-ins: `shards_opaque`)
+    "chunked 256x512": (
+        ("shards_chunked", "shards_strategies_chunked", "shards_context8", "shards_opaque"),
+        ("sync_patch", "distrifusion", "pcpp", "ulysses", "ring"),
+    ),
     "splash 256x512": (
         ("shards", "shards_strategies", "shards_distrifusion8"),
         ("sync_patch", "distrifusion", "pcpp", "ulysses", "ring"),

@@ -148,8 +148,9 @@ def shards(recs) -> list[str]:
     ]
 
     def kernel(r):
+        scanned = ", scanned" if r.get("scan_blocks") else ""
         if "attention" in r:
-            return f"{r['attention']} {r['block_q']}x{r['block_kv']}"
+            return f"{r['attention']} {r['block_q']}x{r['block_kv']}{scanned}"
         return _auto_then(r.get("git_commit"))
 
     single = {}  # (model, res, kernel) -> {part: seconds}
