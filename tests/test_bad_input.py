@@ -178,6 +178,48 @@ def test_generate_refuses_negative_guidance_and_a_negative_prompt_without_it(
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--strategy", "ulysses", "--ring-degree", "3", "--devices", "4"],
+         "ring_degree=3 must divide the patch axis (4 devices)"),
+        (["--strategy", "sync_patch", "--devices", "16"], "devices=16 asked for, but only 8"),
+        (["--strategy", "distrifusion", "--warmup-steps", "3", "--devices", "2"],
+         "warmup_steps=3 must be < steps=2"),
+        (["--height", "30"], "height=30 must be a positive multiple of"),
+        (["--cache", "teacache"], "cache 'teacache' does not exist for a unet denoiser"),
+        (["--strategy", "pipefusion", "--devices", "2"], "splits a stack of identical"),
+    ],
+)  # fmt: skip
+def test_generate_refuses_a_plan_its_model_cannot_run_before_reading_a_weight(
+    micro_folder, tmp_path, capsys, monkeypatch, flags, message
+):
+    """What the model's config.json answers is checked before the pipeline loads (at FLUX.1's
+    22 GB, minutes sooner than after loading)."""
+    import patchpar.pipelines
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the plan was checked")
+
+    monkeypatch.setattr(patchpar.pipelines, "load_pipeline", loaded)
+    base = ["generate", "--model", str(micro_folder), "--steps", "2", "--out", str(tmp_path)]
+    assert main(base + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("patchpar: error:") and message in err, err
+    assert "AssertionError" not in err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_generate_reports_every_problem_at_once(micro_folder, tmp_path, capsys):
+    """Three bad flags: three lines, one error each, in one go."""
+    flags = ["--seed", "-1", "--timeout-s", "0", "--strategy", "pcpp", "--portion", "2"]
+    base = ["generate", "--model", str(micro_folder), "--steps", "2", "--out", str(tmp_path)]
+    assert main(base + flags) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(line.startswith("patchpar: error: ") for line in lines), lines
+    assert "seed=-1" in lines[0] and "timeout_s=0.0" in lines[1] and "portion=2.0" in lines[2]
+
+
 def test_dry_run_checks_every_point_and_says_where_it_writes(tmp_path, micro_folder, capsys):
     sweep = tmp_path / "ablation.yaml"
     sweep.write_text(

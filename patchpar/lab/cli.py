@@ -215,7 +215,10 @@ def _command(args: list[str], debug: bool) -> int:
             print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)
             return e.exit_code
         if isinstance(e, ValueError):  # bad input: the message names the value and what fits
-            print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)
+            from patchpar.lab.checks import Problems
+
+            for line in e.lines if isinstance(e, Problems) else [str(e)]:  # all found, a line each
+                print(f"patchpar: error: {_one_line(line)}", file=sys.stderr)
             return 2
         if isinstance(e, Failed):
             print(f"patchpar: error: {_one_line(str(e))}", file=sys.stderr)

@@ -79,30 +79,39 @@ class GenerateConfig(CachedDecodeFlags):
 
 
 def check(config: GenerateConfig) -> list[str]:
-    """Every check of the flags that needs no model, before any work or launch (ValueError
+    """Every check of the flags that needs no weights, before any work or launch: the flags
+    alone, then the plan against the model's config.json (`checks.check_plan_on_model`). All
+    the problems found are raised together (`checks.Problems`, a ValueError: one line each,
     naming the value and what fits); returns the options given that have no effect here."""
+    from patchpar.lab.checks import Problems, check_plan_on_model
     from patchpar.lab.defaults import default_guidance, default_true_cfg
     from patchpar.pipelines.text2img import check_guidance, check_seed
     from patchpar.quant import check_mode
 
-    if config.dtype not in DTYPES:
-        raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
-    check_mode(config.quant)
-    check_scan(config.scan_blocks, config.quant, config.strategy)
+    problems = Problems.collect()
+    with problems.check():
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    with problems.check():
+        check_mode(config.quant)
+        check_scan(config.scan_blocks, config.quant, config.strategy)
     for name in ("height", "width"):
         v = getattr(config, name)
         if v is not None and v <= 0:
-            raise ValueError(f"{name}={v}: must be a positive number of pixels (or left unset)")
+            problems.lines.append(
+                f"{name}={v}: must be a positive number of pixels (or left unset)"
+            )
     if config.steps < 1:
-        raise ValueError(f"steps={config.steps}: must be >= 1")
-    check_seed(config.seed)
+        problems.lines.append(f"steps={config.steps}: must be >= 1")
+    with problems.check():
+        check_seed(config.seed)
     if config.processes not in (0, config.devices):
-        raise ValueError(
+        problems.lines.append(
             f"processes={config.processes}: must be 0 or devices={config.devices} (devices "
             f"must equal processes x local devices, and a launched process has one CPU device)"
         )
     if not config.timeout_s > 0:
-        raise ValueError(
+        problems.lines.append(
             f"timeout_s={config.timeout_s}: must be a positive number of seconds (how long "
             f"launched workers may run)"
         )
@@ -110,11 +119,24 @@ def check(config: GenerateConfig) -> list[str]:
         default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
     )
     t = default_true_cfg(config.model) if config.true_cfg_scale is None else config.true_cfg_scale
-    if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"true_cfg_scale={t!r}: must be a finite number >= 0 (<= 1: off)")
-    check_guidance(guidance, None if t > 1 else [config.negative_prompt])
-    plan = config.plan()  # unknown strategy or option: error before loading anything
-    config.vae_plan()
+    true_cfg_ok = isinstance(t, int | float) and math.isfinite(t) and t >= 0
+    if not true_cfg_ok:
+        problems.lines.append(f"true_cfg_scale={t!r}: must be a finite number >= 0 (<= 1: off)")
+    with problems.check():
+        check_guidance(guidance, None if true_cfg_ok and t > 1 else [config.negative_prompt])
+    plan = None
+    with problems.check():
+        plan = config.plan()  # unknown strategy or option: error before loading anything
+    with problems.check():
+        config.vae_plan()
+    sizes_ok = config.steps >= 1 and all(v is None or v > 0 for v in (config.height, config.width))
+    if plan is not None and sizes_ok:  # the plan against the model (no weights read)
+        with problems.check():
+            check_plan_on_model(
+                config.model, plan, config.height, config.width, config.steps, guidance,
+                t, build_mesh=not config.processes, scan_blocks=config.scan_blocks,
+            )  # fmt: skip
+    problems.raise_any()
     unused = [fsdp_unused(config.devices)] if config.fsdp and plan.fsdp_degree == 1 else []
     if plan.cache is not None:
         unused += plan.cache.idle_options(config.steps)

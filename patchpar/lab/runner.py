@@ -30,6 +30,7 @@ from patchpar.lab.baselines import (
     load_or_make_baseline,
     weights_sha256,
 )
+from patchpar.lab.checks import check_plan_on_model
 from patchpar.lab.config import RunConfig, dump_config, point_config, to_dict, unused_options
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
@@ -440,6 +441,12 @@ def run(
     check_writable(runs_path(config).parent, "results")
     try:
         config.validate()
+        s = config.sampler
+        check_plan_on_model(  # the plan against the model's config.json: before any weight
+            config.model.name, config.plan(), s.height, s.width, s.steps, s.guidance_scale,
+            s.true_cfg_scale, build_mesh=not config.mesh.processes,
+            scan_blocks=config.model.scan_blocks,
+        )  # fmt: skip
         invalid = None
     except ValueError as e:
         if raise_errors:

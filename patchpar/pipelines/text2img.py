@@ -170,24 +170,7 @@ class Pipeline:
 
     def check_size(self, height: int, width: int, rows_multiple: int = 1) -> tuple[int, int]:
         """Latent (h, w) for an image size; ValueError when it does not fit the networks."""
-        f, down = self.latent_factor, self.unet.row_multiple
-        for name, v, mult in (
-            ("height", height, f * down * rows_multiple),
-            ("width", width, f * down),
-        ):
-            if not isinstance(v, int) or v <= 0 or v % mult:
-                fit = (
-                    sorted({max(mult, v // mult * mult), (v // mult + 1) * mult})
-                    if isinstance(v, int) and v > 0
-                    else [mult]
-                )
-                raise ValueError(
-                    f"{name}={v!r} must be a positive multiple of {mult} (VAE factor {f} x "
-                    f"{down} for the {self.unet.row_multiple_reason}"
-                    + (f" x {rows_multiple} row patches" if rows_multiple > 1 else "")
-                    + f"); nearest that fit: {fit}"
-                )
-        return height // f, width // f
+        return check_image_size(self.unet, self.latent_factor, height, width, rows_multiple)
 
     # ------------------------------------------------------------------ text
 
@@ -505,6 +488,31 @@ def check_finite_conditioning(cond: Conditioning, dtype) -> None:
 
 
 SEED_RANGE = 2**32  # jax.random.key takes the seed modulo 2^32: a larger one repeats a smaller
+
+
+def check_image_size(
+    unet, factor: int, height: int, width: int, rows_multiple: int = 1
+) -> tuple[int, int]:
+    """Latent (h, w) of an image size for a denoiser (its config is enough: no weights) under
+    a VAE of `factor` pixels per latent pixel; ValueError naming the nearest sizes that fit."""
+    down = unet.row_multiple
+    for name, v, mult in (
+        ("height", height, factor * down * rows_multiple),
+        ("width", width, factor * down),
+    ):
+        if not isinstance(v, int) or v <= 0 or v % mult:
+            fit = (
+                sorted({max(mult, v // mult * mult), (v // mult + 1) * mult})
+                if isinstance(v, int) and v > 0
+                else [mult]
+            )
+            raise ValueError(
+                f"{name}={v!r} must be a positive multiple of {mult} (VAE factor {factor} x "
+                f"{down} for the {unet.row_multiple_reason}"
+                + (f" x {rows_multiple} row patches" if rows_multiple > 1 else "")
+                + f"); nearest that fit: {fit}"
+            )
+    return height // factor, width // factor
 
 
 def check_seed(seed) -> None:

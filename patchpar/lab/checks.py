@@ -1,0 +1,88 @@
+"""Checks before work: every problem of a command's options found at once, from the options and
+the model's config.json alone (no weight read), each reported as its own line.
+
+    problems = Problems.collect()
+    with problems.check():
+        check_seed(seed)            # a ValueError here is noted, and the next check runs
+    with problems.check():
+        plan = build_plan(...)
+    problems.raise_any()            # Problems (a ValueError): one line per problem
+
+The CLI prints a `Problems` as one `patchpar: error:` line per problem (exit 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class Problems(ValueError):
+    """Every problem found in one command's options, one line each (a ValueError, so that
+    whatever catches bad input catches it; its text is the lines joined)."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
+
+    @classmethod
+    def collect(cls) -> Collector:
+        return Collector()
+
+
+class Collector:
+    """Runs checks one after another, noting each one's ValueError (or Problems) instead of
+    stopping at the first."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        """A block of checks: its first ValueError is noted, and the block ends there."""
+        try:
+            yield
+        except Problems as e:
+            self.lines += e.lines
+        except ValueError as e:
+            self.lines.append(str(e))
+
+    def raise_any(self) -> None:
+        if self.lines:
+            raise Problems(self.lines)
+
+
+def check_plan_on_model(
+    model: str | Path,
+    plan,
+    height: int | None,
+    width: int | None,
+    steps: int,
+    guidance_scale: float,
+    true_cfg_scale: float,
+    build_mesh: bool,
+    scan_blocks: bool = False,
+) -> tuple[int, int]:
+    """Every check of `plan` against `model` that its config.json answers (no weight is read):
+    the image size against the VAE factor and the denoiser's row multiple, the strategy, mesh
+    and cache against the denoiser; the image size (h, w) it runs at. `build_mesh=False`: the
+    devices are elsewhere (launched processes). The pipeline checks all of it again once
+    loaded; this is what lets a bad option fail before minutes of loading."""
+    from patchpar.models.presets import abstract_denoiser, latent_factor
+    from patchpar.pipelines.text2img import check_image_size
+
+    unet = abstract_denoiser(model).with_scan(scan_blocks)
+    factor = latent_factor(model)
+    size = unet.config.sample_size * factor
+    h = size if height is None else height
+    w = h if width is None else width
+    problems = Problems.collect()
+    with problems.check():
+        latent = check_image_size(unet, factor, h, w)
+        # the loop's guidance: CFG where a call has two halves; a guidance-distilled model
+        # (FLUX.1) guides in the loop only with true CFG
+        loop = guidance_scale if unet.guidance_halves == 2 else max(true_cfg_scale, 1.0)
+        plan.validate(unet, latent, steps, loop, build_mesh=build_mesh)
+    problems.raise_any()
+    return h, w
