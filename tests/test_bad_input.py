@@ -220,6 +220,18 @@ def test_generate_reports_every_problem_at_once(micro_folder, tmp_path, capsys):
     assert "seed=-1" in lines[0] and "timeout_s=0.0" in lines[1] and "portion=2.0" in lines[2]
 
 
+def test_run_reports_every_problem_of_its_config_at_once(micro_folder, tmp_path, capsys):
+    args = ["run", "--model.name", str(micro_folder), "--results", str(tmp_path),
+            "--sampler.steps", "0", "--mesh.cfg", "3", "--prompts.seeds", "-1",
+            "--cache.name", "nocache"]  # fmt: skip
+    assert main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert all(line.startswith("patchpar: error: ") for line in lines), lines
+    for want in ("mesh.cfg=3", "sampler.steps=0", "prompts.seeds=(-1,)", "cache: "):
+        assert sum(want in line for line in lines) == 1, (want, lines)
+    assert not list(tmp_path.rglob("*.jsonl"))  # nothing recorded
+
+
 def test_dry_run_checks_every_point_and_says_where_it_writes(tmp_path, micro_folder, capsys):
     sweep = tmp_path / "ablation.yaml"
     sweep.write_text(

@@ -175,8 +175,15 @@ def test_devices_beyond_those_present_start_fake_cpu_devices_and_say_so():
     assert json.loads(res.stdout.splitlines()[-1])["devices"] == 4
 
 
-def test_a_worker_that_cannot_load_the_model_reports_it_with_its_rank(tmp_path):
-    missing = tmp_path / "no-such-model"
+def test_a_worker_that_cannot_load_the_model_reports_it_with_its_rank(tmp_path, micro_folder):
+    """Its config.json is sound (the launcher's checks pass), its weights are not: the worker
+    fails to load them and says so with its rank."""
+    import shutil
+
+    missing = tmp_path / "broken-model"
+    shutil.copytree(micro_folder, missing)
+    for weights in (missing / "unet").glob("*.safetensors"):
+        weights.write_bytes(b"")
     cmd = [sys.executable, "-m", "patchpar.lab.cli", "run", "--model.name", str(missing),
            "--processes", "1", "--experiment", "mp", "--results", str(tmp_path / "results")]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

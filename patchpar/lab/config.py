@@ -468,7 +468,8 @@ class RunConfig:
         return build_vae_plan(m.vae_parallel, m.devices, m.data, m.vae_tile)
 
     def validate(self) -> RunConfig:
-        """Everything checkable without a model; ValueError naming the field and what fits."""
+        """Everything checkable without a model; every problem found raised together
+        (`checks.Problems`, a ValueError: one line each, naming the field and what fits)."""
         from patchpar.lab.defaults import DEFAULT_CLIP
         from patchpar.measure.quality import FID_MIN_SAMPLES, FID_RELIABLE_SAMPLES
         from patchpar.models.attention import IMPLEMENTATIONS
@@ -551,50 +552,67 @@ class RunConfig:
             (m.lpips_net in ("alex", "vgg", "squeeze"), "measure.lpips_net", m.lpips_net,
              "alex, vgg or squeeze"),
         ]  # fmt: skip
-        for ok, key, value, fits in checks:
-            if not ok:
-                raise ValueError(f"{key}={value!r}: must be {fits}")
+        from patchpar.lab.checks import Problems
+
+        problems = Problems.collect()  # every problem, one line each, raised together
+        problems.lines += [f"{key}={value!r}: must be {fits}" for ok, key, value, fits in checks
+                           if not ok]  # fmt: skip
         if "fid_gt" in m.quality:  # the reference must be there before anything is generated
             from patchpar.lab.datasets import check_ground_truth
 
-            check_ground_truth(m.ground_truth)
+            with problems.check():
+                check_ground_truth(m.ground_truth)
         from patchpar.parallel.mesh import mesh_shape
 
-        try:
-            mesh_shape(self.mesh.devices, self.mesh.cfg, self.mesh.data)
-        except ValueError as e:
-            raise ValueError(f"mesh: {e}") from None
+        mesh_ok = False  # the plans below need a mesh that splits
+        fields_ok = not any(key.startswith("mesh.") and key != "mesh.processes"
+                            for ok, key, *_ in checks if not ok)  # fmt: skip
+        if fields_ok:  # else said above, field by field
+            with problems.check():
+                try:
+                    mesh_shape(self.mesh.devices, self.mesh.cfg, self.mesh.data)
+                except ValueError as e:
+                    raise ValueError(f"mesh: {e}") from None
+                mesh_ok = True
         per_call = min(self.prompts.batch_size or n_images, n_images)
-        calls = {per_call} | ({n_images % per_call} if n_images % per_call else set())
-        if any(c % self.mesh.data for c in calls):
-            raise ValueError(
-                f"mesh.data={self.mesh.data}: the calls take {sorted(calls)} image(s) "
+        calls = {per_call} | ({n_images % per_call} if per_call and n_images % per_call else set())
+        data = self.mesh.data
+        if isinstance(data, int) and data >= 1 and any(c % data for c in calls):
+            problems.lines.append(
+                f"mesh.data={data}: the calls take {sorted(calls)} image(s) "
                 f"({len(self.prompts.prompts)} prompts x {len(self.prompts.seeds)} seeds, "
                 f"prompts.batch_size={self.prompts.batch_size}), and every call's images must "
                 f"split evenly over the data axis; use a batch size and an image count that are "
-                f"multiples of {self.mesh.data}"
+                f"multiples of {data}"
             )
         from patchpar.quant import check_mode
         from patchpar.sampling.cache import make_cache
 
-        try:
-            make_cache(self.cache.name, **self.cache.options())
-        except ValueError as e:
-            raise ValueError(f"cache: {e}") from None
-        try:
-            check_mode(self.model.quant)
-            check_scan(self.model.scan_blocks, self.model.quant, self.strategy.name)
-        except ValueError as e:
-            raise ValueError(f"model.{e}") from None
-        try:
-            plan = self.plan()  # strategy options: unknown names and bad values
-            plan.strategy.validate(s.steps, plan.patch, plan.cfg)
-        except ValueError as e:
-            raise ValueError(f"strategy: {e}") from None
-        try:
-            self.vae_plan()
-        except ValueError as e:
-            raise ValueError(f"mesh.{e}") from None
+        with problems.check():
+            try:
+                make_cache(self.cache.name, **self.cache.options())
+            except ValueError as e:
+                raise ValueError(f"cache: {e}") from None
+        with problems.check():
+            try:
+                check_mode(self.model.quant)
+                check_scan(self.model.scan_blocks, self.model.quant, self.strategy.name)
+            except ValueError as e:
+                raise ValueError(f"model.{e}") from None
+        if self.strategy.name in STRATEGIES and mesh_ok and s.steps >= 1:
+            with problems.check():
+                try:
+                    plan = self.plan()  # strategy options: unknown names and bad values
+                    plan.strategy.validate(s.steps, plan.patch, plan.cfg)
+                except ValueError as e:
+                    raise ValueError(f"strategy: {e}") from None
+        if mesh_ok:
+            with problems.check():
+                try:
+                    self.vae_plan()
+                except ValueError as e:
+                    raise ValueError(f"mesh.{e}") from None
+        problems.raise_any()
         return self
 
 

@@ -196,7 +196,7 @@ def dry_run(points: list[RunConfig], todo: list[RunConfig]) -> str:
             try:
                 preflight(cfg)
             except ValueError as e:
-                state, why = "invalid", f"  <- {' '.join(str(e).split())}"
+                state, why = "invalid", f"  <- {'; '.join(' '.join(x.split()) for x in _lines(e))}"
         lines.append(
             f"{state:9s} {label} | devices={cfg.mesh.devices} cfg={cfg.mesh.cfg}"
             + (f" data={cfg.mesh.data}" if cfg.mesh.data > 1 else "")
@@ -207,3 +207,10 @@ def dry_run(points: list[RunConfig], todo: list[RunConfig]) -> str:
     for path in dict.fromkeys(runs_path(c) for c in points):
         lines.append(f"records -> {path}")
     return "\n".join(lines)
+
+
+def _lines(e: ValueError) -> list[str]:
+    """A bad point's problems: one per line of a `Problems`, else the one message."""
+    from patchpar.lab.checks import Problems
+
+    return e.lines if isinstance(e, Problems) else [str(e)]
