@@ -118,7 +118,7 @@ def emulated(mode: str, device=None) -> str | None:
 
 def mode_of(fn) -> str | None:
     """The quant mode `fn`'s module was quantized with; None: not quantized."""
-    return getattr(fn.module, "quant_mode", None)
+    return fn.quant_mode
 
 
 def _methods(cls) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from patchpar.measure.flops import computation_runs
+from patchpar.measure.hlo import hlo_text_with_metadata  # noqa: F401 (its public name here too)
 
 DTYPE_BYTES = {  # bytes per element (int4: half a byte, XLA's packed s4/u4)
     "s4": 0.5,
@@ -285,13 +286,3 @@ def collective_groups(collectives: list[Collective], num_devices: int) -> list[d
         g["count"] += 1
         g["received_bytes"] += int(c.received(num_devices).max())
     return [groups[k] for k in sorted(groups)]
-
-
-def hlo_text_with_metadata(lowered) -> str:
-    """Pre-optimisation HLO of a `jax.jit(...).lower(...)` result, with op_name metadata."""
-    from jaxlib import _hlo
-
-    options = _hlo.HloPrintOptions()
-    options.print_metadata = True
-    options.print_large_constants = False
-    return lowered.compiler_ir("hlo").as_hlo_module().to_string(options)

@@ -282,11 +282,11 @@ def program_flops(
 ) -> float:
     """FLOPs per device of a lowered (`jax.jit(...).lower(...)`) program, every loop counted as
     often as it runs; `outer_once`: the outermost loops (a phase's steps) once. `text` (its
-    pre-optimisation HLO, `comm.hlo_text_with_metadata`) and `xla_flops` (its
+    pre-optimisation HLO, `hlo.hlo_text_with_metadata`) and `xla_flops` (its
     `cost_analysis()` FLOPs), where the caller has them already, save making them again."""
 
     if text is None:
-        from patchpar.measure.comm import hlo_text_with_metadata
+        from patchpar.measure.hlo import hlo_text_with_metadata
 
         text = hlo_text_with_metadata(lowered)
     if xla_flops is None:

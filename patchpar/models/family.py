@@ -71,6 +71,11 @@ class Denoiser(Protocol):
     def config(self) -> Any: ...
 
     @property
+    def quant_mode(self) -> str | None:
+        """The mode its module was quantized with (`patchpar.quant`); None: not quantized."""
+        ...
+
+    @property
     def row_multiple(self) -> int:
         """Latent rows of one patch must be a multiple of this."""
         ...

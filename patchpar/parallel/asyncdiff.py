@@ -59,7 +59,7 @@ from patchpar.parallel.program import (
     strip_device_axes,
     with_device_axes,
 )
-from patchpar.parallel.sites import shapes_only
+from patchpar.parallel.sites import param_shapes, shapes_only
 from patchpar.parallel.sites.pipe import Relay
 from patchpar.sampling.loop import guided, run_steps
 
@@ -121,10 +121,9 @@ def block_flops(unet, latent: tuple, text: tuple) -> tuple[float, ...]:
     and text ((name, shape, dtype) of each conditioning input without guidance and batch axes),
     lowered on abstract shapes: the forward up to block j + 1 less the forward up to block j;
     of a stack of identical blocks (a DiT's segments), one block per segment."""
-    from patchpar.parallel.engine import _param_shapes
 
     module = unet.module.clone(ops=IDENTITY)
-    params = _param_shapes(unet)
+    params = param_shapes(unet)
 
     def upto(j):
         def fn(p, x, t, ctx, added):
@@ -149,7 +148,6 @@ def block_flops(unet, latent: tuple, text: tuple) -> tuple[float, ...]:
 def boundaries(unet, bounds: tuple, latent: tuple, text: tuple, batch: int):
     """What each component but the last passes on (abstract, for `batch` rows), and the
     model output's shape and dtype."""
-    from patchpar.parallel.engine import _param_shapes
 
     module = unet.module.clone(ops=IDENTITY)
 
@@ -163,7 +161,7 @@ def boundaries(unet, bounds: tuple, latent: tuple, text: tuple, batch: int):
         return outs[:-1], module.apply(v, hs, aux, method="epilogue")
 
     with shapes_only():
-        return jax.eval_shape(fn, _param_shapes(unet), *_abstract(latent, text, batch))
+        return jax.eval_shape(fn, param_shapes(unet), *_abstract(latent, text, batch))
 
 
 class Packing:

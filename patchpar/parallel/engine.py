@@ -26,7 +26,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from patchpar.models.family import Denoiser
-from patchpar.models.sites import IDENTITY
 from patchpar.parallel.cached import DecisionSum, cached_call
 from patchpar.parallel.exchange import check_groups, exchange_packed, merged, pending_sends
 from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
@@ -47,6 +46,7 @@ from patchpar.parallel.sites import (
     Halo,
     PatchOps,
     TensorSum,
+    param_shapes,
     patch_ops,
     record_sites,
     shapes_only,
@@ -155,7 +155,7 @@ class Plan:
                 f"mode (w8, w4) with tensor parallelism"
             )
         if self.fsdp_degree > 1:
-            check_sharded(_param_shapes(unet), self.rules(), self.degrees(), unet.logical)
+            check_sharded(param_shapes(unet), self.rules(), self.degrees(), unet.logical)
         if not s.parallel and self.devices != 1:
             raise ValueError(
                 f"strategy {s.name!r} runs on 1 device, got devices={self.devices} (data="
@@ -422,12 +422,6 @@ def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale:
 
 
 @cache
-def _param_shapes(unet: Denoiser):
-    """The whole parameters' shapes (for checks up front), traced once per module."""
-    with shapes_only():
-        return unet.with_ops(IDENTITY).abstract_params()
-
-
 @cache
 def site_kinds(unet: Denoiser) -> frozenset[str]:
     """The site kinds at which `unet` exchanges activations that a codec can code (a `wire`
@@ -504,7 +498,7 @@ def stale_sites(unet: Denoiser, plan: Plan, latent_hw: tuple[int, int]) -> int:
         plan.mesh(),
     )
     with shapes_only():
-        _, state = jax.eval_shape(warm, _param_shapes(unet), x, t, cond, None)
+        _, state = jax.eval_shape(warm, param_shapes(unet), x, t, cond, None)
 
     def count(node) -> int:
         here = any(k in names for k in node)

@@ -133,7 +133,7 @@ class Pipeline:
     @property
     def quant(self) -> str:
         """The denoiser's quant mode (`none`: not quantized)."""
-        return getattr(self.unet.module, "quant_mode", None) or "none"
+        return self.unet.quant_mode or "none"
 
     @property
     def text_encoders(self) -> list:

@@ -4,13 +4,12 @@ presets (`presets`), the denoiser `FluxFn`, and `FAMILY`, what the rest of patch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import abstract_init, random_params
 from patchpar.models.family import Family, max_sequence_length
@@ -25,11 +24,11 @@ from patchpar.models.flux.model import (
     apply_rope,
     rope_table,
 )
-from patchpar.models.sites import SiteOps
+from patchpar.models.wrapper import ModuleDenoiser
 
 
 @dataclass(frozen=True)
-class FluxFn(scan.Scannable):
+class FluxFn(ModuleDenoiser):
     """`flux_apply(params, sample (B, H, W, C), timesteps (B,), encoder_hidden_states (B, S, Dt),
     pooled_projections=(B, Dp), guidance=(B,) | None)` -> (B, H, W, C): the unpacked latent in
     and out (the 2 x 2 packing and the RoPE ids are the model's own), the timesteps as
@@ -49,10 +48,6 @@ class FluxFn(scan.Scannable):
     def stack(self) -> Stack:
         """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
         return Stack(self.module)
-
-    @property
-    def config(self) -> FluxConfig:
-        return self.module.config
 
     @property
     def row_multiple(self) -> int:
@@ -103,12 +98,6 @@ class FluxFn(scan.Scannable):
             pooled_projections,
             guidance,
         )
-
-    def with_ops(self, ops: SiteOps) -> FluxFn:
-        return replace(self, module=self.module.clone(ops=ops))
-
-    def with_attention(self, spec: AttentionSpec) -> FluxFn:
-        return replace(self, module=self.module.clone(attn=spec))
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 512

@@ -5,13 +5,12 @@ pipelines, and `FAMILY`, what the rest of patchpar asks of it (`patchpar.models.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import (
     T5EncoderFn,
@@ -36,10 +35,11 @@ from patchpar.models.pixart.model import (
 from patchpar.models.sites import SiteOps
 from patchpar.models.t5 import T5Config, T5EncoderModel
 from patchpar.models.vae import AutoencoderKL, VAEConfig
+from patchpar.models.wrapper import ModuleDenoiser
 
 
 @dataclass(frozen=True)
-class PixArtFn(scan.Scannable):
+class PixArtFn(ModuleDenoiser):
     """`pixart_apply(params, sample (B, H, W, C), timesteps, encoder_hidden_states (B, S, Dt),
     encoder_attention_mask=None (B, S), added_cond_kwargs=None)` -> (B, H, W, out_channels);
     `added_cond_kwargs` holds `resolution` (B, 2) and `aspect_ratio` (B, 1) for a model with
@@ -60,10 +60,6 @@ class PixArtFn(scan.Scannable):
         "teacache",
     )  # the step caches it has (`patchpar.sampling.cache`)
     guidance_halves = 2  # classifier-free guidance
-
-    @property
-    def config(self) -> PixArtConfig:
-        return self.module.config
 
     @property
     def row_multiple(self) -> int:
@@ -127,12 +123,6 @@ class PixArtFn(scan.Scannable):
             added.get("resolution"),
             added.get("aspect_ratio"),
         )
-
-    def with_ops(self, ops: SiteOps) -> PixArtFn:
-        return replace(self, module=self.module.clone(ops=ops))
-
-    def with_attention(self, spec: AttentionSpec) -> PixArtFn:
-        return replace(self, module=self.module.clone(attn=spec))
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 120

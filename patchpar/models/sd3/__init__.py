@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.components import abstract_init, random_params
 from patchpar.models.family import T5_TOKENS, Family, max_sequence_length
@@ -30,14 +29,14 @@ from patchpar.models.sd3.model import (
     position_table,
     sincos_grid,
 )
-from patchpar.models.sites import SiteOps
+from patchpar.models.wrapper import ModuleDenoiser
 
 MAX_SEQUENCE_LENGTH = T5_TOKENS  # the most T5 tokens StableDiffusion3Pipeline takes
 POS_EMBED_KEY = "pos_embed.pos_embed"  # the position table diffusers keeps in the checkpoint
 
 
 @dataclass(frozen=True)
-class SD3Fn(scan.Scannable):
+class SD3Fn(ModuleDenoiser):
     """`sd3_apply(params, sample (B, H, W, C), timesteps (B,), encoder_hidden_states (B, S, Dt),
     pooled_projections=(B, Dp))` -> (B, H, W, C): the timesteps as every flow-matching denoiser
     of patchpar takes them (sigma in [0, 1]; the model embeds sigma x 1000, what diffusers' SD3
@@ -59,7 +58,7 @@ class SD3Fn(scan.Scannable):
         """The forward's parts, for a strategy that splits the layers (PipeFusion, AsyncDiff).
         Not of a quantized module: the stack runs its blocks as plain joint blocks outside the
         module (the last block lifted to its run's kind), where Qwix does not reach."""
-        mode = getattr(self.module, "quant_mode", None)
+        mode = self.quant_mode
         if mode is not None:
             raise ValueError(
                 f"quant={mode!r}: SD3's layer-splitting stack runs its blocks outside the "
@@ -68,10 +67,6 @@ class SD3Fn(scan.Scannable):
                 f"quantized SD3, or PipeFusion/AsyncDiff unquantized"
             )
         return Stack(self.module)
-
-    @property
-    def config(self) -> SD3Config:
-        return self.module.config
 
     @property
     def row_multiple(self) -> int:
@@ -115,12 +110,6 @@ class SD3Fn(scan.Scannable):
             encoder_hidden_states,
             pooled_projections,
         )
-
-    def with_ops(self, ops: SiteOps) -> SD3Fn:
-        return replace(self, module=self.module.clone(ops=ops))
-
-    def with_attention(self, spec: AttentionSpec) -> SD3Fn:
-        return replace(self, module=self.module.clone(attn=spec))
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 333

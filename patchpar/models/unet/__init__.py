@@ -5,13 +5,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
 from patchpar.models.clip import CLIPTextConfig, CLIPTextModel
 from patchpar.models.components import (
@@ -24,14 +23,14 @@ from patchpar.models.components import (
 )
 from patchpar.models.family import Family
 from patchpar.models.loading import CheckpointError, write_component, write_scheduler
-from patchpar.models.sites import SiteOps
 from patchpar.models.unet import presets as _presets
 from patchpar.models.unet.model import LOGICAL, UNet2DConditionModel, UNetConfig
 from patchpar.models.vae import AutoencoderKL, VAEConfig
+from patchpar.models.wrapper import ModuleDenoiser
 
 
 @dataclass(frozen=True)
-class UNetFn(scan.Scannable):
+class UNetFn(ModuleDenoiser):
     """`unet_apply(params, sample, timesteps, encoder_hidden_states, text_embeds=, time_ids=)`."""
 
     module: UNet2DConditionModel
@@ -44,10 +43,6 @@ class UNetFn(scan.Scannable):
     guidance_halves = 2  # classifier-free guidance
     stack = None  # no stack of identical blocks
     no_stack = "its levels differ in width and resolution"
-
-    @property
-    def config(self) -> UNetConfig:
-        return self.module.config
 
     @property
     def row_multiple(self) -> int:
@@ -91,12 +86,6 @@ class UNetFn(scan.Scannable):
             encoder_hidden_states,
             **added_cond,
         )
-
-    def with_ops(self, ops: SiteOps) -> UNetFn:
-        return replace(self, module=self.module.clone(ops=ops))
-
-    def with_attention(self, spec: AttentionSpec) -> UNetFn:
-        return replace(self, module=self.module.clone(attn=spec))
 
     def example_inputs(
         self, batch: int = 1, height: int | None = None, width: int | None = None, seq: int = 77

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from patchpar.models.attention import AttentionSpec
-from patchpar.models.sites import SiteOps
+from patchpar.models.sites import IDENTITY, SiteOps
 from patchpar.parallel.mesh import PATCH
 from patchpar.parallel.sites.common import (
     PHASES,
@@ -200,6 +200,13 @@ def patch_ops(
     )
 
 
+def param_shapes(unet):
+    """A denoiser's whole parameters' shapes (for checks up front), its sites the identity
+    (no site call recorded)."""
+    with shapes_only():
+        return unet.with_ops(IDENTITY).abstract_params()
+
+
 __all__ = [
     "KV",
     "PHASES",
@@ -216,6 +223,7 @@ __all__ = [
     "TextStream",
     "band_tokens",
     "exchange",
+    "param_shapes",
     "patch_ops",
     "record_sites",
     "shapes_only",
