@@ -35,7 +35,7 @@ def trajectories(model: str, seeds: list[int], steps: int, guidance: float, samp
     from tqdm import tqdm
 
     from patchpar.models.sites import IDENTITY
-    from patchpar.pipelines.text2img import load_pipeline
+    from patchpar.pipelines import load_pipeline
     from patchpar.sampling.loop import guided
     from patchpar.sampling.schedulers import get_sampler
 

@@ -11,7 +11,7 @@ from torch_refs import MICRO_UNETS
 
 from patchpar.models.api import UNetFn
 from patchpar.models.unet import UNet2DConditionModel, UNetConfig
-from patchpar.pipelines.text2img import unet_on_stack
+from patchpar.pipelines.single import unet_on_stack
 from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.loop import guided
 
@@ -69,14 +69,14 @@ def denoise_cached(fn, params, x, cond, c, name, devices, cfg, gs, sampler, step
     on one device (`single`) or under strategy `name`, with step cache `c` (None: without)."""
     from patchpar.parallel.engine import Plan, denoise
     from patchpar.parallel.strategies import make_strategy
-    from patchpar.pipelines.text2img import _denoise_single
+    from patchpar.pipelines.single import denoise_single
     from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 
     smp = get_sampler(sampler)
     sched = smp.schedule(SchedulerConfig(), steps)
     x = x * sched.init_noise_sigma
     if name == "single":
-        out, state = jax.jit(_denoise_single, static_argnums=(0, 1, 2, 7))(
+        out, state = jax.jit(denoise_single, static_argnums=(0, 1, 2, 7))(
             fn, smp, c, params, cond, sched, x, gs
         )
     else:

@@ -13,7 +13,7 @@ from patchpar.lab.cli import main
 from patchpar.models import CheckpointError
 from patchpar.models.presets import preset_folder
 from patchpar.pipelines import load_pipeline
-from patchpar.pipelines.text2img import NonFiniteError
+from patchpar.pipelines.checks import NonFiniteError
 from patchpar.sampling.loop import run_steps
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 

@@ -13,7 +13,7 @@ from patchpar.models.api import PixArtFn
 from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
 from patchpar.parallel.engine import Plan, denoise, make_step
 from patchpar.parallel.strategies import make_strategy
-from patchpar.pipelines.text2img import unet_on_stack
+from patchpar.pipelines.single import unet_on_stack
 from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.loop import guided
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler

@@ -19,7 +19,7 @@ from patchpar.models.pixart import PixArtConfig, PixArtTransformer2DModel
 from patchpar.models.sites import SiteOps
 from patchpar.parallel.engine import Plan, denoise, weight_bytes
 from patchpar.parallel.strategies import make_strategy
-from patchpar.pipelines.text2img import unet_on_stack
+from patchpar.pipelines.single import unet_on_stack
 from patchpar.sampling.loop import guided
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 

@@ -53,7 +53,7 @@ MODELS = {  # name -> (fn, params, inputs, guidance scale)
 
 
 def _one_call(fn, params, x, t, cond):
-    from patchpar.pipelines.text2img import unet_on_stack
+    from patchpar.pipelines.single import unet_on_stack
 
     return jax.jit(lambda p: unet_on_stack(fn, p, x, t, cond))(params)
 
@@ -172,7 +172,7 @@ def test_a_scanned_program_is_smaller():
 
 
 def _stack_call(fn, p, x, t, cond):
-    from patchpar.pipelines.text2img import unet_on_stack
+    from patchpar.pipelines.single import unet_on_stack
 
     return unet_on_stack(fn, p, x, t, cond)
 

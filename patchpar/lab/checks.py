@@ -70,7 +70,7 @@ def check_plan_on_model(
     devices are elsewhere (launched processes). The pipeline checks all of it again once
     loaded; this is what lets a bad option fail before minutes of loading."""
     from patchpar.models.presets import abstract_denoiser, latent_factor
-    from patchpar.pipelines.text2img import check_image_size
+    from patchpar.pipelines.checks import check_image_size
 
     unet = abstract_denoiser(model).with_scan(scan_blocks)
     factor = latent_factor(model)

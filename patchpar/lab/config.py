@@ -475,7 +475,7 @@ class RunConfig:
         from patchpar.models.attention import IMPLEMENTATIONS
         from patchpar.models.presets import CLIP_MODELS
         from patchpar.parallel.strategies import STRATEGIES
-        from patchpar.pipelines.text2img import SEED_RANGE
+        from patchpar.pipelines.checks import SEED_RANGE
         from patchpar.sampling.schedulers import SAMPLERS
 
         s, m = self.sampler, self.measure

@@ -85,7 +85,7 @@ def check(config: GenerateConfig) -> list[str]:
     naming the value and what fits); returns the options given that have no effect here."""
     from patchpar.lab.checks import Problems, check_plan_on_model
     from patchpar.lab.defaults import default_guidance, default_true_cfg
-    from patchpar.pipelines.text2img import check_guidance, check_seed
+    from patchpar.pipelines.checks import check_guidance, check_seed
     from patchpar.quant import check_mode
 
     problems = Problems.collect()

@@ -43,7 +43,7 @@ def inputs(pipe, config: RunConfig, batch: list[tuple[str, int]], hw: tuple[int,
     """Conditioning and initial latents (image (p, s) starts from normal(key(s)))."""
     import jax.numpy as jnp
 
-    from patchpar.pipelines.text2img import check_finite_conditioning
+    from patchpar.pipelines.checks import check_finite_conditioning
 
     s = config.sampler
     prompts = [p for p, _ in batch]

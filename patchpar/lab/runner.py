@@ -383,7 +383,7 @@ def check_finite_metrics(metrics: dict) -> None:
         if isinstance(v, float) and not math.isfinite(v)
     ]  # fmt: skip
     if bad:
-        from patchpar.pipelines.text2img import NonFiniteError
+        from patchpar.pipelines.checks import NonFiniteError
 
         raise NonFiniteError(
             f"metric(s) {', '.join(f'{k}={metrics[k]}' for k in bad)} came out non-finite; the "

@@ -6,7 +6,6 @@ T5 tokens and their mask, micro-conditions)."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -18,12 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from patchpar.models.attention import AUTO, AttentionSpec
-from patchpar.models.components import VAEFn, load_vae
+from patchpar.models.components import VAEFn
 from patchpar.models.family import Denoiser, TextConditioner
 from patchpar.models.loading import read_config
-from patchpar.models.presets import PRESETS, SHIPPED, check_model, model_family, preset_folder
-from patchpar.parallel.cached import cached_call
+from patchpar.models.presets import PRESETS, SHIPPED, model_family
 from patchpar.parallel.engine import (
     Plan,
     denoise_phase,
@@ -33,21 +30,19 @@ from patchpar.parallel.engine import (
 )
 from patchpar.parallel.engine import denoise as denoise_parallel
 from patchpar.parallel.mesh import to_local
-from patchpar.parallel.sites import STALE
 from patchpar.parallel.vae import VAEPlan
 from patchpar.parallel.vae import decode as vae_decode
+from patchpar.pipelines.checks import (
+    NonFiniteError,
+    check_finite_conditioning,
+    check_guidance,
+    check_image_size,
+    check_seed,
+)
+from patchpar.pipelines.single import denoise_single, single_phase
 from patchpar.sampling.cache import CACHE, CLOSEST, cache_report
-from patchpar.sampling.guidance import Conditioning, call_on_stack
-from patchpar.sampling.loop import guided, run_steps
+from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
-
-
-def unet_on_stack(
-    unet: Denoiser, params, x: jax.Array, t: jax.Array, cond: Conditioning
-) -> jax.Array:
-    """The denoiser on every guidance half at once: x (B, h, W, C) -> (G, B, h, W, C), the
-    sampler's model output (`prediction`: a learned-sigma DiT's first half)."""
-    return unet.prediction(call_on_stack(lambda *a, **k: unet(params, *a, **k), x, t, cond))
 
 
 @dataclass
@@ -225,7 +220,7 @@ class Pipeline:
             if plan.cache is not None:  # a cache that needs the run's length keeps it
                 plan = replace(plan, cache=plan.cache.bind(steps))
         if plan is None or not plan.strategy.parallel:
-            fn, static = _denoise_single, (self.unet, smp, None if plan is None else plan.cache)
+            fn, static = denoise_single, (self.unet, smp, None if plan is None else plan.cache)
             params = self.unet_params
         else:
             fn, static = denoise_parallel, (self.unet, plan, smp)
@@ -257,8 +252,8 @@ class Pipeline:
         a NaN or Inf in x (-1: none; -2: not known)."""
         fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
         static, dynamic, gs = args[:3], args[3:7], args[7]
-        if fn is _denoise_single:
-            spans, phase_fn = {"warmup": (0, steps)}, _single_phase
+        if fn is denoise_single:
+            spans, phase_fn = {"warmup": (0, steps)}, single_phase
         else:
             spans, phase_fn = phase_steps(plan, steps), denoise_phase
         extra = {"watch": True} if watch else {}
@@ -469,193 +464,3 @@ def outputs_abstract(compiled):
         compiled.out_info,
         compiled.output_shardings,
     )
-
-
-class NonFiniteError(FloatingPointError):
-    """NaN or Inf where a result should be (text embeddings, a latent, decoded pixels): the run
-    stops there, naming where they first appeared, and its record is an error."""
-
-
-def check_finite_conditioning(cond: Conditioning, dtype) -> None:
-    """NonFiniteError naming the text encoders' output that holds NaN or Inf."""
-    for name, a in [("text embeddings", cond.context), *cond.extras.items()]:
-        a = np.asarray(a)
-        if a.dtype.kind in "fV" and not np.isfinite(a.astype(np.float32)).all():
-            raise NonFiniteError(
-                f"the {name} of the prompts hold NaN or Inf (text encoding, "
-                f"{jnp.dtype(dtype).name}): no image of them is a result"
-            )
-
-
-SEED_RANGE = 2**32  # jax.random.key takes the seed modulo 2^32: a larger one repeats a smaller
-
-
-def check_image_size(
-    unet, factor: int, height: int, width: int, rows_multiple: int = 1
-) -> tuple[int, int]:
-    """Latent (h, w) of an image size for a denoiser (its config is enough: no weights) under
-    a VAE of `factor` pixels per latent pixel; ValueError naming the nearest sizes that fit."""
-    down = unet.row_multiple
-    for name, v, mult in (
-        ("height", height, factor * down * rows_multiple),
-        ("width", width, factor * down),
-    ):
-        if not isinstance(v, int) or v <= 0 or v % mult:
-            fit = (
-                sorted({max(mult, v // mult * mult), (v // mult + 1) * mult})
-                if isinstance(v, int) and v > 0
-                else [mult]
-            )
-            raise ValueError(
-                f"{name}={v!r} must be a positive multiple of {mult} (VAE factor {factor} x "
-                f"{down} for the {unet.row_multiple_reason}"
-                + (f" x {rows_multiple} row patches" if rows_multiple > 1 else "")
-                + f"); nearest that fit: {fit}"
-            )
-    return height // factor, width // factor
-
-
-def check_seed(seed) -> None:
-    if (
-        isinstance(seed, bool)
-        or not isinstance(seed, int | np.integer)
-        or not 0 <= seed < SEED_RANGE
-    ):
-        raise ValueError(
-            f"seed={seed!r}: must be an integer in [0, 2^32) (larger seeds wrap around: "
-            f"2^32 would give seed 0's image)"
-        )
-
-
-def check_guidance(guidance_scale, negative_prompts: list[str] | None = None) -> None:
-    """A finite scale >= 0 (<= 1: no guidance); a negative prompt needs guidance (> 1), which is
-    the only place it acts."""
-    if (
-        not isinstance(guidance_scale, int | float)
-        or not math.isfinite(guidance_scale)
-        or guidance_scale < 0
-    ):
-        raise ValueError(
-            f"guidance_scale={guidance_scale!r}: must be a finite number >= 0 (<= 1 turns "
-            "guidance off)"
-        )
-    if any(negative_prompts or []) and guidance_scale <= 1:
-        raise ValueError(
-            f"a negative prompt with guidance_scale={guidance_scale}: guidance <= 1 is off, so "
-            "the negative prompt would be dropped; set guidance_scale > 1 or no negative prompt"
-        )
-
-
-@partial(jax.jit, static_argnums=(0, 1, 2, 7))
-def _denoise_single(unet, smp, cache, params, cond, schedule, x, guidance_scale):
-    """All steps on one device; returns (final latent, state: empty, or the step cache's)."""
-    model_fn, state = _single_model_fn(unet, cache, params, cond, guidance_scale, x)
-    n = schedule.timesteps.shape[0]
-    x, _, state = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), state, 0, n)
-    return x, ({} if cache is None else {CACHE: state})
-
-
-def _single_model_fn(unet, cache, params, cond, guidance_scale, x):
-    """(the run loop's model_fn on one device, its initial state) without or with a step
-    cache (`sampling.cache`, the engine's `cached_call` without devices)."""
-    if cache is None:
-
-        def model_fn(x_in, t, i, state):
-            return guided(unet_on_stack(unet, params, x_in, t, cond), guidance_scale), state
-
-        return model_fn, ()
-
-    def model_fn(x_in, t, i, state):
-        out, _, state = cached_call(cache, unet.module, {"params": params}, [STALE],
-                                    lambda m: {}, x_in, t, cond, state, lambda v: v)  # fmt: skip
-        return guided(unet.prediction(out), guidance_scale), state
-
-    t0 = jnp.zeros((), jnp.float32)
-    shapes = jax.eval_shape(lambda: model_fn(x, t0, 0, None)[1])
-    return model_fn, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-
-
-@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9), static_argnames=("guidance_scale", "watch"))
-def _single_phase(
-    unet, smp, cache, _phase, params, cond, schedule, x, loop, guidance_scale, watch=False
-):
-    """`_denoise_single` with the phase programs' signature: (x, loop) -> (x, loop); `watch`:
-    also the first step that left a NaN or Inf in x (-1: none)."""
-    if not watch:
-        x, state = _denoise_single(unet, smp, cache, params, cond, schedule, x, guidance_scale)
-        return x, ((), state)
-    model_fn, state = _single_model_fn(unet, cache, params, cond, guidance_scale, x)
-    n = schedule.timesteps.shape[0]
-    x, _, state, first = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), state, 0, n,
-                                   True)  # fmt: skip
-    return x, ((), {} if cache is None else {CACHE: state}), first
-
-
-def load_pipeline(
-    path_or_preset: str | Path,
-    dtype=jnp.float32,
-    attention: AttentionSpec = AUTO,
-    quant: str = "none",
-) -> Pipeline:
-    """A pipeline from a local diffusers folder of any supported family (SD, SDXL, PixArt-α/Σ),
-    or a preset name with weights (`fmnist`, `tiny`, `tiny-xl`, `tiny-dit`). A folder without
-    `vae/` is a pixel-space model. `attention` picks the attention kernel of the denoiser and
-    the VAE (default `auto`: patchpar/models/attention.py). A folder of a family patchpar does
-    not run is an error naming it, before any component is read. `quant` quantizes the
-    denoiser once its weights are loaded in `dtype` (`Pipeline.quantized`), or reads the
-    folder's quantized checkpoint for that mode where `save_quantized` wrote one (its config
-    checked against the folder's, and its float weights' digest against the floats beside it:
-    none is loaded, and they are read to hash them only where their files changed since the
-    checkpoint was saved)."""
-    from patchpar.models.attention import resolve
-    from patchpar.quant import check_mode, checkpoint_paths, load_quantized
-
-    name = str(path_or_preset)
-    check_mode(quant)  # an unknown mode before anything is read
-    check_model(name)  # a preset or a folder, else the presets and the nearest names
-    folder = preset_folder(name) if name in PRESETS or name in SHIPPED else Path(name)
-    fam = model_family(folder)
-    index = _model_index(folder)
-    sub = folder / fam.denoiser_folder
-    fam.check_index(index)  # before any weight is read
-    read, stamp = None, None  # the quantized checkpoint read; the float files read
-    if quant != "none" and checkpoint_paths(sub, quant)[1].is_file():  # quantized, no floats read
-        from patchpar.models.presets import abstract_denoiser
-
-        fn = abstract_denoiser(folder, dtype, resolve(attention, dtype))
-        denoiser = load_quantized(fn, sub, quant, read_config(sub))
-        read = checkpoint_paths(sub, quant)[0]
-    else:
-        if jax.default_backend() != "cpu":  # weights that cannot fit: said before reading them
-            from patchpar.measure.cost import check_weights_fit
-            from patchpar.models.presets import abstract_denoiser
-
-            fn = abstract_denoiser(folder, dtype)
-            check_weights_fit(fn.abstract_params(), f"{name} in {jnp.dtype(dtype).name}")
-        stamp = _float_stamp(sub)
-        denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
-    text = fam.load_text(folder, index, dtype)
-    vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
-    sched = SchedulerConfig.from_diffusers(
-        read_config(folder / "scheduler", "scheduler_config.json")
-    )
-    sched = replace(sched, flow_sigmas=fam.flow_sigmas)
-    pipe = Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler, read, stamp)
-    return pipe if pipe.quant == quant else pipe.quantized(quant)
-
-
-def _float_stamp(sub: Path) -> tuple | None:
-    """The float files' stamp as the loader is about to read them (None: it holds none; the
-    loader then says so)."""
-    from patchpar.quant import float_stamp
-
-    try:
-        return float_stamp(sub)
-    except ValueError:
-        return None
-
-
-def _model_index(folder: Path) -> dict:
-    """model_index.json ({} if absent; its class was checked by `model_family`)."""
-    path = folder / "model_index.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
