@@ -97,7 +97,8 @@ def main(argv=None) -> None:
     import numpy as np
 
     from patchpar import hardware
-    from patchpar.lab.config import RunConfig, from_dict
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.configio import from_dict
     from patchpar.lab.results import provenance
     from patchpar.measure.projection import WorkloadCache, fit_compute, project
 

@@ -131,7 +131,7 @@ def main(folder: Path, alone_folder: Path) -> None:
 
 
 def _options(strategy: dict) -> dict:
-    from patchpar.lab.config import STRATEGY_OPTIONS
+    from patchpar.lab.options import STRATEGY_OPTIONS
 
     return {k: strategy[k] for k in STRATEGY_OPTIONS if strategy.get(k) is not None}
 

@@ -54,7 +54,7 @@ def child(args) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from patchpar.lab.config import load_config
+    from patchpar.lab.configio import load_config
     from patchpar.lab.runner import get_pipeline
     from patchpar.parallel.mesh import PATCH
     from patchpar.parallel.sites import patch_ops

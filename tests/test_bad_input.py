@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from patchpar.lab.cli import main
-from patchpar.lab.config import RunConfig, with_overrides
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import with_overrides
 from patchpar.models import CheckpointError, load_unet
 from patchpar.models.unet import UNetConfig
 from patchpar.pipelines import load_pipeline

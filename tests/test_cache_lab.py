@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from patchpar.lab.cli import main
-from patchpar.lab.config import RunConfig, from_dict, point_config, to_dict, with_overrides
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import from_dict, point_config, to_dict, with_overrides
 from patchpar.lab.runner import run
 from patchpar.sampling.cache import FirstBlockCache
 

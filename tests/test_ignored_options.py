@@ -6,7 +6,8 @@ import json
 import pytest
 
 from patchpar.lab.cli import main
-from patchpar.lab.config import RunConfig, unused_options, with_overrides
+from patchpar.lab.config import RunConfig, unused_options
+from patchpar.lab.configio import with_overrides
 
 
 def exit_code(args: list[str]) -> int:

@@ -152,7 +152,8 @@ def test_more_processes_than_cores_is_a_warning_and_recorded():
 
 
 def test_fake_devices_have_no_speedup(tmp_path):
-    from patchpar.lab.config import RunConfig, with_overrides
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.configio import with_overrides
     from patchpar.lab.speedup import speedups
 
     cfg = with_overrides(RunConfig(), {"strategy.name": "sync_patch", "mesh.devices": 2})
@@ -196,7 +197,8 @@ def test_a_worker_that_cannot_load_the_model_reports_it_with_its_rank(tmp_path, 
 
 @pytest.mark.parametrize("with_data", [True, False])  # today's records, and those from before
 def test_speedup_finds_the_single_run_of_the_point(tmp_path, with_data):
-    from patchpar.lab.config import RunConfig, to_dict, with_overrides
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.configio import to_dict, with_overrides
     from patchpar.lab.speedup import speedups
 
     single = to_dict(with_overrides(RunConfig(), {"mesh.processes": 1}))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from parallel_helpers import GUIDANCE, inputs, micro_unet, reordered, rounding
 
-from patchpar.lab.config import RunConfig, with_overrides
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import with_overrides
 from patchpar.measure.comm import hlo_text_with_metadata, parse_collectives
 from patchpar.measure.cost import measure
 from patchpar.parallel.engine import Plan, denoise, make_step, stale_sites, state_template

@@ -263,7 +263,8 @@ def test_runner_records_every_metric(tmp_path, micro_folder, monkeypatch):
     from PIL import Image
 
     from patchpar.lab.baselines import baseline_folder
-    from patchpar.lab.config import RunConfig, from_dict
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.configio import from_dict
     from patchpar.lab.runner import run
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from patchpar.lab.config import RunConfig, with_overrides
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import with_overrides
 from patchpar.lab.results import RecordError, _counts_as_dirty, append_record, read_records
 
 WRITER = """

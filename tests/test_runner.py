@@ -13,14 +13,8 @@ import pytest
 import yaml
 
 from patchpar.lab.cli import main
-from patchpar.lab.config import (
-    RunConfig,
-    dump_config,
-    from_dict,
-    load_config,
-    to_dict,
-    with_overrides,
-)
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import dump_config, from_dict, load_config, to_dict, with_overrides
 from patchpar.lab.results import read_records
 from patchpar.lab.sweep import SweepConfig, load_sweep, run_sweep
 from patchpar.lab.tables import DEFAULT_COLUMNS, get, markdown, read_runs, summary_columns
@@ -421,7 +415,8 @@ def test_notebook_executes(swept, monkeypatch, run_notebook):
 def test_records_from_before_new_config_fields_are_the_same_point():
     """A record written before a config field existed (here the data axis, FSDP and the context
     and tensor degrees) is the point the new default config names, so sweeps skip it."""
-    from patchpar.lab.config import RunConfig, to_dict
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.configio import to_dict
     from patchpar.lab.runner import point_key
 
     old = to_dict(RunConfig())

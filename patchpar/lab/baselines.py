@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from patchpar.lab.config import RunConfig, to_dict
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import to_dict
 from patchpar.lab.generation import generate_all
 from patchpar.lab.results import git_commit
 

@@ -28,7 +28,8 @@ def _run_config(args: list[str]):
     """`run`: an optional YAML path first, then tyro's dotted overrides on top of it."""
     import tyro
 
-    from patchpar.lab.config import RunConfig, load_config
+    from patchpar.lab.config import RunConfig
+    from patchpar.lab.configio import load_config
 
     path = args[0] if args and not args[0].startswith("-") else None
     default = load_config(path) if path else RunConfig()

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import tyro
 
-from patchpar.lab.config import HELP, PlanFlags
 from patchpar.lab.config import LOWERED_DTYPES as DTYPES
+from patchpar.lab.options import HELP, PlanFlags
 
 
 @dataclass(frozen=True)

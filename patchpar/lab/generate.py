@@ -12,8 +12,9 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from patchpar.lab.config import DTYPES, HELP, CachedDecodeFlags, check_scan, fsdp_unused
+from patchpar.lab.config import DTYPES, check_scan, fsdp_unused
 from patchpar.lab.launch import is_writer, launch
+from patchpar.lab.options import HELP, CachedDecodeFlags
 
 
 def _sampler_help() -> str:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import tyro
 
-from patchpar.lab.config import HELP, CachedDecodeFlags
 from patchpar.lab.config import LOWERED_DTYPES as DTYPES
+from patchpar.lab.options import HELP, CachedDecodeFlags
 
 if TYPE_CHECKING:
     from patchpar.measure.projection import Workload

@@ -31,7 +31,8 @@ from patchpar.lab.baselines import (
     weights_sha256,
 )
 from patchpar.lab.checks import check_plan_on_model
-from patchpar.lab.config import RunConfig, dump_config, point_config, to_dict, unused_options
+from patchpar.lab.config import RunConfig, unused_options
+from patchpar.lab.configio import dump_config, point_config, to_dict
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
 from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
 from patchpar.lab.launch import WorkerFailed, in_worker, launch

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from patchpar.lab.config import CacheConfig, MeshConfig, RunConfig, to_dict, with_defaults
+from patchpar.lab.config import CacheConfig, MeshConfig, RunConfig
+from patchpar.lab.configio import to_dict, with_defaults
 from patchpar.lab.results import read_records
 
 SPEEDUP_KEYS = (

@@ -34,7 +34,8 @@ from typing import Annotated
 
 import tyro
 
-from patchpar.lab.config import RunConfig, load_config, read_yaml, with_overrides
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import load_config, read_yaml, with_overrides
 from patchpar.lab.results import read_records
 
 SWEEP_KEYS = ("experiment", "base", "set", "points", "grid")
@@ -181,7 +182,7 @@ def dry_run(points: list[RunConfig], todo: list[RunConfig]) -> str:
     """One line per point: recorded / to run / invalid (with the reason), its label (the
     strategy and the fields that tell it apart from the other points) and mesh; then where
     the records go."""
-    from patchpar.lab.config import to_dict
+    from patchpar.lab.configio import to_dict
     from patchpar.lab.runner import preflight, runs_path
     from patchpar.lab.tables import point_labels
 

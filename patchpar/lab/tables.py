@@ -25,7 +25,8 @@ from typing import Annotated
 
 import tyro
 
-from patchpar.lab.config import RunConfig, point_config
+from patchpar.lab.config import RunConfig
+from patchpar.lab.configio import point_config
 from patchpar.lab.results import read_records
 
 DEFAULT_COLUMNS = (

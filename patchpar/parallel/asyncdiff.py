@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from patchpar.models.sites import IDENTITY
-from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
+from patchpar.parallel.mesh import CFG, DATA, PATCH, STATE_SPEC
 from patchpar.parallel.program import (
     LoopProgram,
     check_layer_split,
@@ -62,8 +62,6 @@ from patchpar.parallel.program import (
 from patchpar.parallel.sites import param_shapes, shapes_only
 from patchpar.parallel.sites.pipe import Relay
 from patchpar.sampling.loop import guided, run_steps
-
-STATE_SPEC = P(*AXES)  # what each device carries from phase to phase: leading device axes
 
 
 def balanced_split(costs: list[float], parts: int) -> list[tuple[int, int]]:

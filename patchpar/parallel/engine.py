@@ -23,39 +23,30 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from patchpar.models.family import Denoiser
-from patchpar.parallel.cached import DecisionSum, cached_call
-from patchpar.parallel.exchange import check_groups, exchange_packed, merged, pending_sends
-from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, divisors, make_mesh, mesh_shape
+from patchpar.parallel.exchange import check_groups
+from patchpar.parallel.mesh import AXES, divisors, make_mesh, mesh_shape
 from patchpar.parallel.program import Program
 from patchpar.parallel.rules import (
     FSDP_AXES,
     RULES,
     check_sharded,
-    placed,
-    unplaced,
     weight_bytes_per_device,
 )
 from patchpar.parallel.sites import (
     KV,
-    SEND,
-    STALE,
-    FSDPGather,
     Halo,
-    PatchOps,
-    TensorSum,
     param_shapes,
     patch_ops,
     record_sites,
     shapes_only,
 )
-from patchpar.parallel.sites.common import note
+from patchpar.parallel.step import make_step
 from patchpar.parallel.strategies import Strategy
-from patchpar.sampling.cache import CACHE, STEADY_COMPUTED, StepCache
-from patchpar.sampling.guidance import Conditioning, call_on_stack
-from patchpar.sampling.loop import guided, run_steps
+from patchpar.sampling.cache import CACHE, StepCache
+from patchpar.sampling.guidance import Conditioning
+from patchpar.sampling.loop import run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
 
 
@@ -297,131 +288,6 @@ def weight_bytes(plan: Plan, unet: Denoiser, params) -> int:
     return plan.program.weight_bytes(plan, unet, params)
 
 
-def _x_spec(axis: str) -> P:  # (B, H, W, C): images over data, rows (or columns) over patch
-    return P(DATA, PATCH, None, None) if axis == "row" else P(DATA, None, PATCH, None)
-
-
-def _cond_spec(cond, cfg: int):  # (G, B, ...): guidance halves over cfg, images over data
-    return jax.tree.map(lambda _: P(CFG if cfg == 2 else None, DATA), cond)
-
-
-STATE_SPEC = P(*AXES)  # stale buffers: leading (data, cfg, patch, model) device axes
-
-
-def make_step(unet: Denoiser, plan: Plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
-    """step(params, x (B,H,W,C), t, cond, state) -> (guided model output (B,H,W,C), state).
-
-    `state` is None in the `warmup` phase (buffers are written, not read), unless the plan has
-    a step cache (a skipped step returns the buffers it read, so every phase reads them and
-    the cache's state: `state_template`). In the steady phase
-    of a strategy with packed exchange, the sites' pending sends are exchanged after the model
-    call, in the strategy's `comm_groups` groups (`patchpar.parallel.exchange`)."""
-    if plan.program is not STEP:
-        raise ValueError(
-            f"strategy {plan.strategy.name!r} runs its own program per phase "
-            f"({plan.program.name}), not one model call with site ops; time or count "
-            f"its phases with `denoise_phase`"
-        )
-    ops = plan.strategy.ops(phase, plan.patch)
-    if plan.model > 1:
-        ops = replace(ops, tp_op=TensorSum(degree=plan.model))
-    # the modules' own (local) parameter shapes: split over `model`, whole otherwise (traced
-    # outside any mesh: one patch, stand-in collectives)
-    split = PatchOps(tp_op=TensorSum(degree=plan.model, local=True))
-    local_shapes = _local_param_shapes(unet.with_ops(split)) if plan.model > 1 else None
-    if plan.fsdp_degree > 1:
-        ops = replace(ops, fsdp_op=FSDPGather(degree=plan.fsdp_degree))
-    if not plan.comm:
-        ops = ops.with_stand_ins()
-    module = unet.module.clone(ops=ops)
-    rules = plan.rules()
-    cfg = plan.cfg
-    cache = plan.cache
-    # a cache carries its state through every phase; a skipped step keeps the stale buffers
-    # it read, so with a cache the warm-up reads them too (its sites only write them)
-    reads_state = phase == "steady" or cache is not None
-    groups = plan.strategy.packed_groups() if plan.strategy.packs(phase) else None
-
-    def reduce_sum(v):  # over every device that holds other rows, halves or images
-        if not plan.comm:  # stand-ins: this one's
-            return v
-        note(DecisionSum(plan.data * cfg * plan.patch), bytes=v.size * v.dtype.itemsize)
-        with jax.named_scope("pp_cache"):
-            return lax.psum(v, (DATA, CFG, PATCH))
-
-    def local(params, x, t, cond, state):
-        # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
-        variables = {
-            "params": unplaced(params, unet.logical, rules)
-        }  # this device's share of each weight
-        state = jax.tree.map(lambda a: a[0, 0, 0, 0], state or {})  # drop device axes
-        cache_state = state.pop(CACHE, None)
-        if reads_state and state:
-            variables[STALE] = state
-        mutable = [STALE, SEND] if groups else [STALE]
-
-        def exchanged(mutated, n_groups=groups):  # the stale buffers after the call's sends
-            stale = mutated.get(STALE, {})
-            if not n_groups:
-                return stale
-            sends = mutated.get(SEND, {})
-            n_groups = min(n_groups, max(1, sum(1 for _ in pending_sends(sends))))
-            return merged(stale, exchange_packed(sends, ops, n_groups, stale))
-
-        if cache is None:
-            apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=mutable)  # noqa: E731
-            out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
-            stale = exchanged(mutated)
-        else:
-            before = cache_state
-            inner = None if before is None else {
-                k: v for k, v in before.items() if k != STEADY_COMPUTED
-            }  # fmt: skip
-            out, stale, cache_state = cached_call(
-                cache, module, variables, mutable, exchanged, x, t, cond, inner, reduce_sum
-            )
-        out = unet.prediction(out)  # the sampler's model output (a learned-sigma DiT: half)
-        if cache is not None:  # and the steady phase's computed steps apart (bytes per phase)
-            ran = cache_state["computed"] - (0 if before is None else before["computed"])
-            steady = 0 if before is None else before[STEADY_COMPUTED]
-            cache_state = {**cache_state, STEADY_COMPUTED: steady + ran * (phase == "steady")}
-            stale = {**stale, CACHE: cache_state}
-        if cfg == 2 and not plan.comm:
-            out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below
-        elif cfg == 2:
-            with jax.named_scope("pp_cfg"):
-                out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
-        new_state = jax.tree.map(lambda a: a[None, None, None, None], stale)
-        return guided(out, guidance_scale), new_state
-
-    xs = _x_spec(axis)
-
-    def step(params, x, t, cond, state):
-        state_in = state if reads_state else {}
-        params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program
-        # split by the logical-axis rules
-        params, param_specs = placed(params, rules, unet.logical, local_shapes, plan.degrees())
-        fn = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(
-                param_specs,
-                xs,
-                P(),
-                _cond_spec(cond, cfg),
-                jax.tree.map(lambda _: STATE_SPEC, state_in),
-            ),
-            out_specs=(xs, STATE_SPEC),
-            # The guided output is replicated over cfg by the all-gather; the static check
-            # cannot see through Flax's apply, so it is off.
-            check_vma=False,
-        )
-        return fn(params, x, t, cond, state_in)
-
-    return step
-
-
-@cache
 @cache
 def site_kinds(unet: Denoiser) -> frozenset[str]:
     """The site kinds at which `unet` exchanges activations that a codec can code (a `wire`
@@ -436,15 +302,6 @@ def site_kinds(unet: Denoiser) -> frozenset[str]:
     )
     kv = any(isinstance(op, KV) for op, _ in calls)
     return frozenset(k for k, has in (("halo", halo), ("kv", kv)) if has)
-
-
-@cache
-def _local_param_shapes(unet: Denoiser):
-    """The modules' own parameter shapes on one device (split widths, heads padded), traced
-    once per module: make_step is built per phase and patch axis, and a full-size UNet's
-    abstract init takes seconds."""
-    with shapes_only():
-        return jax.eval_shape(unet.prepare, unet.abstract_params())  # stacked where scanned
 
 
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):

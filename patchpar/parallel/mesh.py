@@ -6,12 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 DATA = "data"  # images of a batch (data parallel)
 CFG = "cfg"  # the two classifier-free-guidance halves (size 1 or 2)
 PATCH = "patch"  # row patches of one image
 MODEL = "model"  # tensor parallel: the weights of a layer split across devices
 AXES = (DATA, CFG, PATCH, MODEL)  # outermost first: device id = ((d*cfg + c)*patch + p)*model + m
+# what a device carries from step to step and from phase to phase (stale buffers, a pipeline's
+# patches): leading (data, cfg, patch, model) device axes
+STATE_SPEC = P(*AXES)
 
 
 def divisors(n: int) -> list[int]:

@@ -49,7 +49,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH
+from patchpar.parallel.mesh import CFG, DATA, PATCH, STATE_SPEC
 from patchpar.parallel.program import (
     LoopProgram,
     check_layer_split,
@@ -60,8 +60,6 @@ from patchpar.parallel.sites import STALE
 from patchpar.parallel.sites.common import bits
 from patchpar.parallel.sites.pipe import SLOT, Hop, PipeKV
 from patchpar.sampling.loop import guided
-
-STATE_SPEC = P(*AXES)  # what each device carries from phase to phase: leading device axes
 
 
 def layer_counts(layers: int, stages: int) -> list[int]:

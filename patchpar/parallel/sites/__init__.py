@@ -23,6 +23,7 @@ collection `send` for the engine's packed exchange (`patchpar.parallel.exchange`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from functools import cache
 
 import jax
 import jax.numpy as jnp
@@ -200,9 +201,10 @@ def patch_ops(
     )
 
 
+@cache
 def param_shapes(unet):
     """A denoiser's whole parameters' shapes (for checks up front), its sites the identity
-    (no site call recorded)."""
+    (no site call recorded); traced once per module."""
     with shapes_only():
         return unet.with_ops(IDENTITY).abstract_params()
 

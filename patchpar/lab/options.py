@@ -1,0 +1,241 @@
+"""The options of a plan as the command line takes them, made from the registries (a new
+strategy, step cache, sampler, preset or family brings its options and help with it): the
+strategies' options (`StrategyOptions`), the help of the options that name a registry's entry
+(`HELP`), the flat flags of `patchpar generate`, `comm` and `project` (`PlanFlags`,
+`DecodeFlags`, `CachedDecodeFlags`), and the plans built from them (`build_plan`,
+`build_vae_plan`)."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Annotated, Any
+
+import tyro
+
+
+def build_plan(
+    name: str,
+    options: dict,
+    devices: int,
+    cfg: int,
+    comm: bool = True,
+    data: int = 1,
+    fsdp: bool = False,
+    cache: str = "none",
+    cache_options: dict | None = None,
+):
+    """The strategy `name` with the options given (None = the strategy's default), on devices
+    split as data x cfg x patch x model, weights sharded per layer with `fsdp`, with the step
+    cache `cache` (`patchpar.sampling.cache`; options None = the cache's default)."""
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+    from patchpar.sampling.cache import make_cache
+
+    options = {k: v for k, v in options.items() if v is not None}
+    step_cache = make_cache(
+        cache, **{k: v for k, v in (cache_options or {}).items() if v is not None}
+    )
+    return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache)
+
+
+def build_vae_plan(mode: str, devices: int, data: int, tile: int):
+    """The VAE's placement: `mode` (off, rows, tiles) on the run's devices, images over
+    `data` (patchpar.parallel.vae.VAEPlan)."""
+    from patchpar.parallel.vae import MODES, VAEPlan
+
+    if mode not in MODES:
+        raise ValueError(f"vae_parallel={mode!r}; known: {list(MODES)}")
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
+        raise ValueError(f"vae_tile={tile!r}: must be 0 (the VAE's sample size) or pixels > 0")
+    if tile and mode != "tiles":
+        raise ValueError(
+            f"vae_tile={tile}: a tile size is for vae_parallel=tiles, and vae_parallel={mode!r} "
+            f"decodes without tiles; set vae_parallel=tiles, or leave vae_tile at 0"
+        )
+    return VAEPlan(mode, devices, data, tile)
+
+
+def _strategy_options() -> dict[str, tuple[Any, str]]:
+    """Every strategy option, from the strategy dataclasses themselves (`patchpar/parallel/
+    strategies/`, each option declared with its help by `base.option`): name -> (type, help
+    prefixed by the strategies that have it), in registry order. A new strategy brings its options with
+    it; nothing here lists them."""
+    from patchpar.parallel.strategies import STRATEGIES
+
+    found: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+    for name, cls in STRATEGIES.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            entry = found.setdefault(f.name, (hints[f.name], {}))
+            entry[1].setdefault(f.metadata.get("help", ""), []).append(name)
+    # an option that means one thing to some strategies and another to others (warmup_steps:
+    # DistriFusion's and PipeFusion's conventions) gets each meaning prefixed by its users
+    return {
+        k: (t, " ".join(f"{'/'.join(users)}: {text}" for text, users in helps.items()))
+        for k, (t, helps) in found.items()
+    }
+
+
+def _registry_help() -> dict[str, str]:
+    """Help of the options that name a registry's entry, made from the registries (a new
+    strategy, sampler, step cache, preset or model family shows up in --help unedited):
+    `model` (the presets that run: trained, or random weights written on first use; or a
+    folder), `any_model` (every preset, lowered without weights; or a folder)."""
+    from patchpar.models.family import families
+    from patchpar.models.presets import PRESETS, SHIPPED, WEIGHTED
+    from patchpar.parallel.strategies import STRATEGIES
+    from patchpar.sampling.cache import CACHES
+    from patchpar.sampling.schedulers import DDPM_SAMPLERS, SAMPLERS
+
+    fams = families().values()
+    pipelines = ", ".join(c.removesuffix("Pipeline") for f in fams for c in f.pipeline_classes)
+    folder = f"a local diffusers-format folder (pipelines: {pipelines})"
+    ddpm = "/".join(f.name for f in fams if f.default_sampler in DDPM_SAMPLERS)
+    flow = "/".join(f.name for f in fams if f.default_sampler not in DDPM_SAMPLERS)
+    caches = "; ".join(f"{k}: {c.summary.removeprefix('it ')}" for k, c in CACHES.items())
+    return {
+        "strategy": f"{', '.join(STRATEGIES)} (patchpar/parallel/strategies/).",
+        "sampler": f"{', '.join(DDPM_SAMPLERS)} (noise or v prediction: {ddpm} models) or "
+        f"{', '.join(s for s in SAMPLERS if s not in DDPM_SAMPLERS)} (flow matching: {flow}).",
+        "cache": f"A step cache (reuse across steps, with any one-call strategy): none; {caches}.",
+        "model": f"A preset, trained ({', '.join(SHIPPED)}) or with random weights "
+        f"({', '.join(WEIGHTED)}), or {folder}.",
+        "any_model": f"A preset ({', '.join(sorted([*PRESETS, *SHIPPED]))}) or {folder}.",
+    }
+
+
+HELP = _registry_help()
+
+
+def _optional(t):
+    return t if type(None) in typing.get_args(t) else t | None
+
+
+_OPTIONS = _strategy_options()
+STRATEGY_OPTIONS = tuple(_OPTIONS)
+
+
+def _options(self) -> dict:
+    return {k: getattr(self, k) for k in STRATEGY_OPTIONS if getattr(self, k) is not None}
+
+
+def _bare_flag(name: str):
+    """A boolean strategy option on the command line: `--no-sync` alone is True, `--no-sync
+    False` also reads; unset stays None (the strategy's default)."""
+    from tyro.constructors import PrimitiveConstructorSpec
+
+    flag = "--" + name.replace("_", "-")
+
+    def parse(args: list[str]) -> bool:
+        if not args:
+            return True
+        if len(args) == 1 and args[0].lower() in ("true", "false"):
+            return args[0].lower() == "true"
+        raise ValueError(f"{flag} {' '.join(args)!r}: a bare flag ({flag}), or {flag} True/False")
+
+    return PrimitiveConstructorSpec(
+        nargs="*",
+        metavar="[True|False]",
+        instance_from_str=parse,
+        is_instance=lambda v: v is None or isinstance(v, bool),
+        str_from_instance=lambda v: [str(v)],
+    )
+
+
+def _option_type(name: str, t):
+    if t is bool or t == bool | None:
+        return Annotated[bool | None, _bare_flag(name)]
+    return _optional(t)
+
+
+StrategyOptions = make_dataclass(
+    "StrategyOptions",
+    [
+        (
+            name,
+            Annotated[_option_type(name, t), tyro.conf.arg(help=text)],
+            field(default=None),
+        )
+        for name, (t, text) in _OPTIONS.items()
+    ],
+    frozen=True,
+    namespace={"options": _options, "__module__": __name__},
+)
+StrategyOptions.__doc__ = """The strategies' options (declared in each strategy's own file); one left
+    unset (None) keeps the strategy's default, and one the chosen strategy does not have is an
+    error."""
+
+
+@dataclass(frozen=True)
+class PlanFlags(StrategyOptions):
+    """Which strategy, on how many devices, with which options (flat flags for `generate`,
+    `comm` and `project`)."""
+
+    strategy: Annotated[str, tyro.conf.arg(help=HELP["strategy"])] = "single"
+    devices: int = 1
+    """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
+    cfg: int = 1
+    """1: both guidance halves on every device; 2: split across two device halves."""
+    data: int = 1
+    """Devices that split the images of a batch (data parallel; the Flax SD pipeline's pmap)."""
+    fsdp: bool = False
+    """Shard the weights over the devices that share them, gathered per layer (ZeRO-3)."""
+
+    def plan(self):
+        """The strategy with the options given, placed on the devices."""
+        return build_plan(
+            self.strategy, self.options(), self.devices, self.cfg, data=self.data, fsdp=self.fsdp
+        )
+
+
+@dataclass(frozen=True)
+class DecodeFlags(PlanFlags):
+    """PlanFlags and where the VAE decodes (`generate`, `project`; `comm` counts one denoiser
+    call and has no decode)."""
+
+    vae_parallel: str = "off"
+    """The VAE decode: off (one device, the whole image), rows (row patches over the devices,
+    exact halos, GroupNorm and Ring attention: equals off) or tiles (diffusers' enable_tiling
+    tiles spread over the devices and blended: not exact)."""
+    vae_tile: int = 0
+    """vae_parallel=tiles: a tile's side in pixels (0: the VAE's sample_size, diffusers')."""
+
+    def vae_plan(self):
+        """How the VAE decodes (patchpar.parallel.vae), on the same devices."""
+        return build_vae_plan(self.vae_parallel, self.devices, self.data, self.vae_tile)
+
+
+CACHE_FLAGS = tuple(
+    f"cache_{k}" for k in ("threshold", "interval", "warmup", "order", "stop", "branch")
+)
+
+
+@dataclass(frozen=True)
+class CachedDecodeFlags(DecodeFlags):
+    """DecodeFlags and a step cache as flat flags (`generate`, `project`)."""
+
+    cache: Annotated[str, tyro.conf.arg(help=HELP["cache"])] = "none"
+    cache_threshold: float | None = None
+    """fbcache: skip the blocks after the first while its residual changed by at most this
+    (relative mean absolute change since the last computed step); unset: 0.05 (diffusers').
+    teacache: its rel_l1_thresh; unset: 0.25."""
+    cache_interval: int | None = None
+    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5).
+    deepcache: one step in this many runs the whole UNet (unset: 3)."""
+    cache_warmup: int | None = None
+    """taylorseer: the first steps that all run the denoiser (unset: 3)."""
+    cache_order: int | None = None
+    """taylorseer: the Taylor expansion's highest order (unset: 1)."""
+    cache_stop: int | None = None
+    """taylorseer: from this step on every step runs again (unset: never)."""
+    cache_branch: int | None = None
+    """deepcache: the shallow branch's levels - 1, run every step (unset: 0, the shallowest)."""
+
+    def plan(self):
+        """The strategy with the options given, placed on the devices, with the cache."""
+        options = {k.removeprefix("cache_"): getattr(self, k) for k in CACHE_FLAGS}
+        return build_plan(
+            self.strategy, self.options(), self.devices, self.cfg, data=self.data,
+            fsdp=self.fsdp, cache=self.cache, cache_options=options,
+        )  # fmt: skip
