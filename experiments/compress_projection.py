@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import provenance
-    from patchpar.measure.projection import WorkloadCache, project, warmup_phase_steps
+    from patchpar.measure.projection import project, warmup_phase_steps
+    from patchpar.measure.workload import WorkloadCache
 
     args = parse(argv)
     prov = provenance()

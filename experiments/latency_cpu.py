@@ -100,7 +100,8 @@ def main(argv=None) -> None:
     from patchpar.lab.config import RunConfig
     from patchpar.lab.configio import from_dict
     from patchpar.lab.results import provenance
-    from patchpar.measure.projection import WorkloadCache, fit_compute, project
+    from patchpar.measure.projection import fit_compute, project
+    from patchpar.measure.workload import WorkloadCache
 
     prov = provenance()  # before the fit rewrites a profile: the commit is what ran
     measured = load(args.measured, lambda r: not r["config"]["measure"].get("compute_only"))

@@ -135,7 +135,8 @@ def fit_points(wl: dict, peak: float, hbm: float) -> list[tuple]:
 def main(argv=None) -> None:
     from patchpar import hardware
     from patchpar.lab.results import provenance
-    from patchpar.measure.projection import WorkloadCache, fit_compute, project
+    from patchpar.measure.projection import fit_compute, project
+    from patchpar.measure.workload import WorkloadCache
 
     args = parse(argv)
     prov = provenance()  # before the fit rewrites a profile: the commit is what ran

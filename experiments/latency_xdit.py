@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import provenance
-    from patchpar.measure.projection import WorkloadCache, project
+    from patchpar.measure.projection import project
+    from patchpar.measure.workload import WorkloadCache
 
     args = parse(argv)
     prov = provenance()

@@ -14,13 +14,8 @@ from patchpar import hardware
 from patchpar.lab.cli import main
 from patchpar.lab.config import build_plan
 from patchpar.measure.comm import collective_groups, parse_collectives
-from patchpar.measure.projection import (
-    Workload,
-    WorkloadCache,
-    compute_workload,
-    fit_compute,
-    project,
-)
+from patchpar.measure.projection import fit_compute, project
+from patchpar.measure.workload import Workload, WorkloadCache, compute_workload
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY = REPO / "results" / "latency"
@@ -368,12 +363,12 @@ def _experiment(name):
 def test_paper_check_rederived_from_its_records(monkeypatch):
     """a100-sxm's stored constants are the fit of the committed workloads on the declared
     points, and every published point's projection follows from them."""
-    from patchpar.measure import projection
+    from patchpar.measure import workload
 
     def not_cached(*args):
         raise AssertionError(f"workload {args[:2]} missing from the committed cache")
 
-    monkeypatch.setattr(projection, "compute_workload", not_cached)
+    monkeypatch.setattr(workload, "compute_workload", not_cached)
     paper = _experiment("latency_paper")
     wl = paper.workloads(WorkloadCache(LATENCY / "workloads.jsonl"))
     hw = hardware.load("a100-sxm")
@@ -407,12 +402,12 @@ def test_xdit_check_rederived_from_its_workloads(tmp_path, monkeypatch, capsys):
     the predictions on other hardware."""
     import shutil
 
-    from patchpar.measure import projection
+    from patchpar.measure import workload
 
     def not_cached(*args):
         raise AssertionError(f"workload {args[:2]} missing from the committed cache")
 
-    monkeypatch.setattr(projection, "compute_workload", not_cached)
+    monkeypatch.setattr(workload, "compute_workload", not_cached)
     shutil.copy(XDIT / "workloads.jsonl", tmp_path / "workloads.jsonl")
     xdit = _experiment("latency_xdit")
     assert xdit.main(["--out", str(tmp_path)]) == 0
@@ -453,7 +448,7 @@ def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
 def test_workloads_differ_by_data_and_fsdp_and_fsdp_gathers_are_waited_for(tmp_path):
     """A cache line names its mesh: data and FSDP plans are other workloads (lines written
     before either existed read as data 1, no FSDP), and a layer waits for its weights."""
-    from patchpar.measure.projection import synchronous_sites
+    from patchpar.measure.workload import synchronous_sites
 
     w = _workload([])
     old = w.to_json()
@@ -472,7 +467,7 @@ def test_workload_cache_lives_under_patchpar_home_and_skips_what_does_not_read(
     """A truncated line (a killed writer before the cache was written atomically) no longer
     breaks every `patchpar project`: it is skipped with a warning naming the file and line; a
     line lowered by another WORKLOAD_VERSION is not served; no temp file is left."""
-    from patchpar.measure.projection import WORKLOAD_VERSION, Workload, default_cache_path
+    from patchpar.measure.workload import WORKLOAD_VERSION, Workload, default_cache_path
 
     monkeypatch.setenv("PATCHPAR_HOME", str(tmp_path))
     assert default_cache_path() == tmp_path / "workloads.jsonl"
@@ -509,7 +504,7 @@ def test_compact_waits_for_its_compressed_exchange_and_stale_compression_does_no
     """compact exchanges fresh (compressed) halos and K/V: the steady step waits for them;
     a stale strategy's compressed sends overlap as uncompressed ones do."""
     from patchpar.lab.config import build_plan
-    from patchpar.measure.projection import synchronous_sites
+    from patchpar.measure.workload import synchronous_sites
 
     compact = synchronous_sites(
         build_plan("compact", {"codec": "kv=int2,halo=int2"}, 4, 1), "steady"

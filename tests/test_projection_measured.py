@@ -9,7 +9,7 @@ import pytest
 
 from patchpar.lab.cli import main
 from patchpar.lab.project import timed_compute
-from patchpar.measure.projection import WorkloadCache
+from patchpar.measure.workload import WorkloadCache
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,12 +67,12 @@ def test_tpu_projection_rederived_from_its_workloads_and_the_chips_timings(tmp_p
     import importlib.util
     import shutil
 
-    from patchpar.measure import projection
+    from patchpar.measure import workload
 
     def not_cached(*args):
         raise AssertionError(f"workload {args[:2]} missing from the committed cache")
 
-    monkeypatch.setattr(projection, "compute_workload", not_cached)
+    monkeypatch.setattr(workload, "compute_workload", not_cached)
     shutil.copy(TPU_PROJECTION / "workloads.jsonl", tmp_path / "workloads.jsonl")
     path = REPO / "experiments" / "device" / "tpu_projection.py"
     spec = importlib.util.spec_from_file_location("tpu_projection", path)

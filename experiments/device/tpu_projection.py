@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     from patchpar.lab.config import build_plan
     from patchpar.lab.project import timed_compute
     from patchpar.lab.results import provenance, read_records
-    from patchpar.measure.projection import WorkloadCache, project
+    from patchpar.measure.projection import project
+    from patchpar.measure.workload import WorkloadCache
 
     a = parse(argv)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from patchpar.lab.config import LOWERED_DTYPES as DTYPES
 from patchpar.lab.options import HELP, CachedDecodeFlags
 
 if TYPE_CHECKING:
-    from patchpar.measure.projection import Workload
+    from patchpar.measure.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import read_records
-    from patchpar.measure.projection import OVERLAPS, WorkloadCache, decode_collectives, project
+    from patchpar.measure.projection import OVERLAPS, project
+    from patchpar.measure.workload import WorkloadCache, decode_collectives
     from patchpar.models.presets import latent_factor
     from patchpar.sampling.cache import Forced
 
