@@ -164,6 +164,18 @@ def test_fake_devices_have_no_speedup(tmp_path):
     assert "--processes 2" in out["speedup_note"]
 
 
+def test_generate_starts_its_fake_cpu_devices_before_checking_its_plan():
+    """The plan's checks build the mesh: the devices are asked for first (here the plan is
+    refused for its steps, not for devices that are not there)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "patchpar.lab.cli", "generate", "--model", "tiny", "--devices",
+           "2", "--strategy", "distrifusion", "--warmup-steps", "5", "--steps", "2"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "starting JAX with 2 CPU devices" in res.stderr
+    assert "warmup_steps=5 must be < steps=2" in res.stderr and "present" not in res.stderr
+
+
 def test_devices_beyond_those_present_start_fake_cpu_devices_and_say_so():
     """`--devices N` on CPU without XLA_FLAGS: patchpar sets the device count itself."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -21,7 +21,8 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 
 def _run_config(args: list[str]):
@@ -45,118 +46,141 @@ def _run_config(args: list[str]):
 
 
 def _subcommands() -> dict:
-    from patchpar.lab.config import RunConfig
-    from patchpar.lab.costs import CommConfig
-    from patchpar.lab.generate import GenerateConfig
-    from patchpar.lab.plots import PlotConfig
-    from patchpar.lab.project import ProjectConfig
-    from patchpar.lab.sweep import SweepConfig
-    from patchpar.lab.tables import TableConfig
-
-    return {
-        "run": RunConfig,
-        "sweep": SweepConfig,
-        "table": TableConfig,
-        "plot": PlotConfig,
-        "generate": GenerateConfig,
-        "comm": CommConfig,
-        "project": ProjectConfig,
-    }
+    """command name -> the config class it parses (tyro's subcommands)."""
+    return {name: command.config() for name, command in COMMANDS.items()}
 
 
 def dispatch(config, args: list[str] | None = None) -> None:
-    """Hand a parsed config to its library function and print what it returns. `args`, the
-    command line, is what launched workers run (`patchpar generate --processes N`)."""
+    """Hand a parsed config to its command's function (`COMMANDS`), which prints what it
+    returns. `args`, the command line, is what launched workers run (`patchpar generate
+    --processes N`)."""
+    for command in COMMANDS.values():
+        if isinstance(config, command.config()):
+            return command.run(config, args or [])
+    raise TypeError(f"no command takes a {type(config).__name__}")
+
+
+def _run(config, args: list[str]) -> None:
     from patchpar.lab import launch
-    from patchpar.lab.config import RunConfig
-    from patchpar.lab.costs import CommConfig
-    from patchpar.lab.generate import GenerateConfig
-    from patchpar.lab.plots import PlotConfig
-    from patchpar.lab.project import ProjectConfig
-    from patchpar.lab.sweep import SweepConfig
-    from patchpar.lab.tables import TableConfig
+    from patchpar.lab.runner import run, runs_path
+    from patchpar.lab.tables import markdown, summary_columns
 
-    if isinstance(config, RunConfig):
-        from patchpar.lab.runner import run, runs_path
-        from patchpar.lab.tables import markdown, summary_columns
+    if not config.mesh.processes:
+        launch.request_cpu_devices(config.mesh.devices, _stderr)
+    rec = run(config, raise_errors=True)
+    if launch.is_writer() and not launch.launched_worker():  # the launcher prints it
+        print(markdown([rec], summary_columns([rec])))
+        print(f"record {rec['run_id']} -> {runs_path(config)}")
 
-        if not config.mesh.processes:
-            launch.request_cpu_devices(config.mesh.devices, _stderr)
-        rec = run(config, raise_errors=True)
-        if launch.is_writer() and not launch.launched_worker():  # the launcher prints it
-            print(markdown([rec], summary_columns([rec])))
-            print(f"record {rec['run_id']} -> {runs_path(config)}")
-    elif isinstance(config, SweepConfig):
-        from patchpar.lab.sweep import run_sweep
-        from patchpar.lab.tables import markdown, summary_columns
 
-        records = run_sweep(config)
-        if records:
-            print(markdown(records, summary_columns(records), sort_by=("mesh.devices", "label")))
-        failed = [r for r in records if r.get("status") != "ok"]
-        if failed:  # recorded and the sweep went on, but the command did not fully succeed
-            raise Failed(
-                f"{len(failed)} of {len(records)} sweep points did not run "
-                f"({', '.join(sorted({r['status'] for r in failed}))}): "
-                + "; ".join(f"{r.get('label')}: {r.get('error')}" for r in failed[:3])
-            )
-    elif isinstance(config, TableConfig):
-        from patchpar.lab.tables import run_table
+def _sweep(config, args: list[str]) -> None:
+    from patchpar.lab.sweep import run_sweep
+    from patchpar.lab.tables import markdown, summary_columns
 
-        print(run_table(config))
-    elif isinstance(config, PlotConfig):
-        from patchpar.lab.plots import plots_folder, run_plot
-
-        for name, where in run_plot(config).items():
-            print(f"{name}: {where}")
-        print(f"plots -> {plots_folder(config)}")
-    elif isinstance(config, GenerateConfig):
-        from patchpar.lab.generate import check, generate, launched_generate
-
-        if not launch.launched_worker():  # the launcher has said it
-            for msg in check(config):  # bad flags: errors before any work or launch
-                _stderr(f"patchpar: warning: {msg}")
-        if config.processes and not launch.in_worker():
-            record = launched_generate(config, args or [])
-        else:
-            if not config.processes:
-                launch.request_cpu_devices(config.devices, _stderr)
-            record = generate(config, log=_stderr)
-        if not launch.is_writer() or launch.launched_worker():
-            return
-        for path in record["images"]:
-            print(path)
-        cached = (
-            f"; {record['cache']}: {record['cache_computed_steps']} of {config.steps} steps ran "
-            f"every block, {record['blocks_computed']:.0%} of the block calls"
-            if "cache" in record else ""
-        )  # fmt: skip
-        print(
-            f"{record['strategy']} on {record['devices']} device(s): latent {record['latent_shape']} "
-            f"-> {config.out}/latent.npy ({record['generate_s_including_compile']:.1f} s including "
-            f"compile; stale buffers {record['stale_bytes_per_device'] / 2**20:.2f} MiB per device"
-            f"{cached})"
+    records = run_sweep(config)
+    if records:
+        print(markdown(records, summary_columns(records), sort_by=("mesh.devices", "label")))
+    failed = [r for r in records if r.get("status") != "ok"]
+    if failed:  # recorded and the sweep went on, but the command did not fully succeed
+        raise Failed(
+            f"{len(failed)} of {len(records)} sweep points did not run "
+            f"({', '.join(sorted({r['status'] for r in failed}))}): "
+            + "; ".join(f"{r.get('label')}: {r.get('error')}" for r in failed[:3])
         )
-    elif isinstance(config, CommConfig):
-        import json
 
-        from patchpar.lab.costs import format_comm, run_comm
 
+def _table(config, args: list[str]) -> None:
+    from patchpar.lab.tables import run_table
+
+    print(run_table(config))
+
+
+def _plot(config, args: list[str]) -> None:
+    from patchpar.lab.plots import plots_folder, run_plot
+
+    for name, where in run_plot(config).items():
+        print(f"{name}: {where}")
+    print(f"plots -> {plots_folder(config)}")
+
+
+def _generate(config, args: list[str]) -> None:
+    from patchpar.lab import launch
+    from patchpar.lab.generate import check, generate, launched_generate
+
+    if not config.processes:  # before the checks: they build the mesh
         launch.request_cpu_devices(config.devices, _stderr)
-        rec = run_comm(config, log=_stderr)
-        print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
-    elif isinstance(config, ProjectConfig):
-        import json
+    if not launch.launched_worker():  # the launcher has said it
+        for msg in check(config):  # bad flags: errors before any work or launch
+            _stderr(f"patchpar: warning: {msg}")
+    if config.processes and not launch.in_worker():
+        record = launched_generate(config, args)
+    else:
+        record = generate(config, log=_stderr)
+    if not launch.is_writer() or launch.launched_worker():
+        return
+    for path in record["images"]:
+        print(path)
+    cached = (
+        f"; {record['cache']}: {record['cache_computed_steps']} of {config.steps} steps ran "
+        f"every block, {record['blocks_computed']:.0%} of the block calls"
+        if "cache" in record else ""
+    )  # fmt: skip
+    print(
+        f"{record['strategy']} on {record['devices']} device(s): latent {record['latent_shape']} "
+        f"-> {config.out}/latent.npy ({record['generate_s_including_compile']:.1f} s including "
+        f"compile; stale buffers {record['stale_bytes_per_device'] / 2**20:.2f} MiB per device"
+        f"{cached})"
+    )
 
-        from patchpar.lab.project import format_project, run_project
 
-        launch.request_cpu_devices(config.devices, _stderr)
-        rows = run_project(config, log=_stderr)
-        if config.json:
-            for row in rows:
-                print(json.dumps(row, sort_keys=True))
-        else:
-            print(format_project(rows))
+def _comm(config, args: list[str]) -> None:
+    import json
+
+    from patchpar.lab import launch
+    from patchpar.lab.costs import format_comm, run_comm
+
+    launch.request_cpu_devices(config.devices, _stderr)
+    rec = run_comm(config, log=_stderr)
+    print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
+
+
+def _project(config, args: list[str]) -> None:
+    import json
+
+    from patchpar.lab import launch
+    from patchpar.lab.project import format_project, run_project
+
+    launch.request_cpu_devices(config.devices, _stderr)
+    rows = run_project(config, log=_stderr)
+    if config.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    else:
+        print(format_project(rows))
+
+
+def _config(module: str, name: str):
+    """The config class `name` of `patchpar.lab.<module>`, imported when asked for (the CLI's
+    start stays light)."""
+    import importlib
+
+    return lambda: getattr(importlib.import_module(f"patchpar.lab.{module}"), name)
+
+
+class Command(NamedTuple):
+    config: Callable[[], type]  # the config class it parses
+    run: Callable[[Any, list[str]], None]  # what it does with it (prints what it returns)
+
+
+COMMANDS = {  # the `patchpar` commands, in --help's order
+    "run": Command(_config("config", "RunConfig"), _run),
+    "sweep": Command(_config("sweep", "SweepConfig"), _sweep),
+    "table": Command(_config("tables", "TableConfig"), _table),
+    "plot": Command(_config("plots", "PlotConfig"), _plot),
+    "generate": Command(_config("generate", "GenerateConfig"), _generate),
+    "comm": Command(_config("costs", "CommConfig"), _comm),
+    "project": Command(_config("project", "ProjectConfig"), _project),
+}
 
 
 class Failed(Exception):
