@@ -1,7 +1,8 @@
-"""README's commands hold on a fresh clone: every `patchpar` command in it parses and passes the
-checks it makes before any work, a command that reads what an earlier run writes (`runs/X`)
-comes after the command that makes it, the library snippets run as written, and the hardware
-list is the profiles'. The slow tier runs every command at miniature scale."""
+"""The guide's commands (README and the docs it links) hold on a fresh clone: every `patchpar`
+command in it parses and passes the checks it makes before any work, a command that reads what
+an earlier run writes (`runs/X`) comes after the command that makes it, the library snippets
+run as written, and the hardware list is the profiles'. The slow tier runs every command at
+miniature scale."""
 
 import shlex
 from pathlib import Path
@@ -20,7 +21,11 @@ from patchpar.lab.sweep import SweepConfig, load_sweep
 from patchpar.lab.tables import TableConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+# the user's guide: README, then the guides it links, in the order a reader meets them (a
+# command that reads what an earlier one writes must come after it in this order)
+GUIDE_FILES = ("README.md", "docs/concepts.md", "docs/usage.md", "docs/models.md",
+               "docs/hardware.md")  # fmt: skip
+README = "\n".join((ROOT / f).read_text() for f in GUIDE_FILES)
 
 
 def blocks(language: str) -> list[str]:
