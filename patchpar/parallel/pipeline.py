@@ -203,180 +203,224 @@ def _local(
     unet, plan, sampler, phase, start, stop, gs, first, outer, blocks, real, cond, schedule, x
 ):
     """Inside shard_map: one device (a stage of every segment) of one phase."""
-    stack = unet.stack
-    stages, s = plan.patch, lax.axis_index(PATCH)
-    segments = len(blocks)
-    hop = Hop(local=not plan.comm)
-    g, b = cond.context.shape[:2]
-    flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
-    extras = {k: flat(v) for k, v in cond.added().items()}
-    ctx = stack.context(outer, flat(cond.context), extras)  # step-invariant
-    if first:  # the whole latent (b, H, W, C) -> M patches, a history per patch, no buffers yet
-        bb, hh, ww, cc = x.shape
-        patches = plan.strategy.patches(stages, segments, hh // unet.row_multiple)
-        lat = jnp.moveaxis(x.reshape(bb, patches, hh // patches, ww, cc), 1, 0)
-        hist = jax.vmap(sampler.init_carry)(lat)
-        kv = None
+    dev = _Device(unet, plan, sampler, schedule, gs, outer, blocks, real, cond)
+    lat, hist, kv = dev.carried(x, first)
+    if phase == "warmup":
+        lat, hist, kv = lax.fori_loop(start, stop, dev.full_pass, (lat, hist, kv))
     else:
-        (lat, hist), kv = strip_device_axes(x)
-        patches = lat.shape[0]
-    rows, width = lat.shape[2], lat.shape[3]  # one patch's latent rows, the latent's columns
-    p = stack.patch_size
-    row = width // p  # tokens per image row
+        lat, hist, kv = dev.stream(start, stop, lat, hist, kv)
+    return with_device_axes((lat, hist)), with_device_axes(kv)
 
-    dt, d = jnp.dtype(stack.dtype), stack.width
-    tokens = (rows * patches // p) * row  # the whole image's
-    # the attentions of a segment's blocks whose image K/V a stage keeps (SD3.5's dual
-    # blocks: two), each a whole-image buffer per block
-    names = stack.segment_kv_names
-    if kv is None:  # the first full pass writes the buffers whole
-        kv = []
-        for k, r in enumerate(real):
-            zeros = [jnp.zeros((g * b, tokens, d), dt) for _ in range(r.shape[0])]
-            # per attention, per block: updated in place in the loop
-            kv.append({n: {"k": list(zeros), "v": list(zeros)} for n in names[k]})
-    kv = list(kv)
-    last = stages - 1
-    final = last if segments % 2 else 0  # the device of the last segment's last stage
 
-    def temb_at(i):
-        ts = jnp.broadcast_to(schedule.timesteps[i], (g * b,))
-        return stack.time(outer, ts, extras)
+class _Device:
+    """One device of the pipeline inside shard_map: a stage of every segment. What every part
+    of a phase shares (the plan, the sampler, the weights, the step-invariant text context,
+    the shapes) is set once here; the parts are its methods: `carried` (what a phase starts
+    from), `full_pass` (a warm-up step), `stream` (the steady steps, slot by slot), and
+    `run_segment`, `predict` and `guide` that they call."""
 
-    def run_segment(k, active, h, kv_k, temb, m, n_patch):
+    def __init__(self, unet, plan, sampler, schedule, gs, outer, blocks, real, cond):
+        self.unet, self.plan, self.sampler, self.schedule, self.gs = (
+            unet,
+            plan,
+            sampler,
+            schedule,
+            gs,
+        )
+        self.outer, self.blocks, self.real = outer, blocks, real
+        self.stack = stack = unet.stack
+        self.stages, self.s = plan.patch, lax.axis_index(PATCH)
+        self.segments = len(blocks)
+        self.last = self.stages - 1
+        self.final = self.last if self.segments % 2 else 0  # the last segment's last stage
+        self.hop = Hop(local=not plan.comm)
+        self.g, self.b = g, b = cond.context.shape[:2]
+        flat = lambda a: a.reshape((g * b,) + a.shape[2:])  # noqa: E731
+        self.extras = {k: flat(v) for k, v in cond.added().items()}
+        self.ctx = stack.context(outer, flat(cond.context), self.extras)  # step-invariant
+        # the attentions of a segment's blocks whose image K/V a stage keeps (SD3.5's dual
+        # blocks: two), each a whole-image buffer per block
+        self.names = stack.segment_kv_names
+
+    def carried(self, x, first: bool):
+        """(latent patches (M, b, h, W, C), the sampler's history per patch, K/V buffers per
+        segment) a phase starts from: the first phase cuts the whole latent into M patches and
+        writes the buffers whole; a later one takes the last phase's."""
+        stack, g, b = self.stack, self.g, self.b
+        if first:
+            bb, hh, ww, cc = x.shape
+            patches = self.plan.strategy.patches(
+                self.stages, self.segments, hh // self.unet.row_multiple
+            )
+            lat = jnp.moveaxis(x.reshape(bb, patches, hh // patches, ww, cc), 1, 0)
+            hist = jax.vmap(self.sampler.init_carry)(lat)
+            kv = None
+        else:
+            (lat, hist), kv = strip_device_axes(x)
+        self.patches = patches = lat.shape[0]
+        self.rows, self.width = lat.shape[2], lat.shape[3]  # a patch's rows, the columns
+        p = stack.patch_size
+        self.row = self.width // p  # tokens per image row
+        self.tokens = (self.rows * patches // p) * self.row  # the whole image's
+        if kv is None:  # per attention, per block: updated in place in the loop
+            dt, d = jnp.dtype(stack.dtype), stack.width
+            kv = []
+            for k, r in enumerate(self.real):
+                zeros = [jnp.zeros((g * b, self.tokens, d), dt) for _ in range(r.shape[0])]
+                kv.append({n: {"k": list(zeros), "v": list(zeros)} for n in self.names[k]})
+        return lat, hist, list(kv)
+
+    def temb_at(self, i):
+        ts = jnp.broadcast_to(self.schedule.timesteps[i], (self.g * self.b,))
+        return self.stack.time(self.outer, ts, self.extras)
+
+    def run_segment(self, k, active, h, kv_k, temb, m, n_patch):
         """This device's blocks of segment k on one item (patch m of n_patch, 1: the whole
         image). Every device computes every slot (the slot takes as long as the busiest);
         where it has no item (`active` false: filling or draining) or the block is padding,
         nothing it computes is kept: its K/V writes are masked (`live`), its tokens are
         never read."""
+        names, real = self.names[k], self.real[k]
         ops = PipeKV(patches=n_patch)
         at = jnp.asarray(m, jnp.int32)
-        new = {n: {"k": [], "v": []} for n in names[k]}
-        for l in range(real[k].shape[0]):
-            live = jnp.logical_and(active, real[k][l])
+        new = {n: {"k": [], "v": []} for n in names}
+        for l in range(real.shape[0]):
+            live = jnp.logical_and(active, real[l])
             variables = {
-                SLOT: {n: {"at": at, "live": live} for n in names[k]},
-                STALE: {n: {"k": kv_k[n]["k"][l], "v": kv_k[n]["v"][l]} for n in names[k]},
+                SLOT: {n: {"at": at, "live": live} for n in names},
+                STALE: {n: {"k": kv_k[n]["k"][l], "v": kv_k[n]["v"][l]} for n in names},
             }
-            params_l = jax.tree.map(lambda a: a[l], blocks[k])  # noqa: B023
-            out, mut = stack.block(outer, ops, params_l, h, ctx, temb, row, variables, [STALE],
-                                   segment=k)  # fmt: skip
-            h = _where(real[k][l], out, h)  # a padding block passes its input on
-            for n in names[k]:
+            params_l = jax.tree.map(lambda a, l=l: a[l], self.blocks[k])
+            out, mut = self.stack.block(self.outer, ops, params_l, h, self.ctx, temb, self.row,
+                                        variables, [STALE], segment=k)  # fmt: skip
+            h = _where(real[l], out, h)  # a padding block passes its input on
+            for n in names:
                 new[n]["k"].append(mut[STALE][n]["k"])
                 new[n]["v"].append(mut[STALE][n]["v"])
         return h, new
 
-    def guide(pred):  # outside any cond: the cfg gather is a collective
-        if plan.cfg == 2:
-            if plan.comm:
+    def guide(self, pred):
+        """Guidance of the final stage's prediction (outside any cond: the cfg gather is a
+        collective)."""
+        if self.plan.cfg == 2:
+            if self.plan.comm:
                 with jax.named_scope("pp_cfg"):
                     pred = lax.all_gather(pred, CFG, axis=0, tiled=True)
             else:
                 pred = jnp.concatenate([pred, pred], axis=0)
-        return guided(pred, gs)
+        return guided(pred, self.gs)
 
-    def predict(h, temb, x_in):
-        pred = unet.prediction(stack.head(outer, h, temb, x_in.shape[1], width))
-        return guide(pred.reshape((g, b) + pred.shape[1:]))
+    def predict(self, h, temb, x_in):
+        """The output layers on the last block's tokens, guided: the sampler's model output."""
+        pred = self.unet.prediction(self.stack.head(self.outer, h, temb, x_in.shape[1],
+                                                    self.width))  # fmt: skip
+        return self.guide(pred.reshape((self.g, self.b) + pred.shape[1:]))
 
-    if phase == "warmup":
+    def scaled(self, i, x_in):
+        """The sampler's scaled input of step i over the guidance halves, (g*b, ...)."""
+        xs = self.sampler.scale_input(self.schedule, i, x_in)
+        xs = jnp.broadcast_to(xs[None], (self.g,) + xs.shape)
+        return xs.reshape((self.g * self.b,) + xs.shape[2:])
 
-        def step(i, loop):
-            lat, hist, kv = loop
-            whole = _whole(lat)
-            temb = temb_at(i)
-            at = {SLOT: {"at": jnp.int32(0)}}
-            h = stack.embed(outer, PipeKV(patches=1), _scaled(whole, i), at, ctx=ctx)
-            h = _where(s == 0, h, stack.zeros(g * b, tokens, ctx))
-            for k in range(segments):  # every stage of every segment in turn, one device each
-                for t in range(stages):
-                    dev = device_stage(k, t, stages)
-                    h, kv[k] = run_segment(k, s == dev, h, kv[k], temb, 0, 1)
-                    if t < last:  # to the next stage's device (a segment's turn stays put)
-                        h = hop.send(h, ((dev, device_stage(k, t + 1, stages)),))
-            eps = predict(h, temb, whole)  # the final device's
-            eps = jnp.moveaxis(eps.reshape(b, patches, rows, width, -1), 1, 0)
-            new, hist = jax.vmap(partial(sampler.step, schedule, i))(lat, eps, hist)
-            lat = jnp.where(s == final, new, lat)  # the middle stages keep none
-            if final != 0:  # the new latent back to the first stage
-                lat = jnp.where(s == 0, hop.send(new, ((final, 0),)), lat)
-            return lat, hist, kv
+    def full_pass(self, i, loop):
+        """A warm-up step: the whole image through every stage of every segment in turn, one
+        device active; the final device's sampler step, its new latent back to device 0."""
+        lat, hist, kv = loop
+        s, stages, last, stack = self.s, self.stages, self.last, self.stack
+        whole = _whole(lat)
+        temb = self.temb_at(i)
+        at = {SLOT: {"at": jnp.int32(0)}}
+        h = stack.embed(self.outer, PipeKV(patches=1), self.scaled(i, whole), at, ctx=self.ctx)
+        h = _where(s == 0, h, stack.zeros(self.g * self.b, self.tokens, self.ctx))
+        for k in range(self.segments):  # every stage of every segment in turn
+            for t in range(stages):
+                dev = device_stage(k, t, stages)
+                h, kv[k] = self.run_segment(k, s == dev, h, kv[k], temb, 0, 1)
+                if t < last:  # to the next stage's device (a segment's turn stays put)
+                    h = self.hop.send(h, ((dev, device_stage(k, t + 1, stages)),))
+        eps = self.predict(h, temb, whole)  # the final device's
+        eps = jnp.moveaxis(eps.reshape(self.b, self.patches, self.rows, self.width, -1), 1, 0)
+        new, hist = jax.vmap(partial(self.sampler.step, self.schedule, i))(lat, eps, hist)
+        lat = jnp.where(s == self.final, new, lat)  # the middle stages keep none
+        if self.final != 0:  # the new latent back to the first stage
+            lat = jnp.where(s == 0, self.hop.send(new, ((self.final, 0),)), lat)
+        return lat, hist, kv
 
-        def _scaled(whole, i):
-            xs = sampler.scale_input(schedule, i, whole)
-            return jnp.broadcast_to(xs[None], (g,) + xs.shape).reshape((g * b,) + xs.shape[1:])
+    def stream(self, start, stop, lat, hist, kv):
+        """The steady steps [start, stop): the patches streamed through the stages, M slots
+        a period, one period more than the steps when S > 1 (the drain)."""
+        self.items = (stop - start) * self.patches
+        self.start = start
+        periods = (stop - start) + (self.stages > 1)
+        tok = (self.rows // self.stack.patch_size) * self.row  # one patch's tokens
+        inbox = tuple(self.stack.zeros(self.g * self.b, tok, self.ctx)
+                      for _ in range(self.segments))  # fmt: skip
+        lat, hist, kv, _ = lax.fori_loop(0, periods, self.period, (lat, hist, kv, inbox))
+        return lat, hist, kv
 
-        lat, hist, kv = lax.fori_loop(start, stop, step, (lat, hist, kv))
-    else:
-        items = (stop - start) * patches
-        periods = (stop - start) + (stages > 1)
-        tok = (rows // p) * row  # one patch's tokens
+    def item(self, n, k_slot, k):
+        """This device's item at its stage of segment k in slot k_slot of period n: (active,
+        step, patch)."""
+        j = n * self.patches + k_slot - slot_offset(k, device_stage(k, self.s, self.stages),
+                                                    self.stages)  # fmt: skip
+        active = jnp.logical_and(j >= 0, j < self.items)
+        jj = jnp.clip(j, 0, self.items - 1)
+        return active, self.start + jj // self.patches, jj % self.patches
 
-        def item(n, k_slot, k):
-            """This device's item at stage of segment k in slot k_slot of period n: (active,
-            step, patch)."""
-            j = n * patches + k_slot - slot_offset(k, device_stage(k, s, stages), stages)
-            active = jnp.logical_and(j >= 0, j < items)
-            jj = jnp.clip(j, 0, items - 1)
-            return active, start + jj // patches, jj % patches
+    def period(self, n, loop):
+        """One period: M slots; in each, this device runs its item of every segment, the final
+        stage steps its item's latent, and the tokens and the new latent hop on."""
+        lat, hist, kv, inbox = loop
+        inbox = list(inbox)
+        for k_slot in range(self.patches):
+            lat, hist, kv, inbox = self.slot(n, k_slot, lat, hist, kv, inbox)
+        return lat, hist, kv, tuple(inbox)
 
-        def period(n, loop):
-            lat, hist, kv, inbox = loop
-            inbox = list(inbox)
-            for k_slot in range(patches):  # slot k_slot of the period
-                outs, h = [], None
-                for k in range(segments):
-                    active, i, m = item(n, k_slot, k)
-                    temb = temb_at(i)
-                    if k == 0:
-                        x_in = lat[m]
-                        xs = sampler.scale_input(schedule, i, x_in)
-                        xs = jnp.broadcast_to(xs[None], (g,) + xs.shape)
-                        at = jnp.asarray(m, jnp.int32)
-                        first_stage = stack.embed(
-                            outer, PipeKV(patches=patches), xs.reshape((g * b,) + xs.shape[2:]),
-                            {SLOT: {"at": at}}, ctx=ctx,
-                        )  # fmt: skip
-                        h_in = _where(s == 0, first_stage, inbox[0])
-                    else:  # where segment k starts, segment k-1's output of this slot
-                        turn = device_stage(k, 0, stages)
-                        h_in = _where(s == turn, h, inbox[k])
-                    h, kv[k] = run_segment(k, active, h_in, kv[k], temb, m, patches)
-                    outs.append(h)
-                # the final stage: the output layers, guidance and the sampler step of its item
-                x_in = lat[m]
-                eps = predict(h, temb, x_in)
-                hm = jax.tree.map(lambda a: a[m], hist)  # noqa: B023
-                new, hm_new = sampler.step(schedule, i, x_in, eps, hm)
-                mine = jnp.logical_and(active, s == final)
-                new = jnp.where(mine, new, x_in)
-                hm_new = jax.tree.map(partial(jnp.where, mine), hm_new, hm)
-                lat = lax.dynamic_update_index_in_dim(lat, new, m, 0)
-                hist = jax.tree.map(
-                    lambda a, v: lax.dynamic_update_index_in_dim(a, v, m, 0),  # noqa: B023
-                    hist,
-                    hm_new,
+    def slot(self, n, k_slot, lat, hist, kv, inbox):
+        s, stages, segments = self.s, self.stages, self.segments
+        outs, h = [], None
+        for k in range(segments):
+            active, i, m = self.item(n, k_slot, k)
+            temb = self.temb_at(i)
+            if k == 0:
+                first_stage = self.stack.embed(
+                    self.outer, PipeKV(patches=self.patches), self.scaled(i, lat[m]),
+                    {SLOT: {"at": jnp.asarray(m, jnp.int32)}}, ctx=self.ctx,
+                )  # fmt: skip
+                h_in = _where(s == 0, first_stage, inbox[0])
+            else:  # where segment k starts, segment k-1's output of this slot
+                h_in = _where(s == device_stage(k, 0, stages), h, inbox[k])
+            h, kv[k] = self.run_segment(k, active, h_in, kv[k], temb, m, self.patches)
+            outs.append(h)
+        # the final stage: the output layers, guidance and the sampler step of its item
+        x_in = lat[m]
+        eps = self.predict(h, temb, x_in)
+        hm = jax.tree.map(lambda a: a[m], hist)
+        new, hm_new = self.sampler.step(self.schedule, i, x_in, eps, hm)
+        mine = jnp.logical_and(active, s == self.final)
+        new = jnp.where(mine, new, x_in)
+        hm_new = jax.tree.map(partial(jnp.where, mine), hm_new, hm)
+        lat = lax.dynamic_update_index_in_dim(lat, new, m, 0)
+        hist = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, m, 0), hist, hm_new)
+        if stages > 1:
+            for k in range(segments):  # each segment's tokens to its next stage
+                pairs = tuple(
+                    (device_stage(k, t, stages), device_stage(k, t + 1, stages))
+                    for t in range(self.last)
                 )
-                if stages > 1:
-                    for k in range(segments):  # each segment's tokens to its next stage
-                        pairs = tuple(
-                            (device_stage(k, t, stages), device_stage(k, t + 1, stages))
-                            for t in range(last)
-                        )
-                        inbox[k] = hop.send(outs[k], pairs)
-                    if final != 0:  # the new latent back to the first stage
-                        back = hop.send(new, ((final, 0),))
-                        jl = n * patches + k_slot - slot_offset(segments - 1, last, stages)
-                        got = jnp.logical_and(s == 0, jnp.logical_and(jl >= 0, jl < items))
-                        ml = jnp.clip(jl, 0, items - 1) % patches
-                        old = lat[ml]
-                        lat = lax.dynamic_update_index_in_dim(lat, jnp.where(got, back, old), ml, 0)
-            return lat, hist, kv, tuple(inbox)
+                inbox[k] = self.hop.send(outs[k], pairs)
+            if self.final != 0:  # the new latent back to the first stage
+                lat = self.latent_back(n, k_slot, lat, new)
+        return lat, hist, kv, inbox
 
-        inbox = tuple(stack.zeros(g * b, tok, ctx) for _ in range(segments))
-        lat, hist, kv, _ = lax.fori_loop(0, periods, period, (lat, hist, kv, inbox))
-    return with_device_axes((lat, hist)), with_device_axes(kv)
+    def latent_back(self, n, k_slot, lat, new):
+        """The final stage's new latent of this slot sent to device 0, which stores it where
+        its item's patch is (M slots after it left)."""
+        back = self.hop.send(new, ((self.final, 0),))
+        jl = n * self.patches + k_slot - slot_offset(self.segments - 1, self.last, self.stages)
+        got = jnp.logical_and(self.s == 0, jnp.logical_and(jl >= 0, jl < self.items))
+        ml = jnp.clip(jl, 0, self.items - 1) % self.patches
+        return lax.dynamic_update_index_in_dim(lat, jnp.where(got, back, lat[ml]), ml, 0)
 
 
 def _whole(lat: jax.Array) -> jax.Array:
