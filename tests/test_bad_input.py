@@ -285,7 +285,7 @@ def test_generate_width_follows_height_and_height_zero_is_an_error(tmp_path, mic
 def test_generate_default_model_is_the_trained_fmnist_at_its_guidance(tmp_path):
     from patchpar.lab.generate import GenerateConfig
 
-    assert GenerateConfig().model == "fmnist"
+    assert GenerateConfig().model.name == "fmnist"
     out = tmp_path / "gen"
     assert main(["generate", "--steps", "2", "--out", str(out)]) == 0
     record = json.loads((out / "generate.json").read_text())

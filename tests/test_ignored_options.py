@@ -37,7 +37,7 @@ def test_comm_has_no_vae_flags_and_a_codec_names_a_kind_once(capsys):
     assert exit_code(["comm", "--model", "tiny", "--vae-parallel", "rows"]) == 2
     err = one_error(capsys)
     assert "options: --vae-parallel rows (not options of patchpar comm)" in err
-    assert "--vae-parallel (patchpar generate, project)" in err
+    assert "--vae-parallel (patchpar generate, run, project)" in err
     args = ["comm", "--model", "tiny", "--resolution", "256", "--strategy", "distrifusion",
             "--devices", "2", "--codec", "kv=int2,kv=int8"]  # fmt: skip
     assert main(args) == 2
@@ -175,7 +175,7 @@ def test_a_cache_option_past_the_last_step_is_warned_of():
         want = [f"cache stop={stop} has no effect with 4 steps: the last step is 3, so caching "
                 f"never stops (as unset); use stop <= 3"]  # fmt: skip
         assert unused_options(cfg) == (want if warned else [])
-        gen = GenerateConfig(
+        gen = GenerateConfig.from_flags(
             model="fmnist-dit", steps=4, cache="taylorseer", cache_stop=stop, cache_warmup=1
         )
         assert check(gen) == (want if warned else [])

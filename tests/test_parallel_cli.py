@@ -59,8 +59,12 @@ def test_generate_runs_for_every_strategy(micro_folder, tmp_path, strategy, flag
 
 def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
     base = dict(model=str(micro_folder), prompt=("a cat",), steps=3, height=32, width=32)
-    generate(GenerateConfig(**base, out=tmp_path / "a"))
-    generate(GenerateConfig(**base, out=tmp_path / "b", strategy="sync_patch", devices=4, cfg=2))
+    generate(GenerateConfig.from_flags(**base, out=tmp_path / "a"))
+    generate(
+        GenerateConfig.from_flags(
+            **base, out=tmp_path / "b", strategy="sync_patch", devices=4, cfg=2
+        )
+    )
     a, b = np.load(tmp_path / "a" / "latent.npy"), np.load(tmp_path / "b" / "latent.npy")
     assert np.abs(a - b).max() <= 1e-4
 
@@ -163,7 +167,7 @@ def test_validation_errors_name_the_numbers(micro_folder, tmp_path, config, mess
         width=32,
     )
     with pytest.raises(ValueError, match=message):
-        generate(GenerateConfig(**{**base, **config, "out": tmp_path}))
+        generate(GenerateConfig.from_flags(**{**base, **config, "out": tmp_path}))
     assert not (tmp_path / "latent.npy").exists()
 
 

@@ -231,7 +231,7 @@ def test_own_programs_in_two_processes_equal_two_fake_devices(tmp_path, strategy
            "--out", str(tmp_path / "mp")]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
-    here = GenerateConfig(
+    here = GenerateConfig.from_flags(
         model="fmnist-dit",
         prompt=prompts,
         strategy=strategy,

@@ -53,8 +53,9 @@ def commands() -> list[list[str]]:
 
 
 def parse(argv: list[str]):
+    argv = cli._short_flags(argv)
     if argv[0] == "run":
-        return cli._run_config([cli._processes_alias(a) for a in argv[1:]])
+        return cli._run_config(argv[1:])
     return tyro.extras.subcommand_cli_from_dict(cli._subcommands(), prog="patchpar", args=argv)
 
 

@@ -107,12 +107,12 @@ def _generate(config, args: list[str]) -> None:
     from patchpar.lab import launch
     from patchpar.lab.generate import check, generate, launched_generate
 
-    if not config.processes:  # before the checks: they build the mesh
-        launch.request_cpu_devices(config.devices, _stderr)
+    if not config.mesh.processes:  # before the checks: they build the mesh
+        launch.request_cpu_devices(config.mesh.devices, _stderr)
     if not launch.launched_worker():  # the launcher has said it
         for msg in check(config):  # bad flags: errors before any work or launch
             _stderr(f"patchpar: warning: {msg}")
-    if config.processes and not launch.in_worker():
+    if config.mesh.processes and not launch.in_worker():
         record = launched_generate(config, args)
     else:
         record = generate(config, log=_stderr)
@@ -121,7 +121,7 @@ def _generate(config, args: list[str]) -> None:
     for path in record["images"]:
         print(path)
     cached = (
-        f"; {record['cache']}: {record['cache_computed_steps']} of {config.steps} steps ran "
+        f"; {record['cache']}: {record['cache_computed_steps']} of {config.sampler.steps} steps ran "
         f"every block, {record['blocks_computed']:.0%} of the block calls"
         if "cache" in record else ""
     )  # fmt: skip
@@ -172,6 +172,8 @@ class Command(NamedTuple):
     run: Callable[[Any, list[str]], None]  # what it does with it (prints what it returns)
 
 
+NESTED = ("run", "generate")  # commands whose config is the nested spec (short flags too)
+
 COMMANDS = {  # the `patchpar` commands, in --help's order
     "run": Command(_config("config", "RunConfig"), _run),
     "sweep": Command(_config("sweep", "SweepConfig"), _sweep),
@@ -215,9 +217,9 @@ def _command(args: list[str], debug: bool) -> int:
 
     try:
         args, cluster = launch.pop_cluster_flags(args)
-        with _one_line_usage_errors():
-            if args and args[0] == "run":  # `--processes N` is `--mesh.processes N` for a run
-                args = [_processes_alias(a) for a in args]
+        with _one_line_usage_errors(args):
+            args = _short_flags(args)
+            if args and args[0] == "run":
                 config = _run_config(args[1:])
             else:
                 config = tyro.extras.subcommand_cli_from_dict(
@@ -279,10 +281,11 @@ def _one_line_warnings():
 
 
 @contextlib.contextmanager
-def _one_line_usage_errors():
+def _one_line_usage_errors(args: list[str]):
     """tyro reports a command-line error (a value of the wrong type, an unknown or missing
     option) as a box of 9-15 lines and exits 2: say it in one line instead, with the options it
-    suggests. `--help` (exit 0) prints as tyro made it."""
+    suggests, each flag as the user gave it (or can: a nested flag by its short form, unless
+    the nested one was typed). `--help` (exit 0) prints as tyro made it."""
     buffer = io.StringIO()
     try:
         with contextlib.redirect_stderr(buffer):
@@ -292,9 +295,42 @@ def _one_line_usage_errors():
         if e.code in (0, None) or not text.strip():
             sys.stderr.write(text)
             raise
-        print(f"patchpar: error: {usage_error_line(text)}", file=sys.stderr)
+        shown = _short_names(args)
+        line = re.sub(r"--[\w.-]+", lambda m: shown.get(m.group(0), m.group(0)),
+                      usage_error_line(text))  # fmt: skip
+        print(f"patchpar: error: {_merged_suggestions(line)}", file=sys.stderr)
         raise SystemExit(2) from None
     sys.stderr.write(buffer.getvalue())
+
+
+def _short_names(args: list[str]) -> dict[str, str]:
+    """nested flag -> its short flag, for messages (`options.flat_aliases` of every nested
+    command); none where the command line writes nested flags itself (`--sampler.stepz`
+    is then answered with `--sampler.steps`)."""
+    from patchpar.lab.options import flat_aliases
+
+    if any(a.startswith("--") and "." in a.split("=")[0] for a in args):
+        return {}
+    out: dict[str, str] = {}
+    for name in NESTED:
+        for short, nested in flat_aliases(COMMANDS[name].config()).items():
+            out.setdefault(nested, short)
+    return out
+
+
+def _merged_suggestions(line: str) -> str:
+    """`did you mean --x (patchpar generate), --x (patchpar project)?` as `--x (patchpar
+    generate, project)`: one flag that short names made the same in several commands."""
+    head, sep, rest = line.partition("; did you mean ")
+    if not sep:
+        return line
+    body, _, tail = rest.rpartition("?")
+    merged: dict[str, list[str]] = {}
+    for item in re.findall(r"(--[\w.-]+)(?: \(patchpar ([^)]*)\))?", body):
+        subs = merged.setdefault(item[0], [])
+        subs += [s.strip() for s in item[1].split(",") if s.strip() and s.strip() not in subs]
+    named = [f"{f} (patchpar {', '.join(s)})" if s else f for f, s in merged.items()]
+    return f"{head}; did you mean {', '.join(named)}?{tail}"
 
 
 # what a value of each tyro metavar is, in words: (one, several)
@@ -384,10 +420,15 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _processes_alias(arg: str) -> str:
-    if arg == "--processes" or arg.startswith("--processes="):
-        return arg.replace("--processes", "--mesh.processes", 1)
-    return arg
+def _short_flags(args: list[str]) -> list[str]:
+    """A command line with the short flags of its command's nested sections written out
+    (`patchpar generate --devices 2` is `--mesh.devices 2`; `options.flat_aliases`, made from
+    the sections' fields)."""
+    from patchpar.lab.options import expand_aliases, flat_aliases
+
+    if not args or args[0] not in NESTED:
+        return args
+    return [args[0], *expand_aliases(args[1:], flat_aliases(COMMANDS[args[0]].config()))]
 
 
 def _one_line(text: str) -> str:

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import numpy as np
 import tyro
 
-from patchpar.lab.config import DTYPES, check_scan, fsdp_unused
+from patchpar.lab.config import (
+    DTYPES,
+    CacheConfig,
+    MeshConfig,
+    ModelConfig,
+    StrategyConfig,
+    check_scan,
+    fsdp_unused,
+)
 from patchpar.lab.launch import is_writer, launch
-from patchpar.lab.options import HELP, CachedDecodeFlags
+from patchpar.lab.options import HELP, build_plan, build_vae_plan
 
 
 def _sampler_help() -> str:
@@ -35,19 +44,15 @@ SAMPLER_HELP = _sampler_help()
 
 
 @dataclass(frozen=True)
-class GenerateConfig(CachedDecodeFlags):
-    """Generate images from prompts and save them as PNG, with the final latent as latent.npy."""
+class GenerateSampler:
+    """The sampler of `generate`: what is left unset takes the preset's tuned value."""
 
-    model: Annotated[str, tyro.conf.arg(help=HELP["model"])] = "fmnist"
-    prompt: tuple[str, ...] = ("a photo of a red bag",)
-    """One or more prompts; one image each."""
-    negative_prompt: str = ""
-    """Negative prompt for classifier-free guidance ("" = unconditional)."""
+    name: Annotated[str | None, tyro.conf.arg(help=SAMPLER_HELP)] = None
     steps: int = 20
     """Denoising steps."""
-    sampler: Annotated[str | None, tyro.conf.arg(help=SAMPLER_HELP)] = None
     guidance_scale: float | None = None
-    """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2 for fmnist; 4.5 for PixArt; else 7.5)."""
+    """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2
+    for fmnist; 4.5 for PixArt; else 7.5)."""
     true_cfg_scale: float | None = None
     """True classifier-free guidance over a FLUX.1 model (diffusers' true_cfg_scale): > 1 adds
     the negative prompt as a second guidance half; <= 1: off (default: the preset's tuned value,
@@ -56,27 +61,69 @@ class GenerateConfig(CachedDecodeFlags):
     """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
     width: int | None = None
     """Image width in pixels (default: as height)."""
+    dtype: str = "auto"
+    """auto, float32 or bfloat16 (auto: bfloat16 for SD, SDXL and PixArt-size models, else
+    float32)."""
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Generate images from prompts and save them as PNG, with the final latent as latent.npy.
+    The model, mesh, strategy and cache sections are `patchpar run`'s (`--strategy.warmup-steps`
+    means one thing in both); every section's fields also take their short flags
+    (`--strategy distrifusion --devices 2 --warmup-steps 1`, `options.flat_aliases`)."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name="fmnist"))
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sampler: GenerateSampler = field(default_factory=GenerateSampler)
+    prompt: tuple[str, ...] = ("a photo of a red bag",)
+    """One or more prompts; one image each."""
+    negative_prompt: str = ""
+    """Negative prompt for classifier-free guidance ("" = unconditional)."""
     seed: int = 0
     """Seed of the initial latent, in [0, 2^32)."""
-    dtype: str = "auto"
-    """auto, float32 or bfloat16 (auto: bfloat16 for SD, SDXL and PixArt-size models, else float32)."""
-    attention: str = "auto"
-    """Attention kernel: auto, xla, chunked, cudnn or splash (patchpar/models/attention.py)."""
-    quant: str = "none"
-    """Quantized denoiser (patchpar/quant.py): none, w8 or w4 (int8 / int4 weights), int8 or
-    fp8 (int8 / fp8 e4m3 weights x activations)."""
-    scan_blocks: bool = False
-    """Run each stack of identical blocks (a DiT's transformer blocks, a UNet transformer's) as
-    one scanned loop: a much shorter compile, outputs equal within float rounding
-    (patchpar/models/scan.py); not with quant, PipeFusion, AsyncDiff, or fbcache and teacache
-    on a DiT."""
     out: Path = Path("runs/generate")
     """Output folder."""
-    processes: int = 0
-    """0: this process, on the devices it sees. N: launch N processes here, one CPU device,
-    core and thread each, joined by jax.distributed (devices must be N)."""
     timeout_s: float = 3600.0
-    """processes >= 1: end every worker after this many seconds."""
+    """mesh.processes >= 1: end every worker after this many seconds."""
+
+    @classmethod
+    def from_flags(cls, **flags) -> GenerateConfig:
+        """A config from the command line's short names (`strategy="sync_patch", devices=4,
+        warmup_steps=1, steps=3`) or its nested ones with `__` for the dot
+        (`strategy__warmup_steps=1`), the same map the CLI uses (`options.flat_aliases`)."""
+        from patchpar.lab.configio import with_overrides
+        from patchpar.lab.options import flat_aliases
+
+        aliases = flat_aliases(cls)
+        top = {f.name for f in dataclasses.fields(cls)}
+        dotted = {}
+        for key, value in flags.items():
+            flag = "--" + key.replace("_", "-")
+            if key in top and not dataclasses.is_dataclass(getattr(cls(), key)):
+                dotted[key] = value
+            elif flag in aliases:
+                dotted[aliases[flag][2:].replace("-", "_")] = value
+            elif "__" in key:
+                dotted[key.replace("__", ".")] = value
+            else:
+                raise ValueError(f"{key}={value!r}: not an option of generate")
+        return with_overrides(cls(), dotted)
+
+    def plan(self):
+        """The strategy with its options, placed on the mesh, with the step cache."""
+        m = self.mesh
+        return build_plan(
+            self.strategy.name, self.strategy.options(), m.devices, m.cfg, data=m.data,
+            fsdp=m.fsdp, cache=self.cache.name, cache_options=self.cache.options(),
+        )  # fmt: skip
+
+    def vae_plan(self):
+        """How the VAE decodes (patchpar.parallel.vae), on the same devices."""
+        m = self.mesh
+        return build_vae_plan(m.vae_parallel, m.devices, m.data, m.vae_tile)
 
 
 def check(config: GenerateConfig) -> list[str]:
@@ -91,25 +138,26 @@ def check(config: GenerateConfig) -> list[str]:
 
     problems = Problems.collect()
     with problems.check():
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+        if config.sampler.dtype not in DTYPES:
+            raise ValueError(f"sampler.dtype={config.sampler.dtype!r}; known: {list(DTYPES)}")
     with problems.check():
-        check_mode(config.quant)
-        check_scan(config.scan_blocks, config.quant, config.strategy)
+        check_mode(config.model.quant)
+        check_scan(config.model.scan_blocks, config.model.quant, config.strategy.name)
     for name in ("height", "width"):
-        v = getattr(config, name)
+        v = getattr(config.sampler, name)
         if v is not None and v <= 0:
             problems.lines.append(
-                f"{name}={v}: must be a positive number of pixels (or left unset)"
+                f"sampler.{name}={v}: must be a positive number of pixels (or left unset)"
             )
-    if config.steps < 1:
-        problems.lines.append(f"steps={config.steps}: must be >= 1")
+    if config.sampler.steps < 1:
+        problems.lines.append(f"sampler.steps={config.sampler.steps}: must be >= 1")
     with problems.check():
         check_seed(config.seed)
-    if config.processes not in (0, config.devices):
+    if config.mesh.processes not in (0, config.mesh.devices):
         problems.lines.append(
-            f"processes={config.processes}: must be 0 or devices={config.devices} (devices "
-            f"must equal processes x local devices, and a launched process has one CPU device)"
+            f"mesh.processes={config.mesh.processes}: must be 0 or mesh.devices="
+            f"{config.mesh.devices} (devices must equal processes x local devices, and a "
+            f"launched process has one CPU device)"
         )
     if not config.timeout_s > 0:
         problems.lines.append(
@@ -117,12 +165,20 @@ def check(config: GenerateConfig) -> list[str]:
             f"launched workers may run)"
         )
     guidance = (
-        default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
+        default_guidance(config.model.name)
+        if config.sampler.guidance_scale is None
+        else config.sampler.guidance_scale
     )
-    t = default_true_cfg(config.model) if config.true_cfg_scale is None else config.true_cfg_scale
+    t = (
+        default_true_cfg(config.model.name)
+        if config.sampler.true_cfg_scale is None
+        else config.sampler.true_cfg_scale
+    )
     true_cfg_ok = isinstance(t, int | float) and math.isfinite(t) and t >= 0
     if not true_cfg_ok:
-        problems.lines.append(f"true_cfg_scale={t!r}: must be a finite number >= 0 (<= 1: off)")
+        problems.lines.append(
+            f"sampler.true_cfg_scale={t!r}: must be a finite number >= 0 (<= 1: off)"
+        )
     with problems.check():
         check_guidance(guidance, None if true_cfg_ok and t > 1 else [config.negative_prompt])
     plan = None
@@ -130,18 +186,23 @@ def check(config: GenerateConfig) -> list[str]:
         plan = config.plan()  # unknown strategy or option: error before loading anything
     with problems.check():
         config.vae_plan()
-    sizes_ok = config.steps >= 1 and all(v is None or v > 0 for v in (config.height, config.width))
+    sizes_ok = config.sampler.steps >= 1 and all(
+        v is None or v > 0 for v in (config.sampler.height, config.sampler.width)
+    )
     if plan is not None and sizes_ok:  # the plan against the model (no weights read)
         with problems.check():
+            s = config.sampler
             check_plan_on_model(
-                config.model, plan, config.height, config.width, config.steps, guidance,
-                t, build_mesh=not config.processes, scan_blocks=config.scan_blocks,
+                config.model.name, plan, s.height, s.width, s.steps, guidance, t,
+                build_mesh=not config.mesh.processes, scan_blocks=config.model.scan_blocks,
             )  # fmt: skip
     problems.raise_any()
-    unused = [fsdp_unused(config.devices)] if config.fsdp and plan.fsdp_degree == 1 else []
+    unused = (
+        [fsdp_unused(config.mesh.devices)] if config.mesh.fsdp and plan.fsdp_degree == 1 else []
+    )
     if plan.cache is not None:
-        unused += plan.cache.idle_options(config.steps)
-    if config.timeout_s != GenerateConfig.timeout_s and not config.processes:
+        unused += plan.cache.idle_options(config.sampler.steps)
+    if config.timeout_s != GenerateConfig.timeout_s and not config.mesh.processes:
         unused.append(
             f"timeout_s={config.timeout_s} has no effect without processes (it ends launched "
             f"workers that hang)"
@@ -158,17 +219,23 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     from patchpar import compile_cache
     from patchpar.lab.defaults import default_guidance, default_sampler, default_true_cfg
     from patchpar.lab.results import check_writable
-    from patchpar.models.attention import AttentionSpec, resolve
+    from patchpar.models.attention import resolve
     from patchpar.models.presets import resolve_dtype
     from patchpar.pipelines import load_pipeline
 
     check(config)
     guidance = (
-        default_guidance(config.model) if config.guidance_scale is None else config.guidance_scale
+        default_guidance(config.model.name)
+        if config.sampler.guidance_scale is None
+        else config.sampler.guidance_scale
     )
-    sampler = default_sampler(config.model) if config.sampler is None else config.sampler
+    sampler = (
+        default_sampler(config.model.name) if config.sampler.name is None else config.sampler.name
+    )
     true_cfg = (
-        default_true_cfg(config.model) if config.true_cfg_scale is None else config.true_cfg_scale
+        default_true_cfg(config.model.name)
+        if config.sampler.true_cfg_scale is None
+        else config.sampler.true_cfg_scale
     )
     check_writable(config.out, "out")  # before any work, not after generating
     cache_folder = compile_cache.enable(warn=lambda msg: log(f"patchpar: warning: {msg}"))
@@ -176,16 +243,16 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     plan = config.plan()
     vae_plan = config.vae_plan()
     t0 = time.perf_counter()
-    log(f"loading {config.model}")
+    log(f"loading {config.model.name}")
     pipe = (
         load_pipeline(
-            config.model,
-            getattr(jnp, resolve_dtype(config.dtype, config.model)),
-            resolve(AttentionSpec(config.attention)),
-            config.quant,
+            config.model.name,
+            getattr(jnp, resolve_dtype(config.sampler.dtype, config.model.name)),
+            resolve(config.model.attention_spec()),
+            config.model.quant,
         )
         .with_true_cfg(true_cfg)
-        .with_scan(config.scan_blocks)
+        .with_scan(config.model.scan_blocks)
     )
     t_load = time.perf_counter() - t0
     checkpoint = getattr(pipe, "quant_checkpoint", None)  # the quantized weights, not the floats
@@ -195,9 +262,9 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     negative = [config.negative_prompt] * len(config.prompt) if config.negative_prompt else None
     out = pipe(
         list(config.prompt),
-        height=config.height,
-        width=config.width,
-        steps=config.steps,
+        height=config.sampler.height,
+        width=config.sampler.width,
+        steps=config.sampler.steps,
         guidance_scale=guidance,
         seed=config.seed,
         sampler=sampler,
@@ -220,12 +287,12 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
         "compute_dtype": jnp.dtype(pipe.unet.module.dtype).name,
         "attention": pipe.unet.module.attn.impl,
         "quant": pipe.quant,
-        "scan_blocks": config.scan_blocks,
+        "scan_blocks": config.model.scan_blocks,
         "quant_checkpoint": None if checkpoint is None else str(checkpoint),
         "strategy": plan.strategy.describe(),
         "devices": plan.devices,
         "vae_parallel": vae_plan.mode,
-        "processes": config.processes,
+        "processes": config.mesh.processes,
         "stale_bytes_per_device": out.stale_bytes_per_device,
         **(out.cache or {}),
         "compile_cache_hits": hits,
@@ -250,7 +317,7 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
 
 
 def launched_generate(config: GenerateConfig, args: list[str]) -> dict:
-    """`patchpar generate` (the command line `args`) in `config.processes` launched processes;
+    """`patchpar generate` (the command line `args`) in `config.mesh.processes` launched processes;
     returns the generate.json that process 0 wrote."""
     import sys
 
@@ -259,5 +326,5 @@ def launched_generate(config: GenerateConfig, args: list[str]) -> dict:
 
     done = check_writable(config.out, "out") / "generate.json"
     done.unlink(missing_ok=True)
-    launch(args, config.processes, config.timeout_s, lambda m: print(m, file=sys.stderr))
+    launch(args, config.mesh.processes, config.timeout_s, lambda m: print(m, file=sys.stderr))
     return json.loads(done.read_text())

@@ -239,3 +239,42 @@ class CachedDecodeFlags(DecodeFlags):
             self.strategy, self.options(), self.devices, self.cfg, data=self.data,
             fsdp=self.fsdp, cache=self.cache, cache_options=options,
         )  # fmt: skip
+
+
+def flat_aliases(config_cls) -> dict[str, str]:
+    """The short flags of a nested config's sections, generated from their fields: a section's
+    `name` is the section's own flag (`--strategy` for `--strategy.name`, `--model`,
+    `--sampler`, `--cache`), a cache option is `--cache-<option>`, every other field its own
+    name (`--devices` for `--mesh.devices`, `--warmup-steps` for `--strategy.warmup-steps`,
+    `--quant` for `--model.quant`); a boolean's `--no-` form too. A short name two sections
+    would share, or that a top-level field has, gets no alias."""
+    import typing
+
+    hints = typing.get_type_hints(config_cls, include_extras=True)
+    top = {f.name for f in fields(config_cls)}
+    found: dict[str, list[str]] = {}
+    for f in fields(config_cls):
+        section = typing.get_args(hints[f.name])[0] if typing.get_origin(
+            hints[f.name]) is Annotated else hints[f.name]  # fmt: skip
+        if not isinstance(section, type) or not hasattr(section, "__dataclass_fields__"):
+            continue
+        for g in fields(section):
+            short = f.name if g.name == "name" else (
+                f"cache_{g.name}" if f.name == "cache" else g.name)  # fmt: skip
+            if short in top and short != f.name:
+                continue
+            flag = short.replace("_", "-")
+            target = f"{f.name}.{g.name.replace('_', '-')}"
+            found.setdefault(f"--{flag}", []).append(f"--{target}")
+            found.setdefault(f"--no-{flag}", []).append(f"--{f.name}.no-{g.name.replace('_', '-')}")
+    return {short: targets[0] for short, targets in found.items() if len(targets) == 1}
+
+
+def expand_aliases(args: list[str], aliases: dict[str, str]) -> list[str]:
+    """A command line with its short flags (`flat_aliases`) written as the nested ones, `--x=v`
+    forms too; everything else as it is."""
+    out = []
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        out.append(aliases[flag] + eq + value if flag in aliases else arg)
+    return out
