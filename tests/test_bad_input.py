@@ -233,6 +233,20 @@ def test_run_reports_every_problem_of_its_config_at_once(micro_folder, tmp_path,
     assert not list(tmp_path.rglob("*.jsonl"))  # nothing recorded
 
 
+def test_each_problem_is_said_once(micro_folder, tmp_path, capsys):
+    """A bad cache is not said again by the plan that builds it, nor scan_blocks' refusal by
+    the checks against the model."""
+    run = ["run", "--model.name", str(micro_folder), "--results", str(tmp_path),
+           "--cache.name", "nocache"]  # fmt: skip
+    assert main(run) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
+    gen = ["generate", "--model", str(micro_folder), "--out", str(tmp_path / "g"),
+           "--scan-blocks", "--strategy", "asyncdiff", "--devices", "2"]  # fmt: skip
+    assert main(gen) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "scan_blocks with strategy 'asyncdiff'" in err[0], err
+
+
 def test_dry_run_checks_every_point_and_says_where_it_writes(tmp_path, micro_folder, capsys):
     sweep = tmp_path / "ablation.yaml"
     sweep.write_text(
@@ -296,7 +310,7 @@ def test_cli_failures_exit_non_zero_with_one_line(tmp_path, micro_folder, capsys
     # a failure that is not bad input: one line, exit 1; --debug shows the traceback
     import patchpar.lab.generate as gen
 
-    def boom(config, log=None):
+    def boom(config, log=None, checked=False):
         raise RuntimeError("the accelerator\ncaught fire")
 
     monkeypatch.setattr(gen, "generate", boom)

@@ -109,13 +109,13 @@ def _generate(config, args: list[str]) -> None:
 
     if not config.mesh.processes:  # before the checks: they build the mesh
         launch.request_cpu_devices(config.mesh.devices, _stderr)
-    if not launch.launched_worker():  # the launcher has said it
+    if not launch.launched_worker():  # the launcher has checked (and said its warnings)
         for msg in check(config):  # bad flags: errors before any work or launch
             _stderr(f"patchpar: warning: {msg}")
     if config.mesh.processes and not launch.in_worker():
-        record = launched_generate(config, args)
+        record = launched_generate(config, args, checked=True)
     else:
-        record = generate(config, log=_stderr)
+        record = generate(config, log=_stderr, checked=True)
     if not launch.is_writer() or launch.launched_worker():
         return
     for path in record["images"]:

@@ -361,18 +361,20 @@ class RunConfig:
         from patchpar.quant import check_mode
         from patchpar.sampling.cache import make_cache
 
+        cache_ok = False  # the plan below builds the cache again
         with problems.check():
             try:
                 make_cache(self.cache.name, **self.cache.options())
             except ValueError as e:
                 raise ValueError(f"cache: {e}") from None
+            cache_ok = True
         with problems.check():
             try:
                 check_mode(self.model.quant)
                 check_scan(self.model.scan_blocks, self.model.quant, self.strategy.name)
             except ValueError as e:
                 raise ValueError(f"model.{e}") from None
-        if self.strategy.name in STRATEGIES and mesh_ok and s.steps >= 1:
+        if self.strategy.name in STRATEGIES and mesh_ok and cache_ok and s.steps >= 1:
             with problems.check():
                 try:
                     plan = self.plan()  # strategy options: unknown names and bad values
@@ -476,6 +478,3 @@ def clip_ok(model: str, m: MeasureConfig) -> bool:
         or Path(m.clip_model).is_dir()
         or bool(m.clip_checkpoint)
     )
-
-
-# ---------------------------------------------------------------------------- dict <-> config

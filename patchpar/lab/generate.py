@@ -140,9 +140,11 @@ def check(config: GenerateConfig) -> list[str]:
     with problems.check():
         if config.sampler.dtype not in DTYPES:
             raise ValueError(f"sampler.dtype={config.sampler.dtype!r}; known: {list(DTYPES)}")
+    model_ok = False  # the checks against the model say scan_blocks' refusals again
     with problems.check():
         check_mode(config.model.quant)
         check_scan(config.model.scan_blocks, config.model.quant, config.strategy.name)
+        model_ok = True
     for name in ("height", "width"):
         v = getattr(config.sampler, name)
         if v is not None and v <= 0:
@@ -189,7 +191,7 @@ def check(config: GenerateConfig) -> list[str]:
     sizes_ok = config.sampler.steps >= 1 and all(
         v is None or v > 0 for v in (config.sampler.height, config.sampler.width)
     )
-    if plan is not None and sizes_ok:  # the plan against the model (no weights read)
+    if plan is not None and sizes_ok and model_ok:  # the plan against the model (no weight)
         with problems.check():
             s = config.sampler
             check_plan_on_model(
@@ -210,7 +212,7 @@ def check(config: GenerateConfig) -> list[str]:
     return unused
 
 
-def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
+def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False) -> dict:
     """Run the pipeline; write image_<i>.png, latent.npy and generate.json into config.out.
     `log` hears the progress (loading, encoding, compiling, each phase, decoding)."""
     import jax.numpy as jnp
@@ -223,7 +225,8 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     from patchpar.models.presets import resolve_dtype
     from patchpar.pipelines import load_pipeline
 
-    check(config)
+    if not checked:  # `checked`: the caller ran `check` (the CLI, to say its warnings)
+        check(config)
     guidance = (
         default_guidance(config.model.name)
         if config.sampler.guidance_scale is None
@@ -316,13 +319,16 @@ def generate(config: GenerateConfig, log=lambda msg: None) -> dict:
     return record
 
 
-def launched_generate(config: GenerateConfig, args: list[str]) -> dict:
-    """`patchpar generate` (the command line `args`) in `config.mesh.processes` launched processes;
-    returns the generate.json that process 0 wrote."""
+def launched_generate(config: GenerateConfig, args: list[str], checked: bool = False) -> dict:
+    """`patchpar generate` (the command line `args`) in `config.mesh.processes` launched
+    processes; returns the generate.json that process 0 wrote. `checked`: the caller ran
+    `check`."""
     import sys
 
-    check(config)
     from patchpar.lab.results import check_writable
+
+    if not checked:
+        check(config)
 
     done = check_writable(config.out, "out") / "generate.json"
     done.unlink(missing_ok=True)

@@ -258,15 +258,16 @@ def flat_aliases(config_cls) -> dict[str, str]:
             hints[f.name]) is Annotated else hints[f.name]  # fmt: skip
         if not isinstance(section, type) or not hasattr(section, "__dataclass_fields__"):
             continue
+        kinds = typing.get_type_hints(section)
         for g in fields(section):
             short = f.name if g.name == "name" else (
                 f"cache_{g.name}" if f.name == "cache" else g.name)  # fmt: skip
             if short in top and short != f.name:
                 continue
-            flag = short.replace("_", "-")
-            target = f"{f.name}.{g.name.replace('_', '-')}"
-            found.setdefault(f"--{flag}", []).append(f"--{target}")
-            found.setdefault(f"--no-{flag}", []).append(f"--{f.name}.no-{g.name.replace('_', '-')}")
+            flag, leaf = short.replace("_", "-"), g.name.replace("_", "-")
+            found.setdefault(f"--{flag}", []).append(f"--{f.name}.{leaf}")
+            if kinds[g.name] in (bool, bool | None):  # its negation too
+                found.setdefault(f"--no-{flag}", []).append(f"--{f.name}.no-{leaf}")
     return {short: targets[0] for short, targets in found.items() if len(targets) == 1}
 
 

@@ -267,8 +267,8 @@ def run(
             scan_blocks=config.model.scan_blocks,
         )  # fmt: skip
         invalid = None
-    except ValueError as e:
-        if raise_errors:
+    except Exception as e:  # noqa: BLE001 - bad input, or a config.json that cannot be read:
+        if raise_errors:  # recorded as the point's failure in a sweep, raised from the CLI
             raise
         invalid = e
     run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]

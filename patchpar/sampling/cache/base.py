@@ -1,5 +1,5 @@
 """What every step cache shares: the `StepCache` interface, the loop state's names, the
-record of a run's cache, and the first-block step the data-dependent caches decide in."""
+record of a run's cache (`cache_report`, `CLOSEST`) and the checks of its options."""
 
 from __future__ import annotations
 
