@@ -79,6 +79,10 @@ class MeshConfig:
     no speedup). N >= 1: launch N processes here (`--processes N`), one CPU device, one core
     and one thread each, joined by jax.distributed (gloo): a real speedup; devices must be N."""
 
+    def vae_plan(self):
+        """How the VAE decodes on these devices (patchpar.parallel.vae.VAEPlan)."""
+        return build_vae_plan(self.vae_parallel, self.devices, self.data, self.vae_tile)
+
 
 @dataclass(frozen=True)
 class StrategyConfig(StrategyOptions):
@@ -122,6 +126,15 @@ class CacheConfig:
     def label(self) -> str:
         """Name and the options set, e.g. `fbcache threshold=0.1`."""
         return " ".join([self.name] + [f"{k}={v}" for k, v in self.options().items()])
+
+
+def sections_plan(strategy: StrategyConfig, mesh: MeshConfig, cache: CacheConfig, comm=True):
+    """The plan the sections give: the strategy with its options on the mesh, with the step
+    cache (`comm=False`: stand-in collectives)."""
+    return build_plan(
+        strategy.name, strategy.options(), mesh.devices, mesh.cfg, comm=comm, data=mesh.data,
+        fsdp=mesh.fsdp, cache=cache.name, cache_options=cache.options(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -223,22 +236,11 @@ class RunConfig:
         return self.strategy.label() + cache + quant
 
     def plan(self):
-        return build_plan(
-            self.strategy.name,
-            self.strategy.options(),
-            self.mesh.devices,
-            self.mesh.cfg,
-            comm=not self.measure.compute_only,
-            data=self.mesh.data,
-            fsdp=self.mesh.fsdp,
-            cache=self.cache.name,
-            cache_options=self.cache.options(),
-        )
+        return sections_plan(self.strategy, self.mesh, self.cache, not self.measure.compute_only)
 
     def vae_plan(self):
         """How the VAE decodes, on the run's devices (patchpar.parallel.vae.VAEPlan)."""
-        m = self.mesh
-        return build_vae_plan(m.vae_parallel, m.devices, m.data, m.vae_tile)
+        return self.mesh.vae_plan()
 
     def validate(self) -> RunConfig:
         """Everything checkable without a model; every problem found raised together

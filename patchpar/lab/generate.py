@@ -21,9 +21,10 @@ from patchpar.lab.config import (
     StrategyConfig,
     check_scan,
     fsdp_unused,
+    sections_plan,
 )
 from patchpar.lab.launch import is_writer, launch
-from patchpar.lab.options import HELP, build_plan, build_vae_plan
+from patchpar.lab.options import HELP
 
 
 def _sampler_help() -> str:
@@ -65,6 +66,15 @@ class GenerateSampler:
     """auto, float32 or bfloat16 (auto: bfloat16 for SD, SDXL and PixArt-size models, else
     float32)."""
 
+    def tuned(self, model: str) -> tuple[str, float, float]:
+        """(sampler, guidance scale, true CFG scale): each as given, else the preset's tuned
+        value (`lab.defaults`)."""
+        from patchpar.lab.defaults import default_guidance, default_sampler, default_true_cfg
+
+        pick = lambda v, default: default(model) if v is None else v  # noqa: E731
+        return (pick(self.name, default_sampler), pick(self.guidance_scale, default_guidance),
+                pick(self.true_cfg_scale, default_true_cfg))  # fmt: skip
+
 
 @dataclass(frozen=True)
 class GenerateConfig:
@@ -97,12 +107,12 @@ class GenerateConfig:
         from patchpar.lab.configio import with_overrides
         from patchpar.lab.options import flat_aliases
 
-        aliases = flat_aliases(cls)
+        aliases, default = flat_aliases(cls), cls()
         top = {f.name for f in dataclasses.fields(cls)}
         dotted = {}
         for key, value in flags.items():
             flag = "--" + key.replace("_", "-")
-            if key in top and not dataclasses.is_dataclass(getattr(cls(), key)):
+            if key in top and not dataclasses.is_dataclass(getattr(default, key)):
                 dotted[key] = value
             elif flag in aliases:
                 dotted[aliases[flag][2:].replace("-", "_")] = value
@@ -110,20 +120,15 @@ class GenerateConfig:
                 dotted[key.replace("__", ".")] = value
             else:
                 raise ValueError(f"{key}={value!r}: not an option of generate")
-        return with_overrides(cls(), dotted)
+        return with_overrides(default, dotted)
 
     def plan(self):
         """The strategy with its options, placed on the mesh, with the step cache."""
-        m = self.mesh
-        return build_plan(
-            self.strategy.name, self.strategy.options(), m.devices, m.cfg, data=m.data,
-            fsdp=m.fsdp, cache=self.cache.name, cache_options=self.cache.options(),
-        )  # fmt: skip
+        return sections_plan(self.strategy, self.mesh, self.cache)
 
     def vae_plan(self):
         """How the VAE decodes (patchpar.parallel.vae), on the same devices."""
-        m = self.mesh
-        return build_vae_plan(m.vae_parallel, m.devices, m.data, m.vae_tile)
+        return self.mesh.vae_plan()
 
 
 def check(config: GenerateConfig) -> list[str]:
@@ -132,7 +137,6 @@ def check(config: GenerateConfig) -> list[str]:
     the problems found are raised together (`checks.Problems`, a ValueError: one line each,
     naming the value and what fits); returns the options given that have no effect here."""
     from patchpar.lab.checks import Problems, check_plan_on_model
-    from patchpar.lab.defaults import default_guidance, default_true_cfg
     from patchpar.pipelines.checks import check_guidance, check_seed
     from patchpar.quant import check_mode
 
@@ -166,16 +170,7 @@ def check(config: GenerateConfig) -> list[str]:
             f"timeout_s={config.timeout_s}: must be a positive number of seconds (how long "
             f"launched workers may run)"
         )
-    guidance = (
-        default_guidance(config.model.name)
-        if config.sampler.guidance_scale is None
-        else config.sampler.guidance_scale
-    )
-    t = (
-        default_true_cfg(config.model.name)
-        if config.sampler.true_cfg_scale is None
-        else config.sampler.true_cfg_scale
-    )
+    _, guidance, t = config.sampler.tuned(config.model.name)
     true_cfg_ok = isinstance(t, int | float) and math.isfinite(t) and t >= 0
     if not true_cfg_ok:
         problems.lines.append(
@@ -219,7 +214,6 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
     from PIL import Image
 
     from patchpar import compile_cache
-    from patchpar.lab.defaults import default_guidance, default_sampler, default_true_cfg
     from patchpar.lab.results import check_writable
     from patchpar.models.attention import resolve
     from patchpar.models.presets import resolve_dtype
@@ -227,19 +221,7 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
 
     if not checked:  # `checked`: the caller ran `check` (the CLI, to say its warnings)
         check(config)
-    guidance = (
-        default_guidance(config.model.name)
-        if config.sampler.guidance_scale is None
-        else config.sampler.guidance_scale
-    )
-    sampler = (
-        default_sampler(config.model.name) if config.sampler.name is None else config.sampler.name
-    )
-    true_cfg = (
-        default_true_cfg(config.model.name)
-        if config.sampler.true_cfg_scale is None
-        else config.sampler.true_cfg_scale
-    )
+    sampler, guidance, true_cfg = config.sampler.tuned(config.model.name)
     check_writable(config.out, "out")  # before any work, not after generating
     cache_folder = compile_cache.enable(warn=lambda msg: log(f"patchpar: warning: {msg}"))
     hits, compiled = compile_cache.hits(), compile_cache.compiled()
