@@ -53,7 +53,7 @@ def main() -> None:
                 points.append(("asyncdiff", {"warmup_steps": warmup, "stride": 2}))
             for strategy, options in points:
                 print(f"{model}: {strategy} on {devices}", flush=True)
-                config = ProjectConfig(
+                config = ProjectConfig.from_flags(
                     model=model, resolution=resolution, steps=steps, strategy=strategy,
                     devices=devices, hardware=args.hardware,
                     workloads=args.out / "workloads.jsonl", **options,

@@ -53,7 +53,7 @@ def main() -> None:
         steps, options, caches = POINTS[model]
         for label, flags in caches:
             print(f"{model}: {label}", flush=True)
-            config = ProjectConfig(
+            config = ProjectConfig.from_flags(
                 model=model, resolution=1024, steps=steps, strategy="distrifusion",
                 devices=args.devices, hardware=args.hardware,
                 workloads=args.out / "workloads.jsonl", **options, **flags,

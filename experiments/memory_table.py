@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     whole_weights = weight_bytes_per_device(model.abstract_params(), {}, {}, model.logical)
     for i, p in enumerate(todo):
         t0 = time.perf_counter()
-        cfg = CommConfig(
+        cfg = CommConfig.from_flags(
             model=a.model, resolution=p["resolution"], strategy=p["strategy"],
             devices=p["devices"], dtype="float32", attention=p["attention"], memory=True,
             fsdp=p["fsdp"],

@@ -47,7 +47,7 @@ def main() -> None:
             for mode in MODES:
                 print(f"{model}: {strategy} {mode}", flush=True)
                 extra = options if strategy == "distrifusion" else {}
-                config = ProjectConfig(
+                config = ProjectConfig.from_flags(
                     model=model, resolution=1024, steps=steps, strategy=strategy,
                     devices=1 if strategy == "single" else args.devices, quant=mode,
                     hardware="all", workloads=args.out / "workloads.jsonl", **extra,

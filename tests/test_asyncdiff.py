@@ -320,7 +320,7 @@ def test_project_stride_two(tmp_path):
     devices' row patches has no decode on row patches (a dash), not an error."""
     from patchpar.lab.project import ProjectConfig, format_project, run_project
 
-    config = ProjectConfig(model="tiny-dit", resolution=128, strategy="asyncdiff", stride=2,
+    config = ProjectConfig.from_flags(model="tiny-dit", resolution=128, strategy="asyncdiff", stride=2,
                            warmup_steps=2, devices=3, steps=8, workloads=tmp_path / "w.jsonl")  # fmt: skip
     (r,) = run_project(config)
     assert r["warmup_phase_steps"] == 2 and r["steady_steps"] == 6

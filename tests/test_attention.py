@@ -135,7 +135,7 @@ def test_memory_per_device_chunked_below_xla(micro_folder):
     from patchpar.lab.costs import CommConfig, run_comm
 
     recs = {
-        a: run_comm(CommConfig(model=str(micro_folder), resolution=64, attention=a))
+        a: run_comm(CommConfig.from_flags(model=str(micro_folder), resolution=64, attention=a))
         for a in ("xla", "chunked")
     }
     for rec in recs.values():

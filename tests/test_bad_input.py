@@ -233,6 +233,38 @@ def test_run_reports_every_problem_of_its_config_at_once(micro_folder, tmp_path,
     assert not list(tmp_path.rglob("*.jsonl"))  # nothing recorded
 
 
+def test_run_reports_its_configs_and_its_models_problems_together(micro_folder, tmp_path, capsys):
+    """A field of the config alone (measure.repeats) and one only the model's config.json
+    answers (the height against its VAE factor and row multiple) are said in one batch."""
+    args = ["run", "--model.name", str(micro_folder), "--results", str(tmp_path),
+            "--sampler.height", "30", "--measure.repeats", "0"]  # fmt: skip
+    assert main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    errors = [line for line in lines if line.startswith("patchpar: error: ")]
+    assert len(errors) == 2, lines
+    assert "measure.repeats=0" in errors[0] and "height=30 must be a positive multiple" in errors[1]
+
+
+@pytest.mark.parametrize(
+    "args, wants",
+    [
+        (["comm", "--dtype", "x", "--quant", "zz", "--resolution", "7", "--batch", "-1",
+          "--strategy", "bogus"],
+         ["dtype='x'", "quant='zz'", "resolution=7", "batch=-1", "unknown strategy 'bogus'"]),
+        (["project", "--dtype", "x", "--overlap", "q", "--steps", "0", "--processes", "2",
+          "--hardware", "nope", "--vae-parallel", "tiles", "--cache-computed-steps", "3"],
+         ["dtype='x'", "overlap='q'", "steps=0", "mesh.processes=2", "unknown hardware 'nope'",
+          "mesh.vae_parallel='tiles'", "cache_computed_steps=3: there is no cache"]),
+    ],
+)  # fmt: skip
+def test_comm_and_project_report_every_problem_at_once(args, wants, tmp_path, capsys):
+    assert main([*args, "--model", "tiny"]) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("patchpar: error:")]
+    assert len(errors) == len(wants), errors
+    for want, line in zip(wants, errors, strict=True):
+        assert want in line, (want, line)
+
+
 def test_each_problem_is_said_once(micro_folder, tmp_path, capsys):
     """A bad cache is not said again by the plan that builds it, nor scan_blocks' refusal by
     the checks against the model."""

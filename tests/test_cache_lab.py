@@ -239,14 +239,14 @@ def test_project_a_cached_run(tmp_path):
 
     base = dict(model="tiny-dit", resolution=128, strategy="distrifusion", devices=2, steps=8,
                 workloads=tmp_path / "w.jsonl")  # fmt: skip
-    (full,) = run_project(ProjectConfig(**base, cache="fbcache", cache_computed_steps=8))
+    (full,) = run_project(ProjectConfig.from_flags(**base, cache="fbcache", cache_computed_steps=8))
     assert full["cache_computed_steps"] == 8
     assert full["latency_cached_s"] == pytest.approx(full["latency_s"], rel=1e-2)
     assert full["single_cached_latency_s"] == pytest.approx(full["single_latency_s"], rel=1e-2)
-    (ts,) = run_project(ProjectConfig(**base, cache="taylorseer", cache_interval=2))
+    (ts,) = run_project(ProjectConfig.from_flags(**base, cache="taylorseer", cache_interval=2))
     assert ts["cache"] == "taylorseer(interval=2, warmup=3, order=1, stop=None)"
     assert ts["cache_computed_steps"] == 5
     assert ts["latency_cached_s"] < ts["latency_s"]
     assert ts["single_cached_latency_s"] < ts["single_latency_s"]
     with pytest.raises(ValueError, match=r"cache 'fbcache' decides from the data"):
-        run_project(ProjectConfig(**base, cache="fbcache"))
+        run_project(ProjectConfig.from_flags(**base, cache="fbcache"))

@@ -128,7 +128,11 @@ def test_the_library_never_imports_the_lab():
          "--sampler.steps='abc': expected an integer"),
         (["generate", "--height", "x"], "--height='x': expected an integer"),
         (["run", "--sampler.stepz", "3"],
-         "Unrecognized options: --sampler.stepz, 3; did you mean --sampler.steps"),
+         "Unrecognized options: --sampler.stepz 3 (not options of patchpar run); did you mean "
+         "--sampler.steps"),
+        (["generate", "--stepz", "3"],  # a short flag, which tyro does not know, suggested
+         "--stepz 3 (not options of patchpar generate); did you mean --steps?"),
+        (["comm", "--warmup-step", "1"], "did you mean --warmup-steps?"),
         (["sweep"], "Missing from patchpar sweep: PATH"),
         (["bogus"], "Unrecognized options: bogus (Available subcommands: run, sweep"),
     ],

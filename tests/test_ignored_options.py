@@ -37,7 +37,7 @@ def test_comm_has_no_vae_flags_and_a_codec_names_a_kind_once(capsys):
     assert exit_code(["comm", "--model", "tiny", "--vae-parallel", "rows"]) == 2
     err = one_error(capsys)
     assert "options: --vae-parallel rows (not options of patchpar comm)" in err
-    assert "--vae-parallel (patchpar generate, run, project)" in err
+    assert "did you mean --vae-parallel (patchpar generate, project, run)?" in err
     args = ["comm", "--model", "tiny", "--resolution", "256", "--strategy", "distrifusion",
             "--devices", "2", "--codec", "kv=int2,kv=int8"]  # fmt: skip
     assert main(args) == 2

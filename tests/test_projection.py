@@ -289,7 +289,7 @@ def test_workload_matches_the_hlo_count(micro_folder, tmp_path):
     from patchpar.lab.costs import CommConfig, run_comm
 
     rec = run_comm(
-        CommConfig(
+        CommConfig.from_flags(
             model=str(micro_folder),
             resolution=64,
             devices=2,

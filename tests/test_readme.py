@@ -4,6 +4,7 @@ an earlier run writes (`runs/X`) comes after the command that makes it, the libr
 run as written, and the hardware list is the profiles'. The slow tier runs every command at
 miniature scale."""
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -13,10 +14,10 @@ import yaml
 
 from patchpar.lab import cli
 from patchpar.lab.config import RunConfig
-from patchpar.lab.costs import CommConfig
+from patchpar.lab.costs import CommConfig, check_comm
 from patchpar.lab.generate import GenerateConfig, check
 from patchpar.lab.plots import PlotConfig
-from patchpar.lab.project import ProjectConfig
+from patchpar.lab.project import ProjectConfig, check_project
 from patchpar.lab.sweep import SweepConfig, load_sweep
 from patchpar.lab.tables import TableConfig
 
@@ -81,16 +82,13 @@ def test_every_readme_command_parses_passes_its_checks_and_follows_what_it_reads
             config.validate()
         elif isinstance(config, GenerateConfig):
             check(config)
-        elif isinstance(config, CommConfig | ProjectConfig):
-            from patchpar.models.presets import check_model
-
-            check_model(config.model)
-            config.plan()
-        if isinstance(config, ProjectConfig):
-            config.vae_plan()
+        elif isinstance(config, CommConfig):
+            check_comm(config)
+        elif isinstance(config, ProjectConfig):
             if config.timings is not None:  # made by README's device suite (run_all.sh)
                 assert str(config.timings).startswith("results/device/")
                 assert "bash experiments/device/run_all.sh" in README
+            check_project(dataclasses.replace(config, timings=None))
         if isinstance(config, TableConfig | PlotConfig):
             for path in config.results:
                 assert Path(path).exists() or str(path) in made, (

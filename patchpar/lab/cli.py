@@ -22,6 +22,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any, NamedTuple
 
 
@@ -139,7 +140,7 @@ def _comm(config, args: list[str]) -> None:
     from patchpar.lab import launch
     from patchpar.lab.costs import format_comm, run_comm
 
-    launch.request_cpu_devices(config.devices, _stderr)
+    launch.request_cpu_devices(config.mesh.devices, _stderr)
     rec = run_comm(config, log=_stderr)
     print(json.dumps(rec, sort_keys=True) if config.json else format_comm(rec))
 
@@ -150,7 +151,7 @@ def _project(config, args: list[str]) -> None:
     from patchpar.lab import launch
     from patchpar.lab.project import format_project, run_project
 
-    launch.request_cpu_devices(config.devices, _stderr)
+    launch.request_cpu_devices(config.mesh.devices, _stderr)
     rows = run_project(config, log=_stderr)
     if config.json:
         for row in rows:
@@ -172,7 +173,7 @@ class Command(NamedTuple):
     run: Callable[[Any, list[str]], None]  # what it does with it (prints what it returns)
 
 
-NESTED = ("run", "generate")  # commands whose config is the nested spec (short flags too)
+NESTED = ("run", "generate", "comm", "project")  # the nested spec's commands: short flags too
 
 COMMANDS = {  # the `patchpar` commands, in --help's order
     "run": Command(_config("config", "RunConfig"), _run),
@@ -298,6 +299,8 @@ def _one_line_usage_errors(args: list[str]):
         shown = _short_names(args)
         line = re.sub(r"--[\w.-]+", lambda m: shown.get(m.group(0), m.group(0)),
                       usage_error_line(text))  # fmt: skip
+        if line.startswith("Unrecognized options:") and args and args[0] in COMMANDS:
+            line = _own_suggestions(line, args[0])
         print(f"patchpar: error: {_merged_suggestions(line)}", file=sys.stderr)
         raise SystemExit(2) from None
     sys.stderr.write(buffer.getvalue())
@@ -318,6 +321,31 @@ def _short_names(args: list[str]) -> dict[str, str]:
     return out
 
 
+def _own_suggestions(line: str, command: str) -> str:
+    """`Unrecognized options: --stepz 3` said as not options of `command`, with the options of
+    `command` close to each flag typed (its short flags too, which tyro does not know) in
+    place of tyro's suggestions, where there are any."""
+    import difflib
+
+    from patchpar.lab.options import flat_aliases
+
+    head, sep, rest = line.partition("; did you mean ")
+    tail = rest.rpartition("?")[2] if sep else ""
+    if not sep:
+        head, _, tail = line.partition(" (--help")
+        tail = " (--help" + tail
+    config = COMMANDS[command].config()
+    aliases = flat_aliases(config) if command in NESTED else {}
+    known = [*aliases, *aliases.values()]
+    known += [f"--{f.name.replace('_', '-')}" for f in fields(config)]
+    typed = re.findall(r"--[\w.-]+", head.partition("options:")[2])
+    close = [m for flag in typed for m in difflib.get_close_matches(flag, known, n=3, cutoff=0.8)]
+    said = f"{head} (not options of patchpar {command})"
+    if close:
+        return f"{said}; did you mean {', '.join(dict.fromkeys(close))}?{tail}"
+    return f"{said}{sep}{rest}" if sep else f"{said}{tail}"
+
+
 def _merged_suggestions(line: str) -> str:
     """`did you mean --x (patchpar generate), --x (patchpar project)?` as `--x (patchpar
     generate, project)`: one flag that short names made the same in several commands."""
@@ -326,10 +354,14 @@ def _merged_suggestions(line: str) -> str:
         return line
     body, _, tail = rest.rpartition("?")
     merged: dict[str, list[str]] = {}
+    here = set()  # flags of the command typed (named without a command)
     for item in re.findall(r"(--[\w.-]+)(?: \(patchpar ([^)]*)\))?", body):
         subs = merged.setdefault(item[0], [])
         subs += [s.strip() for s in item[1].split(",") if s.strip() and s.strip() not in subs]
-    named = [f"{f} (patchpar {', '.join(s)})" if s else f for f, s in merged.items()]
+        if not item[1]:
+            here.add(item[0])
+    named = [f"{f} (patchpar {', '.join(s)})" if s and f not in here else f
+             for f, s in merged.items()]  # fmt: skip
     return f"{head}; did you mean {', '.join(named)}?{tail}"
 
 
@@ -402,6 +434,8 @@ def usage_error_line(box: str) -> str:
         elif row.startswith("Available subcommands"):
             message.append(f"({row})")
     text = " ".join(message)
+    # "Unrecognized options: --x, 3, --y": each flag with its values, "--x 3, --y"
+    text = re.sub(r"(?<=options: )([^(;]*)", lambda m: re.sub(r", (?!--)", " ", m.group(1)), text)
     # "--x (applied to patchpar comm)": said once, without tyro's note on ordering
     where = sorted(set(re.findall(r" \(applied to (patchpar \w+)\)", text)))
     text = re.sub(r" \(applied to patchpar \w+\)", "", text)

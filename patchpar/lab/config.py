@@ -52,7 +52,17 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class MeshConfig:
+class AbstractModel(ModelConfig):
+    """The denoiser lowered with abstract weights (`comm`, `project`): only its config.json is
+    read, so every preset and folder can be named."""
+
+    name: Annotated[str, tyro.conf.arg(help=HELP["any_model"])] = "sdxl"
+
+
+@dataclass(frozen=True)
+class PlanMesh:
+    """How the devices are split (`comm`: one denoiser call, no decode, nothing launched)."""
+
     devices: int = 1
     """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
     cfg: int = 1
@@ -66,6 +76,12 @@ class MeshConfig:
     cfg x patch; MaxDiffusion's fsdp rule, ZeRO-3) and all-gather each layer's just before it
     runs: weight memory per device / that degree, for one all-gather of the weights per UNet
     call (site fsdp). Exact: the images are those without it."""
+
+
+@dataclass(frozen=True)
+class MeshConfig(PlanMesh):
+    """How the devices are split, where the VAE decodes, and whether processes are launched."""
+
     vae_parallel: str = "off"
     """The VAE decode (patchpar/parallel/vae.py): off (one device, the whole image; the
     papers' runs), rows (the decoder on row patches over the same devices, images over data:

@@ -2,91 +2,108 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated
+from dataclasses import dataclass, field
 
-import tyro
-
-from patchpar.lab.config import LOWERED_DTYPES as DTYPES
-from patchpar.lab.options import HELP, PlanFlags
+from patchpar.lab.config import (
+    LOWERED_DTYPES as DTYPES,
+)
+from patchpar.lab.config import (
+    AbstractModel,
+    CacheConfig,
+    PlanMesh,
+    StrategyConfig,
+    check_scan,
+    sections_plan,
+)
+from patchpar.lab.options import FromFlags
 
 
 @dataclass(frozen=True)
-class CommConfig(PlanFlags):
+class CommConfig(FromFlags):
     """Bytes received per device per denoiser call (warm-up and steady phase, by site kind), FLOPs
-    and stale-buffer memory per device, lowered with abstract parameters (no weights needed)."""
+    and stale-buffer memory per device, lowered with abstract parameters (no weights needed).
+    The model, mesh and strategy sections are `patchpar run`'s (`--strategy.warmup-steps`
+    means one thing in both), with their short flags (`--strategy distrifusion --devices 4`)."""
 
-    model: Annotated[
-        str,
-        tyro.conf.arg(
-            help=f"{HELP['any_model']} Only its denoiser's config.json is read (no weights)."
-        ),
-    ] = "sdxl"
+    model: AbstractModel = field(default_factory=AbstractModel)
+    mesh: PlanMesh = field(default_factory=PlanMesh)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     resolution: int = 1024
     """Square image size in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
     batch: int = 0
-    """Images per call (0: one per data slice, = data); with cfg=1 the UNet batch is 2 x batch
-    (the CFG pair)."""
+    """Images per call (0: one per data slice, = mesh.data); with cfg=1 the UNet batch is 2 x
+    batch (the CFG pair)."""
     dtype: str = "bfloat16"
     """float32 or bfloat16."""
-    attention: str = "auto"
-    """Attention kernel the program is compiled with: auto, xla, chunked, cudnn or splash
-    (auto: chunked on CPU; memory depends on it, bytes do not)."""
-    block_q: int = 256
-    """Chunked/splash attention: queries per block."""
-    block_kv: int = 512
-    """Chunked/splash attention: keys/values per block."""
-    quant: str = "none"
-    """Quantized denoiser (patchpar/quant.py): none, w8, w4, int8, fp8; weights per device and
-    FSDP's gathers count its quantized weights (on this CPU int8/fp8 products are emulated:
-    memory then includes dequantized copies no GPU program holds)."""
     memory: bool = True
-    """Compile each phase and report memory per device (`--no-memory`: lower only, faster)."""
+    """Compile each phase and report memory per device (`--no-memory`: lower only, faster; the
+    attention kernel then has no effect: it changes only the memory)."""
     json: bool = False
     """Print one JSON record instead of the table."""
+
+    def plan(self):
+        """The strategy with its options, placed on the mesh."""
+        return sections_plan(self.strategy, self.mesh, CacheConfig())
+
+
+def check_comm(config: CommConfig) -> list[str]:
+    """Every check of the config before lowering, all the problems raised together
+    (`checks.Problems`, one line each); returns the options given that have no effect."""
+    from patchpar.lab.checks import Problems
+    from patchpar.models.presets import latent_factor
+    from patchpar.quant import check_mode
+
+    m = config.model
+    problems = Problems.collect()
+    if config.dtype not in DTYPES:
+        problems.lines.append(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    with problems.check():
+        check_mode(m.quant)
+        check_scan(m.scan_blocks, m.quant, config.strategy.name)
+    with problems.check():
+        f = latent_factor(m.name)
+        if config.resolution <= 0 or config.resolution % f:
+            raise ValueError(
+                f"resolution={config.resolution}: must be a positive multiple of {f} (the VAE "
+                f"factor)"
+            )
+    if config.batch < 0:
+        problems.lines.append(f"batch={config.batch}: must be >= 0 (0: one per data slice)")
+    with problems.check():
+        config.plan()
+    problems.raise_any()
+    given = [f"model.{k}={getattr(m, k)!r}" for k in ("attention", "block_q", "block_kv")
+             if getattr(m, k) != getattr(AbstractModel(), k)]  # fmt: skip
+    if config.memory or not given:
+        return []
+    return [
+        f"{', '.join(given)} has no effect with --no-memory: the kernel changes only the memory "
+        f"(bytes are the same for every kernel, and FLOPs for xla and chunked; cudnn and splash "
+        f"are custom calls, whose FLOPs XLA does not count)"
+    ]
 
 
 def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
     """What one denoiser call costs under the config's plan (see CommConfig); `log` hears the
-    progress of lowering and compiling."""
+    progress of lowering and compiling, and the options that have no effect."""
     import jax.numpy as jnp
 
     from patchpar.measure.cost import measure
-    from patchpar.models.presets import abstract_denoiser
+    from patchpar.models.attention import resolve
+    from patchpar.models.presets import abstract_denoiser, latent_factor
 
-    if config.dtype not in DTYPES:
-        raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
-    from patchpar.models.presets import latent_factor
-    from patchpar.quant import check_mode
-
-    check_mode(config.quant)
-
-    f = latent_factor(config.model)
-    if config.resolution <= 0 or config.resolution % f:
-        raise ValueError(
-            f"resolution={config.resolution}: must be a positive multiple of {f} (the VAE factor)"
-        )
-    plan = config.plan()
-    if not config.memory:
-        given = [f"{k}={getattr(config, k)!r}" for k in ("attention", "block_q", "block_kv")
-                 if getattr(config, k) != getattr(CommConfig, k)]  # fmt: skip
-        if given:
-            log(
-                f"patchpar: warning: {', '.join(given)} has no effect with --no-memory: the "
-                f"kernel changes only the memory (bytes are the same for every kernel, and "
-                f"FLOPs for xla and chunked; cudnn and splash are custom calls, whose FLOPs XLA "
-                f"does not count)"
-            )
-    from patchpar.models.attention import AttentionSpec, resolve
-
+    for line in check_comm(config):
+        log(f"patchpar: warning: {line}")
+    m, plan = config.model, config.plan()
     dtype = getattr(jnp, config.dtype)
-    spec = resolve(AttentionSpec(config.attention, config.block_q, config.block_kv), dtype)
-    unet = abstract_denoiser(config.model, dtype, spec)
+    spec = resolve(m.attention_spec(), dtype)
+    unet = abstract_denoiser(m.name, dtype, spec).with_scan(m.scan_blocks)
     params = None
-    if config.quant != "none":
+    if m.quant != "none":
         from patchpar.quant import quantize_abstract
 
-        unet, params = quantize_abstract(unet, unet.abstract_params(), config.quant)
+        unet, params = quantize_abstract(unet, unet.abstract_params(), m.quant)
+    f = latent_factor(m.name)
     latent = config.resolution // f
     batch = config.batch or plan.data
     r = measure(
@@ -101,13 +118,14 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
             "memory_backend": jax_backend(),
         }
     return {
-        "model": config.model,
+        "model": m.name,
         "resolution": config.resolution,
         "devices": plan.devices,
         "cfg": plan.cfg,
         "strategy": plan.strategy.describe(),
         "dtype": config.dtype,
-        "quant": config.quant,
+        "quant": m.quant,
+        "scan_blocks": m.scan_blocks,
         "batch": batch,
         "steady_bytes_per_device": st["hlo"]["all"]["max"],
         "warmup_bytes_per_device": wu["hlo"]["all"]["max"],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -24,7 +23,7 @@ from patchpar.lab.config import (
     sections_plan,
 )
 from patchpar.lab.launch import is_writer, launch
-from patchpar.lab.options import HELP
+from patchpar.lab.options import HELP, FromFlags
 
 
 def _sampler_help() -> str:
@@ -77,7 +76,7 @@ class GenerateSampler:
 
 
 @dataclass(frozen=True)
-class GenerateConfig:
+class GenerateConfig(FromFlags):
     """Generate images from prompts and save them as PNG, with the final latent as latent.npy.
     The model, mesh, strategy and cache sections are `patchpar run`'s (`--strategy.warmup-steps`
     means one thing in both); every section's fields also take their short flags
@@ -98,29 +97,6 @@ class GenerateConfig:
     """Output folder."""
     timeout_s: float = 3600.0
     """mesh.processes >= 1: end every worker after this many seconds."""
-
-    @classmethod
-    def from_flags(cls, **flags) -> GenerateConfig:
-        """A config from the command line's short names (`strategy="sync_patch", devices=4,
-        warmup_steps=1, steps=3`) or its nested ones with `__` for the dot
-        (`strategy__warmup_steps=1`), the same map the CLI uses (`options.flat_aliases`)."""
-        from patchpar.lab.configio import with_overrides
-        from patchpar.lab.options import flat_aliases
-
-        aliases, default = flat_aliases(cls), cls()
-        top = {f.name for f in dataclasses.fields(cls)}
-        dotted = {}
-        for key, value in flags.items():
-            flag = "--" + key.replace("_", "-")
-            if key in top and not dataclasses.is_dataclass(getattr(default, key)):
-                dotted[key] = value
-            elif flag in aliases:
-                dotted[aliases[flag][2:].replace("-", "_")] = value
-            elif "__" in key:
-                dotted[key.replace("__", ".")] = value
-            else:
-                raise ValueError(f"{key}={value!r}: not an option of generate")
-        return with_overrides(default, dotted)
 
     def plan(self):
         """The strategy with its options, placed on the mesh, with the step cache."""

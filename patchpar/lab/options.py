@@ -1,14 +1,13 @@
 """The options of a plan as the command line takes them, made from the registries (a new
 strategy, step cache, sampler, preset or family brings its options and help with it): the
 strategies' options (`StrategyOptions`), the help of the options that name a registry's entry
-(`HELP`), the flat flags of `patchpar generate`, `comm` and `project` (`PlanFlags`,
-`DecodeFlags`, `CachedDecodeFlags`), and the plans built from them (`build_plan`,
-`build_vae_plan`)."""
+(`HELP`), the plans built from them (`build_plan`, `build_vae_plan`), and the short flags of
+the nested configs' sections (`flat_aliases`, `FromFlags`)."""
 
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import field, fields, make_dataclass
 from typing import Annotated, Any
 
 import tyro
@@ -167,78 +166,32 @@ StrategyOptions.__doc__ = """The strategies' options (declared in each strategy'
     error."""
 
 
-@dataclass(frozen=True)
-class PlanFlags(StrategyOptions):
-    """Which strategy, on how many devices, with which options (flat flags for `generate`,
-    `comm` and `project`)."""
+class FromFlags:
+    """`from_flags`, for a nested config (its sections are dataclasses) built in Python the way
+    the command line builds it."""
 
-    strategy: Annotated[str, tyro.conf.arg(help=HELP["strategy"])] = "single"
-    devices: int = 1
-    """Devices in all (= data x cfg x patch x model; model = tensor's tp_degree, else 1)."""
-    cfg: int = 1
-    """1: both guidance halves on every device; 2: split across two device halves."""
-    data: int = 1
-    """Devices that split the images of a batch (data parallel; the Flax SD pipeline's pmap)."""
-    fsdp: bool = False
-    """Shard the weights over the devices that share them, gathered per layer (ZeRO-3)."""
+    @classmethod
+    def from_flags(cls, **flags):
+        """A config from the command line's short names (`strategy="sync_patch", devices=4,
+        warmup_steps=1, steps=3`) or its nested ones with `__` for the dot
+        (`strategy__warmup_steps=1`), the same map the CLI uses (`flat_aliases`); an unknown
+        name is a ValueError naming it."""
+        from patchpar.lab.configio import with_overrides
 
-    def plan(self):
-        """The strategy with the options given, placed on the devices."""
-        return build_plan(
-            self.strategy, self.options(), self.devices, self.cfg, data=self.data, fsdp=self.fsdp
-        )
-
-
-@dataclass(frozen=True)
-class DecodeFlags(PlanFlags):
-    """PlanFlags and where the VAE decodes (`generate`, `project`; `comm` counts one denoiser
-    call and has no decode)."""
-
-    vae_parallel: str = "off"
-    """The VAE decode: off (one device, the whole image), rows (row patches over the devices,
-    exact halos, GroupNorm and Ring attention: equals off) or tiles (diffusers' enable_tiling
-    tiles spread over the devices and blended: not exact)."""
-    vae_tile: int = 0
-    """vae_parallel=tiles: a tile's side in pixels (0: the VAE's sample_size, diffusers')."""
-
-    def vae_plan(self):
-        """How the VAE decodes (patchpar.parallel.vae), on the same devices."""
-        return build_vae_plan(self.vae_parallel, self.devices, self.data, self.vae_tile)
-
-
-CACHE_FLAGS = tuple(
-    f"cache_{k}" for k in ("threshold", "interval", "warmup", "order", "stop", "branch")
-)
-
-
-@dataclass(frozen=True)
-class CachedDecodeFlags(DecodeFlags):
-    """DecodeFlags and a step cache as flat flags (`generate`, `project`)."""
-
-    cache: Annotated[str, tyro.conf.arg(help=HELP["cache"])] = "none"
-    cache_threshold: float | None = None
-    """fbcache: skip the blocks after the first while its residual changed by at most this
-    (relative mean absolute change since the last computed step); unset: 0.05 (diffusers').
-    teacache: its rel_l1_thresh; unset: 0.25."""
-    cache_interval: int | None = None
-    """taylorseer: one step in this many runs the denoiser after the warm-up (unset: 5).
-    deepcache: one step in this many runs the whole UNet (unset: 3)."""
-    cache_warmup: int | None = None
-    """taylorseer: the first steps that all run the denoiser (unset: 3)."""
-    cache_order: int | None = None
-    """taylorseer: the Taylor expansion's highest order (unset: 1)."""
-    cache_stop: int | None = None
-    """taylorseer: from this step on every step runs again (unset: never)."""
-    cache_branch: int | None = None
-    """deepcache: the shallow branch's levels - 1, run every step (unset: 0, the shallowest)."""
-
-    def plan(self):
-        """The strategy with the options given, placed on the devices, with the cache."""
-        options = {k.removeprefix("cache_"): getattr(self, k) for k in CACHE_FLAGS}
-        return build_plan(
-            self.strategy, self.options(), self.devices, self.cfg, data=self.data,
-            fsdp=self.fsdp, cache=self.cache, cache_options=options,
-        )  # fmt: skip
+        aliases, default = flat_aliases(cls), cls()
+        dotted = {}
+        for key, value in flags.items():
+            flag = "--" + key.replace("_", "-")
+            if key in {f.name for f in fields(cls)} and not hasattr(
+                    getattr(default, key), "__dataclass_fields__"):  # fmt: skip
+                dotted[key] = value
+            elif flag in aliases:
+                dotted[aliases[flag][2:].replace("-", "_")] = value
+            elif "__" in key:
+                dotted[key.replace("__", ".")] = value
+            else:
+                raise ValueError(f"{key}={value!r}: not an option of {cls.__name__}")
+        return with_overrides(default, dotted)
 
 
 def flat_aliases(config_cls) -> dict[str, str]:

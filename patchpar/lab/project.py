@@ -4,27 +4,38 @@ hardware profile (patchpar/hardware/*.yaml)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-import tyro
-
-from patchpar.lab.config import LOWERED_DTYPES as DTYPES
-from patchpar.lab.options import HELP, CachedDecodeFlags
+from patchpar.lab.config import (
+    LOWERED_DTYPES as DTYPES,
+)
+from patchpar.lab.config import (
+    AbstractModel,
+    CacheConfig,
+    MeshConfig,
+    StrategyConfig,
+    sections_plan,
+)
+from patchpar.lab.options import FromFlags
 
 if TYPE_CHECKING:
     from patchpar.measure.workload import Workload
 
 
 @dataclass(frozen=True)
-class ProjectConfig(CachedDecodeFlags):
+class ProjectConfig(FromFlags):
     """Projected latency of one generation and speedup over one device, split into compute,
     exposed communication, text encoding and VAE decode, per hardware profile; end to end with
-    the decode on one device and on row patches (vae_parallel), and without it (the papers'
-    protocol)."""
+    the decode on one device and on row patches (mesh.vae_parallel), and without it (the
+    papers' protocol). The model, mesh, strategy and cache sections are `patchpar run`'s, with
+    their short flags (`--strategy distrifusion --devices 4 --quant int8`)."""
 
-    model: Annotated[str, tyro.conf.arg(help=HELP["any_model"])] = "sdxl"
+    model: AbstractModel = field(default_factory=AbstractModel)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     resolution: int = 1024
     """Square image size in pixels."""
     batch: int = 1
@@ -48,77 +59,127 @@ class ProjectConfig(CachedDecodeFlags):
     timings: Path | None = None
     """Records of experiments/device/shard_timing.py: where one matches a profile and this
     point, its timed per-device program replaces the fitted compute curve."""
-    quant: str = "none"
-    """The denoiser quantized (patchpar/quant.py: w8, w4, int8, fp8): its int8/fp8 products
-    priced at the profile's int8/fp8 peak (emulated at its bf16 peak where it has none); the
-    speedup is against the unquantized one-device run."""
     json: bool = False
     """Print one JSON object per profile instead of the table."""
+
+    def plan(self):
+        """The strategy with its options, placed on the mesh, with the step cache."""
+        return sections_plan(self.strategy, self.mesh, self.cache)
+
+
+def check_project(config: ProjectConfig) -> list[str]:
+    """Every check of the config before any lowering, all the problems raised together
+    (`checks.Problems`, one line each); returns the options given that have no effect here
+    (the projection prices a model's FLOPs and bytes, a quantized one's at its int8/fp8 peak:
+    the model's quant counts, its attention kernel and scanned blocks do not)."""
+    from patchpar import hardware
+    from patchpar.lab.checks import Problems
+    from patchpar.measure.projection import OVERLAPS
+    from patchpar.models.presets import abstract_denoiser, latent_factor
+    from patchpar.quant import check_mode
+
+    m, mesh = config.model, config.mesh
+    problems = Problems.collect()
+    if config.dtype not in DTYPES:
+        problems.lines.append(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    if config.overlap not in OVERLAPS:
+        problems.lines.append(f"overlap={config.overlap!r}; known: {list(OVERLAPS)}")
+    steps_ok = isinstance(config.steps, int) and config.steps >= 1
+    if not steps_ok:
+        problems.lines.append(f"steps={config.steps!r}: must be a positive integer")
+    if config.batch < 1:
+        problems.lines.append(f"batch={config.batch!r}: must be >= 1")
+    if mesh.processes:
+        problems.lines.append(
+            f"mesh.processes={mesh.processes}: project runs nothing (it lowers with abstract "
+            f"weights and prices the programs); leave it at 0"
+        )
+    with problems.check():
+        check_mode(m.quant)
+    with problems.check():
+        if config.hardware != "all":
+            hardware.load(config.hardware)
+    if config.timings is not None and not Path(config.timings).is_file():
+        problems.lines.append(f"timings={str(config.timings)!r}: no such file")
+    pixel_space = None
+    with problems.check():
+        pixel_space = latent_factor(m.name) == 1
+    if pixel_space and mesh.vae_parallel != "off":
+        problems.lines.append(
+            f"mesh.vae_parallel={mesh.vae_parallel!r}: model {m.name!r} works in pixel space "
+            f"(no VAE), so there is no decode to place; leave vae_parallel at off"
+        )
+    if mesh.vae_parallel == "tiles":
+        problems.lines.append(
+            "mesh.vae_parallel='tiles': the projection prices the decode on one device (off) or "
+            "on row patches (rows); tiles are measured, not projected (experiments/vae_decode.py)"
+        )
+    with problems.check():
+        mesh.vae_plan()  # a known mode and tile
+    plan = None
+    with problems.check():
+        plan = config.plan()
+        if steps_ok:
+            plan.strategy.validate(config.steps, plan.patch, plan.cfg)
+    if plan is not None and plan.cache is not None and steps_ok and pixel_space is not None:
+        with problems.check():  # against the run's steps (the lowering validates with many)
+            plan.cache.validate(abstract_denoiser(m.name), config.steps)
+        with problems.check():
+            cache_schedule(plan.cache, config.steps, config.cache_computed_steps)
+            if config.timings is not None:
+                raise ValueError(
+                    f"timings={str(config.timings)!r} with cache {plan.cache.name!r}: the timed "
+                    f"programs are uncached ones; project a cache with the profiles' fitted "
+                    f"compute"
+                )
+    elif plan is not None and plan.cache is None and config.cache_computed_steps is not None:
+        problems.lines.append(
+            f"cache_computed_steps={config.cache_computed_steps}: there is no cache (set --cache)"
+        )
+    problems.raise_any()
+    unused = [
+        f"model.{k}={getattr(m, k)!r} has no effect in project: it prices FLOPs and bytes, "
+        f"which the {what} does not change"
+        for k, what in (("attention", "kernel"), ("block_q", "kernel's blocking"),
+                        ("block_kv", "kernel's blocking"), ("scan_blocks", "scanned loop"))
+        if getattr(m, k) != getattr(AbstractModel(), k)
+    ]  # fmt: skip
+    if config.overlap != ProjectConfig.overlap and not stale_kinds(plan):
+        unused.append(
+            f"overlap={config.overlap!r} has no effect: {plan.strategy.name} sends nothing for a "
+            f"later step, so every collective is waited for"
+        )
+    if plan.cache is not None:
+        unused += plan.cache.idle_options(config.steps)
+    return unused
 
 
 def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     """The projection of the config's point on each profile (see ProjectConfig); `log` hears
-    the progress of lowering what the workload cache lacks."""
+    the progress of lowering what the workload cache lacks, and the options that have no
+    effect."""
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import read_records
-    from patchpar.measure.projection import OVERLAPS, project
+    from patchpar.measure.projection import project
     from patchpar.measure.workload import WorkloadCache, decode_collectives
     from patchpar.models.presets import latent_factor
     from patchpar.sampling.cache import Forced
 
-    if config.dtype not in DTYPES:
-        raise ValueError(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
-    if config.overlap not in OVERLAPS:
-        raise ValueError(f"overlap={config.overlap!r}; known: {list(OVERLAPS)}")
-    if not isinstance(config.steps, int) or config.steps < 1:
-        raise ValueError(f"steps={config.steps!r}: must be a positive integer")
-    if config.batch < 1:
-        raise ValueError(f"batch={config.batch!r}: must be >= 1")
-    from patchpar.quant import check_mode
-
-    check_mode(config.quant)
+    for line in check_project(config):
+        log(f"patchpar: warning: {line}")
+    m, vae_parallel = config.model, config.mesh.vae_parallel
     profiles = hardware.load_all() if config.hardware == "all" else [hardware.load(config.hardware)]
     timings = []
     if config.timings is not None:
-        if not Path(config.timings).is_file():
-            raise ValueError(f"timings={str(config.timings)!r}: no such file")
         timings = read_records(Path(config.timings), skip_bad=True)
     plan = config.plan()
-    plan.strategy.validate(config.steps, plan.patch, plan.cfg)
-    config.vae_plan()  # a known mode and tile
-    pixel_space = latent_factor(config.model) == 1
-    if pixel_space and config.vae_parallel != "off":
-        raise ValueError(
-            f"vae_parallel={config.vae_parallel!r}: model {config.model!r} works in pixel space "
-            f"(no VAE), so there is no decode to place; leave vae_parallel at off"
-        )
-    if config.vae_parallel == "tiles":
-        raise ValueError(
-            "vae_parallel='tiles': the projection prices the decode on one device (off) or on "
-            "row patches (rows); tiles are measured, not projected (experiments/vae_decode.py)"
-        )
-    if config.overlap != ProjectConfig.overlap and not stale_kinds(plan):
-        log(
-            f"patchpar: warning: overlap={config.overlap!r} has no effect: {plan.strategy.name} "
-            f"sends nothing for a later step, so every collective is waited for"
-        )
-    if plan.cache is not None:  # against the run's steps (the lowering validates with many)
-        from patchpar.models.presets import abstract_denoiser
-
-        plan.cache.validate(abstract_denoiser(config.model), config.steps)
-        for line in plan.cache.idle_options(config.steps):
-            log(f"patchpar: warning: {line}")
+    pixel_space = latent_factor(m.name) == 1
     computed = cache_schedule(plan.cache, config.steps, config.cache_computed_steps)
-    if computed is not None and timings:
-        raise ValueError(
-            f"timings={str(config.timings)!r} with cache {plan.cache.name!r}: the timed programs "
-            f"are uncached ones; project a cache with the profiles' fitted compute"
-        )
     cache = WorkloadCache(config.workloads, log)
 
-    def workload(p, quant=config.quant):
-        return cache.get(config.model, config.resolution, p, config.batch, config.dtype, quant)
+    def workload(p, quant=m.quant):
+        return cache.get(m.name, config.resolution, p, config.batch, config.dtype, quant)
 
     one = build_plan("single", {}, 1, 1)
     w, single = workload(replace(plan, cache=None)), workload(one, "none")
@@ -127,7 +188,7 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
         cached = {
             (where, kind): workload(
                 replace(p, cache=Forced(plan.cache, kind == "computed")),
-                config.quant if where == "plan" else "none",
+                m.quant if where == "plan" else "none",
             )
             for where, p in (("plan", plan), ("single", one))
             for kind in ("computed", "skipped")
@@ -138,10 +199,10 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
         log(f"lowering the VAE decoder on {n} row patches (its collectives)")
     try:
         dcoll = decode_collectives(
-            config.model, config.resolution, n, config.batch // plan.data, config.dtype
+            m.name, config.resolution, n, config.batch // plan.data, config.dtype
         )
     except ValueError as e:  # the latent's rows do not split: no decode on row patches here
-        if config.vae_parallel == "rows":
+        if vae_parallel == "rows":
             raise
         log(f"no decode on row patches: {e}")
         dcoll = None
@@ -160,14 +221,14 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
             for vae in vaes
         }
         by_rows = by_vae.get("rows")
-        p = by_vae[config.vae_parallel]
+        p = by_vae[vae_parallel]
         extra = {}
         if cached is not None:
             extra = cached_latency(cached, single, hw, config, computed, dcoll, p)
         rows.append(
             {
                 **extra,
-                "model": config.model,
+                "model": m.name,
                 "resolution": config.resolution,
                 "strategy": w.strategy,
                 "devices": w.devices,
@@ -175,7 +236,7 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
                 "batch": config.batch,
                 "steps": config.steps,
                 "dtype": config.dtype,
-                "quant": config.quant,
+                "quant": m.quant,
                 "quant_emulated": hw.emulates(kinds[0]),
                 **p.to_json(),
                 "latency_decode_one_device_s": by_vae["off"].latency_s,
@@ -225,7 +286,7 @@ def cached_latency(cached, single, hw, config, computed, dcoll, p) -> dict:
     from patchpar.measure.projection import project, warmup_phase_steps
 
     def step_times(w, ref):
-        q = project(w, ref, hw, config.steps, config.overlap, None, config.vae_parallel, dcoll)
+        q = project(w, ref, hw, config.steps, config.overlap, None, config.mesh.vae_parallel, dcoll)
         return {ph: v["step_s"] for ph, v in q.phases.items()}
 
     comp = step_times(cached["plan", "computed"], single)

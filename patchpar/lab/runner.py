@@ -29,7 +29,7 @@ from patchpar.lab.baselines import (
     load_or_make_baseline,
     weights_sha256,
 )
-from patchpar.lab.checks import check_plan_on_model
+from patchpar.lab.checks import Problems, check_plan_on_model
 from patchpar.lab.config import RunConfig, unused_options
 from patchpar.lab.configio import dump_config, point_config, to_dict
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
@@ -235,6 +235,29 @@ def _status(err: BaseException) -> str:
     return "oom" if any(k in text for k in oom) or isinstance(err, MemoryError) else "error"
 
 
+SECTIONS_ON_MODEL = ("model", "mesh", "strategy", "cache", "sampler")
+
+
+def check_run(config: RunConfig) -> None:
+    """Every check of a run before any weight is read, its problems raised together
+    (`checks.Problems`, one line each): the config alone (`RunConfig.validate`), and where its
+    model, plan and sizes passed, the plan against the model's config.json."""
+    problems = Problems.collect()
+    with problems.check():
+        config.validate()
+    s, m = config.sampler, config.model
+    # the sections the model check reads; a problem in one is validate's to say (each line
+    # starts with the field it names)
+    if not any(line.startswith(SECTIONS_ON_MODEL) for line in problems.lines):
+        with problems.check():
+            check_plan_on_model(  # the plan against the model's config.json
+                m.name, config.plan(), s.height, s.width, s.steps, s.guidance_scale,
+                s.true_cfg_scale, build_mesh=not config.mesh.processes,
+                scan_blocks=m.scan_blocks,
+            )  # fmt: skip
+    problems.raise_any()
+
+
 RUN_ID_ENV = "PATCHPAR_RUN_ID"  # the launcher's run id, kept by the worker that writes the record
 
 
@@ -259,13 +282,7 @@ def run(
     # where the record goes, before any work (a record that cannot be written loses the run)
     check_writable(runs_path(config).parent, "results")
     try:
-        config.validate()
-        s = config.sampler
-        check_plan_on_model(  # the plan against the model's config.json: before any weight
-            config.model.name, config.plan(), s.height, s.width, s.steps, s.guidance_scale,
-            s.true_cfg_scale, build_mesh=not config.mesh.processes,
-            scan_blocks=config.model.scan_blocks,
-        )  # fmt: skip
+        check_run(config)
         invalid = None
     except Exception as e:  # noqa: BLE001 - bad input, or a config.json that cannot be read:
         if raise_errors:  # recorded as the point's failure in a sweep, raised from the CLI
