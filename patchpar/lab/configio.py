@@ -1,6 +1,7 @@
 """Configs to and from YAML and plain dicts: `load_config` and `dump_config`, dotted overrides
 (`with_overrides(cfg, {"strategy.portion": 0.5})`), a record's config with the defaults of
-fields added since it was written (`point_config`, `with_defaults`)."""
+fields added since it was written (`point_config`, `with_defaults`), and a nested config from
+the command line's short names in Python (`FromFlags.from_flags`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from patchpar.lab.config import (
     RunConfig,
     StrategyConfig,
 )
+from patchpar.lab.options import flat_aliases
 
 
 def with_defaults(section: type, given: dict) -> dict:
@@ -164,3 +166,29 @@ def dump_config(cfg, path: str | Path) -> None:
     import yaml
 
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+class FromFlags:
+    """`from_flags`, for a nested config (its sections are dataclasses) built in Python the way
+    the command line builds it."""
+
+    @classmethod
+    def from_flags(cls, **flags):
+        """A config from the command line's short names (`strategy="sync_patch", devices=4,
+        warmup_steps=1, steps=3`) or its nested ones with `__` for the dot
+        (`strategy__warmup_steps=1`), the same map the CLI uses (`options.flat_aliases`); an unknown
+        name is a ValueError naming it."""
+        aliases, default = flat_aliases(cls), cls()
+        dotted = {}
+        for key, value in flags.items():
+            flag = "--" + key.replace("_", "-")
+            if key in {f.name for f in fields(cls)} and not hasattr(
+                    getattr(default, key), "__dataclass_fields__"):  # fmt: skip
+                dotted[key] = value
+            elif flag in aliases:
+                dotted[aliases[flag][2:].replace("-", "_")] = value
+            elif "__" in key:
+                dotted[key.replace("__", ".")] = value
+            else:
+                raise ValueError(f"{key}={value!r}: not an option of {cls.__name__}")
+        return with_overrides(default, dotted)

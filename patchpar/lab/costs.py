@@ -15,7 +15,7 @@ from patchpar.lab.config import (
     check_scan,
     sections_plan,
 )
-from patchpar.lab.options import FromFlags
+from patchpar.lab.configio import FromFlags
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from patchpar.lab.config import (
     fsdp_unused,
     sections_plan,
 )
+from patchpar.lab.configio import FromFlags
 from patchpar.lab.launch import is_writer, launch
-from patchpar.lab.options import HELP, FromFlags
+from patchpar.lab.options import HELP
 
 
 def _sampler_help() -> str:

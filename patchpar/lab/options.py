@@ -2,7 +2,7 @@
 strategy, step cache, sampler, preset or family brings its options and help with it): the
 strategies' options (`StrategyOptions`), the help of the options that name a registry's entry
 (`HELP`), the plans built from them (`build_plan`, `build_vae_plan`), and the short flags of
-the nested configs' sections (`flat_aliases`, `FromFlags`)."""
+the nested configs' sections (`flat_aliases`)."""
 
 from __future__ import annotations
 
@@ -164,34 +164,6 @@ StrategyOptions = make_dataclass(
 StrategyOptions.__doc__ = """The strategies' options (declared in each strategy's own file); one left
     unset (None) keeps the strategy's default, and one the chosen strategy does not have is an
     error."""
-
-
-class FromFlags:
-    """`from_flags`, for a nested config (its sections are dataclasses) built in Python the way
-    the command line builds it."""
-
-    @classmethod
-    def from_flags(cls, **flags):
-        """A config from the command line's short names (`strategy="sync_patch", devices=4,
-        warmup_steps=1, steps=3`) or its nested ones with `__` for the dot
-        (`strategy__warmup_steps=1`), the same map the CLI uses (`flat_aliases`); an unknown
-        name is a ValueError naming it."""
-        from patchpar.lab.configio import with_overrides
-
-        aliases, default = flat_aliases(cls), cls()
-        dotted = {}
-        for key, value in flags.items():
-            flag = "--" + key.replace("_", "-")
-            if key in {f.name for f in fields(cls)} and not hasattr(
-                    getattr(default, key), "__dataclass_fields__"):  # fmt: skip
-                dotted[key] = value
-            elif flag in aliases:
-                dotted[aliases[flag][2:].replace("-", "_")] = value
-            elif "__" in key:
-                dotted[key.replace("__", ".")] = value
-            else:
-                raise ValueError(f"{key}={value!r}: not an option of {cls.__name__}")
-        return with_overrides(default, dotted)
 
 
 def flat_aliases(config_cls) -> dict[str, str]:

@@ -18,7 +18,7 @@ from patchpar.lab.config import (
     StrategyConfig,
     sections_plan,
 )
-from patchpar.lab.options import FromFlags
+from patchpar.lab.configio import FromFlags
 
 if TYPE_CHECKING:
     from patchpar.measure.workload import Workload

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
-from patchpar.models.components import abstract_init, random_params
+from patchpar.models.components import abstract_init
 from patchpar.models.family import Family, max_sequence_length
 from patchpar.models.flux import presets as _presets
 from patchpar.models.flux.model import (
@@ -24,7 +24,7 @@ from patchpar.models.flux.model import (
     apply_rope,
     rope_table,
 )
-from patchpar.models.wrapper import ModuleDenoiser
+from patchpar.models.wrapper import JointStack, ModuleDenoiser
 
 
 @dataclass(frozen=True)
@@ -123,20 +123,13 @@ class FluxFn(ModuleDenoiser):
         args, added = self.example_inputs(1, 2, 2, seq=4)
         return abstract_init(self.module.clone(scan=False), *args, **added)
 
-    def init(self, seed: int = 0):
-        return random_params(self.abstract_params(), seed)
-
 
 @dataclass(frozen=True)
-class Stack:
-    """The transformer's forward as a layer-splitting strategy (PipeFusion,
-    `patchpar.parallel.pipeline`) consumes it: the model's own parts (`context`, `time`,
-    `embed`, one `block`, `head`) on explicit parameters. Two segments of identical blocks,
-    the double-stream ones and then the single-stream ones (`segment_blocks`); the tokens
-    between blocks are the pair (image tokens (B, T, D), text tokens (B, S, D)): the text
-    stream travels with the image tokens it was computed beside. Each block takes its rows of
-    the RoPE table from the position site (`ops.positions`, the same collections as its
-    attention's)."""
+class Stack(JointStack):
+    """FLUX.1's transformer as a stack (`wrapper.JointStack`): two segments of identical
+    blocks, the double-stream ones and then the single-stream ones (`segment_blocks`). Each
+    block takes its rows of the RoPE table from the position site (`ops.positions`, the same
+    collections as its attention's)."""
 
     module: FluxTransformer2DModel
     kv_name = "attn"  # the block's joint attention, whose image K/V a stage keeps
@@ -156,14 +149,6 @@ class Stack:
         """Latent rows (and columns) per token: the 2 x 2 packing."""
         return 2
 
-    @property
-    def width(self) -> int:
-        return self.module.config.inner_dim
-
-    @property
-    def dtype(self):
-        return self.module.dtype
-
     def segment_blocks(self, params) -> tuple[list, list]:
         cfg = self.module.config
         return (
@@ -171,23 +156,10 @@ class Stack:
             [params[SINGLE.format(i)] for i in range(cfg.num_single_layers)],
         )
 
-    def outer(self, params) -> dict:
+    def block_names(self) -> set[str]:
         cfg = self.module.config
-        names = {DOUBLE.format(i) for i in range(cfg.num_layers)}
-        names |= {SINGLE.format(i) for i in range(cfg.num_single_layers)}
-        return {k: v for k, v in params.items() if k not in names}
-
-    def zeros(self, batch: int, tokens: int, ctx):
-        return jnp.zeros((batch, tokens, self.width), self.dtype), jnp.zeros_like(ctx)
-
-    def _apply(self, ops, outer, method, *args, variables=None, mutable=()):
-        module = self.module.clone(ops=ops)
-        return module.apply({"params": outer, **(variables or {})}, *args, method=method,
-                            mutable=list(mutable) or False)  # fmt: skip
-
-    def context(self, outer, encoder_hidden_states, extras: dict):
-        """The step-invariant text tokens the text stream starts from."""
-        return self._apply(self.module.ops, outer, "context", encoder_hidden_states)
+        return {DOUBLE.format(i) for i in range(cfg.num_layers)} | {
+            SINGLE.format(i) for i in range(cfg.num_single_layers)}  # fmt: skip
 
     def time(self, outer, timesteps, extras: dict):
         """(B, D): the timestep, guidance (dev) and pooled text embedded."""
@@ -219,14 +191,7 @@ class Stack:
         nested = {k: {name: v, "pos_embed": v.get(self.kv_name, {})} for k, v in own.items()}
         out = self._apply(ops, {**outer, name: block_params}, run, img, txt, temb,
                           variables=nested, mutable=mutable)  # fmt: skip
-        if not mutable:
-            return out, {}
-        y, mutated = out
-        return y, {k: v[name] for k, v in mutated.items()}
-
-    def head(self, outer, h, temb, rows: int, w: int):
-        """The image tokens of a rows x w latent slab -> (B, rows, w, C)."""
-        return self._apply(self.module.ops, outer, "head", h[0], temb, rows, w)
+        return self._own(out, mutable, name)
 
 
 @dataclass

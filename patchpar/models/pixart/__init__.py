@@ -18,7 +18,6 @@ from patchpar.models.components import (
     abstract_init,
     encode_text,
     load_t5_encoder,
-    random_params,
 )
 from patchpar.models.family import Family
 from patchpar.models.loading import CheckpointError, read_config, write_component, write_scheduler
@@ -35,7 +34,7 @@ from patchpar.models.pixart.model import (
 from patchpar.models.sites import SiteOps
 from patchpar.models.t5 import T5Config, T5EncoderModel
 from patchpar.models.vae import AutoencoderKL, VAEConfig
-from patchpar.models.wrapper import ModuleDenoiser
+from patchpar.models.wrapper import ModuleDenoiser, TokenStack
 
 
 @dataclass(frozen=True)
@@ -150,44 +149,19 @@ class PixArtFn(ModuleDenoiser):
         args, added = self.example_inputs(1, self.config.patch_size, seq=4)
         return abstract_init(self.module.clone(scan=False), *args, **added)
 
-    def init(self, seed: int = 0):
-        return random_params(self.abstract_params(), seed)
-
 
 @dataclass(frozen=True)
-class Stack:
-    """The transformer's forward as a layer-splitting strategy (PipeFusion,
-    `patchpar.parallel.pipeline`) consumes it: the model's own parts (`context`, `time`,
-    `embed`, one `block`, `head`), each applied on explicit parameters. `extras` are the
-    conditioning's keyword inputs (the text mask, the micro-conditions); `variables` are
-    extra Flax collections of the part (the site ops' state), `mutable` those a block
-    returns. One segment of identical blocks (`segment_blocks`); the tokens between blocks
-    are one (B, T, D) array."""
+class Stack(TokenStack):
+    """PixArt's transformer as a stack (`wrapper.TokenStack`): one segment of identical blocks;
+    `extras` are the text mask and the micro-conditions."""
 
     module: PixArtTransformer2DModel
     segment_kv_names = (("attn1",),)  # per segment, the attentions whose K/V a stage keeps
 
     @property
-    def num_layers(self) -> int:
-        return self.module.config.num_layers
-
-    @property
     def segment_layers(self) -> tuple[int, ...]:
         """Blocks per segment of identical blocks."""
         return (self.num_layers,)
-
-    @property
-    def patch_size(self) -> int:
-        return self.module.config.patch_size
-
-    @property
-    def width(self) -> int:
-        """The tokens' width (what a block passes on)."""
-        return self.module.config.inner_dim
-
-    @property
-    def dtype(self):
-        return self.module.dtype
 
     def blocks(self, params) -> list:
         """The blocks' parameters in layer order."""
@@ -197,20 +171,8 @@ class Stack:
         """The blocks' parameters per segment of identical blocks, in layer order: one."""
         return (self.blocks(params),)
 
-    def zeros(self, batch: int, tokens: int, ctx):
-        """Zeros shaped as the tokens between blocks, for `tokens` image tokens."""
-        del ctx
-        return jnp.zeros((batch, tokens, self.width), self.dtype)
-
-    def outer(self, params) -> dict:
-        """Every parameter that is not a block's (input and output parts)."""
-        names = {BLOCK.format(i) for i in range(self.num_layers)}
-        return {k: v for k, v in params.items() if k not in names}
-
-    def _apply(self, ops, outer, method, *args, variables=None, mutable=()):
-        module = self.module.clone(ops=ops)
-        return module.apply({"params": outer, **(variables or {})}, *args, method=method,
-                            mutable=list(mutable) or False)  # fmt: skip
+    def block_names(self) -> set[str]:
+        return {BLOCK.format(i) for i in range(self.num_layers)}
 
     def context(self, outer, encoder_hidden_states, extras: dict):
         """The step-invariant text context: (projected caption, key mask)."""
@@ -239,14 +201,7 @@ class Stack:
         params = {**outer, name: block_params}
         out = self._apply(ops, params, lambda m, *a: m.block(0, *a), x, ctx, temb, row,
                           variables=nested, mutable=mutable)  # fmt: skip
-        if not mutable:
-            return out, {}
-        y, mutated = out
-        return y, {k: v[name] for k, v in mutated.items()}
-
-    def head(self, outer, x, temb, h: int, w: int) -> jax.Array:
-        """(B, T, D) tokens of an h x w latent slab -> (B, h, w, out_channels)."""
-        return self._apply(self.module.ops, outer, "head", x, temb, h, w)
+        return self._own(out, mutable, name)
 
 
 @dataclass

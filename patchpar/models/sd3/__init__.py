@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from patchpar.models.attention import AUTO, AttentionSpec, resolve
-from patchpar.models.components import abstract_init, random_params
+from patchpar.models.components import abstract_init
 from patchpar.models.family import T5_TOKENS, Family, max_sequence_length
 from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.sd3 import presets as _presets
@@ -29,7 +29,7 @@ from patchpar.models.sd3.model import (
     position_table,
     sincos_grid,
 )
-from patchpar.models.wrapper import ModuleDenoiser
+from patchpar.models.wrapper import JointStack, ModuleDenoiser
 
 MAX_SEQUENCE_LENGTH = T5_TOKENS  # the most T5 tokens StableDiffusion3Pipeline takes
 POS_EMBED_KEY = "pos_embed.pos_embed"  # the position table diffusers keeps in the checkpoint
@@ -132,9 +132,6 @@ class SD3Fn(ModuleDenoiser):
         args, added = self.example_inputs(1, p, p, seq=4)
         return abstract_init(self.module.clone(scan=False), *args, **added)
 
-    def init(self, seed: int = 0):
-        return random_params(self.abstract_params(), seed)
-
 
 def _lifted(block: dict, dim: int) -> dict:
     """A context_pre_only block's parameters as a plain joint block's that gives the same
@@ -168,20 +165,14 @@ def _runs(config: SD3Config) -> list[tuple[bool, list[int]]]:
 
 
 @dataclass(frozen=True)
-class Stack:
-    """The transformer's forward as a layer-splitting strategy (PipeFusion,
-    `patchpar.parallel.pipeline`) consumes it: the model's own parts on explicit parameters.
-    The segments are the runs of identical joint blocks (SD3 and SD3.5-large: one;
-    SD3.5-medium: its 13 dual-attention blocks, then the others), the context_pre_only last
-    block lifted to one of its run's kind that gives the same image tokens (`_lifted`). The
-    tokens between blocks are the pair (image tokens (B, T, D), text tokens (B, S, D)); a stage
-    keeps the image K/V of each block's joint attention, and of a dual block's second one."""
+class Stack(JointStack):
+    """SD3's transformer as a stack (`wrapper.JointStack`). The segments are the runs of
+    identical joint blocks (SD3 and SD3.5-large: one; SD3.5-medium: its 13 dual-attention
+    blocks, then the others), the context_pre_only last block lifted to one of its run's kind
+    that gives the same image tokens (`_lifted`); a stage keeps the image K/V of each block's
+    joint attention, and of a dual block's second one."""
 
     module: SD3Transformer2DModel
-
-    @property
-    def num_layers(self) -> int:
-        return self.module.config.num_layers
 
     @property
     def segment_layers(self) -> tuple[int, ...]:
@@ -190,18 +181,6 @@ class Stack:
     @property
     def segment_kv_names(self) -> tuple[tuple[str, ...], ...]:
         return tuple(("attn", "attn2") if d else ("attn",) for d, _ in _runs(self.module.config))
-
-    @property
-    def patch_size(self) -> int:
-        return self.module.config.patch_size
-
-    @property
-    def width(self) -> int:
-        return self.module.config.inner_dim
-
-    @property
-    def dtype(self):
-        return self.module.dtype
 
     def segment_blocks(self, params) -> tuple[list, ...]:
         last = self.module.config.num_layers - 1
@@ -216,20 +195,8 @@ class Stack:
 
         return tuple([block(i) for i in ids] for _, ids in _runs(self.module.config))
 
-    def outer(self, params) -> dict:
-        names = {BLOCK.format(i) for i in range(self.module.config.num_layers)}
-        return {k: v for k, v in params.items() if k not in names}
-
-    def zeros(self, batch: int, tokens: int, ctx):
-        return jnp.zeros((batch, tokens, self.width), self.dtype), jnp.zeros_like(ctx)
-
-    def _apply(self, ops, outer, method, *args):
-        module = self.module.clone(ops=ops)
-        return module.apply({"params": outer}, *args, method=method)
-
-    def context(self, outer, encoder_hidden_states, extras: dict):
-        """The step-invariant text tokens the text stream starts from."""
-        return self._apply(self.module.ops, outer, "context", encoder_hidden_states)
+    def block_names(self) -> set[str]:
+        return {BLOCK.format(i) for i in range(self.num_layers)}
 
     def time(self, outer, timesteps, extras: dict):
         """(B, D): the timestep (sigma) and the pooled text embedded."""
@@ -239,9 +206,7 @@ class Stack:
     def embed(self, outer, ops, sample, variables=None, ctx=None):
         """(B, h, W, C) latent rows -> (image tokens, the text tokens `ctx`)."""
         nested = {k: {"pos_embed": v} for k, v in (variables or {}).items()}
-        module = self.module.clone(ops=ops)
-        img = module.apply({"params": outer, **nested}, sample, method="embed")
-        return img, ctx
+        return self._apply(ops, outer, "embed", sample, variables=nested), ctx
 
     def block(self, outer, ops, block_params, h, ctx, temb, row, variables=None, mutable=(),
               segment: int = 0):  # fmt: skip
@@ -254,10 +219,6 @@ class Stack:
         out = block.apply({"params": block_params, **(variables or {})}, *h, temb, row,
                           mutable=list(mutable) or False)  # fmt: skip
         return out if mutable else (out, {})
-
-    def head(self, outer, h, temb, rows: int, w: int):
-        """The image tokens of a rows x w latent slab -> (B, rows, w, C)."""
-        return self._apply(self.module.ops, outer, "head", h[0], temb, rows, w)
 
 
 @dataclass

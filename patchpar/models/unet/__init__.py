@@ -19,7 +19,6 @@ from patchpar.models.components import (
     abstract_init,
     encode_text,
     load_text_encoder,
-    random_params,
 )
 from patchpar.models.family import Family
 from patchpar.models.loading import CheckpointError, write_component, write_scheduler
@@ -111,9 +110,6 @@ class UNetFn(ModuleDenoiser):
     def abstract_params(self):
         args, added = self.example_inputs(1, self.row_multiple)
         return abstract_init(self.module.clone(scan=False), *args, **added)
-
-    def init(self, seed: int = 0):
-        return random_params(self.abstract_params(), seed)
 
 
 @dataclass
