@@ -180,7 +180,7 @@ def _stack_call(fn, p, x, t, cond):
 def test_scanned_blocks_refuse_what_runs_them_apart():
     """A quantized model, a layer-splitting strategy, a DiT's step cache that runs its first
     block apart, or a part of a scanned run: one line each, naming what to turn off."""
-    from patchpar.lab.config import check_scan
+    from patchpar.lab.checks import check_scan
     from patchpar.quant import quantize
 
     with pytest.raises(ValueError, match="scan_blocks with quant='w8'.*turn one of them off"):

@@ -8,7 +8,10 @@ the model's config.json alone (no weight read), each reported as its own line.
         plan = build_plan(...)
     problems.raise_any()            # Problems (a ValueError): one line per problem
 
-The CLI prints a `Problems` as one `patchpar: error:` line per problem (exit 2).
+The CLI prints a `Problems` as one `patchpar: error:` line per problem (exit 2). The checks
+more than one command makes are here too: the plan against the model's config.json
+(`check_plan_on_model` for a run, `check_lowering` for abstract weights), scanned blocks
+(`check_scan`), an FSDP with nothing to shard (`fsdp_unused`).
 """
 
 from __future__ import annotations
@@ -40,13 +43,19 @@ class Collector:
 
     @contextlib.contextmanager
     def check(self) -> Iterator[None]:
-        """A block of checks: its first ValueError is noted, and the block ends there."""
+        """A block of checks: its first ValueError is noted, and the block ends there. Another
+        error (a config.json that cannot be read) is raised, unless problems were found
+        already: then it is one more line, so that none of them is lost."""
         try:
             yield
         except Problems as e:
             self.lines += e.lines
         except ValueError as e:
             self.lines.append(str(e))
+        except Exception as e:  # noqa: BLE001 - said with the problems found, or raised
+            if not self.lines:
+                raise
+            self.lines.append(f"{type(e).__name__}: {e}")
 
     def raise_any(self) -> None:
         if self.lines:
@@ -86,3 +95,40 @@ def check_plan_on_model(
         plan.validate(unet, latent, steps, loop, build_mesh=build_mesh)
     problems.raise_any()
     return h, w
+
+
+def check_lowering(model: str | Path, latent: int, plan, batch: int, steps: int,
+                   scan_blocks: bool = False) -> None:  # fmt: skip
+    """A plan that `comm` or `project` lowers with abstract weights, checked against the
+    model's config.json first (no weight read): the plan (mesh, devices, strategy, `steps`,
+    cache) against the denoiser on a square `latent`, with the guidance the lowering uses
+    (`measure.cost.measure`'s)."""
+    from patchpar.models.presets import abstract_denoiser
+
+    unet = abstract_denoiser(model).with_scan(scan_blocks)
+    guidance = 5.0 if unet.guidance_halves == 2 else 1.0
+    plan.validate(unet, (latent, latent), steps, guidance, batch)
+
+
+def check_scan(scan_blocks: bool, quant: str, strategy: str) -> None:
+    """Scanned blocks run whole, on float weights: ValueError for a quantized model or a
+    strategy that runs the blocks apart (each its own stage or device)."""
+    if not scan_blocks:
+        return
+    if quant != "none":
+        raise ValueError(
+            f"scan_blocks with quant={quant!r}: a quantized model runs its blocks unrolled; "
+            f"turn one of them off"
+        )
+    if strategy in ("pipefusion", "asyncdiff"):
+        raise ValueError(
+            f"scan_blocks with strategy {strategy!r}: it runs the blocks apart (stages of "
+            f"layers); turn scan_blocks off"
+        )
+
+
+def fsdp_unused(devices: int) -> str:
+    return (
+        f"fsdp has no effect on {devices} device(s) here: no two devices run the same weights "
+        f"(one device, or tensor parallelism over all of them), so there is nothing to shard"
+    )

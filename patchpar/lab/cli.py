@@ -337,7 +337,9 @@ def _own_suggestions(line: str, command: str) -> str:
     config = COMMANDS[command].config()
     aliases = flat_aliases(config) if command in NESTED else {}
     known = [*aliases, *aliases.values()]
-    known += [f"--{f.name.replace('_', '-')}" for f in fields(config)]
+    for f in fields(config):
+        known += [f"--{f.name.replace('_', '-')}"] + [f"--no-{f.name.replace('_', '-')}"] * (
+            f.type in (bool, "bool"))  # fmt: skip
     typed = re.findall(r"--[\w.-]+", head.partition("options:")[2])
     close = [m for flag in typed for m in difflib.get_close_matches(flag, known, n=3, cutoff=0.8)]
     said = f"{head} (not options of patchpar {command})"

@@ -3,8 +3,9 @@
 `RunConfig` is what `patchpar run` takes: read from YAML (`load_config`), changed by dotted
 overrides (`with_overrides(cfg, {"strategy.portion": 0.5})`, or `--strategy.portion 0.5` on the
 command line), checked by `validate()`. A sweep point is a new RunConfig, never a mutated one.
-The flat flags of `patchpar generate`, `comm` and `project` and the strategies' options are
-`patchpar.lab.options`'.
+Its sections (`ModelConfig`, `MeshConfig`, `StrategyConfig`, `CacheConfig`, and the narrower
+`AbstractModel`, `PlanMesh`, `DecodeMesh`) are what `generate`, `comm` and `project` take too;
+the strategies' options and the short flags are `patchpar.lab.options`'.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated
 
 import tyro
 
+from patchpar.lab.checks import Problems, check_scan, fsdp_unused
 from patchpar.lab.options import HELP, StrategyOptions, build_plan, build_vae_plan
 from patchpar.lab.paths import RUNS
 
@@ -57,6 +59,12 @@ class AbstractModel(ModelConfig):
     read, so every preset and folder can be named."""
 
     name: Annotated[str, tyro.conf.arg(help=HELP["any_model"])] = "sdxl"
+    quant: str = "none"
+    """Quantized denoiser (patchpar/quant.py: none, w8, w4, int8, fp8), abstract weights:
+    `comm` counts its quantized weights per device and in FSDP's gathers (on a CPU, int8/fp8
+    products are emulated: memory then includes dequantized copies no GPU program holds);
+    `project` prices its int8/fp8 products at the profile's int8/fp8 peak (its bf16 peak where
+    it has none), the speedup against the unquantized one-device run."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +87,8 @@ class PlanMesh:
 
 
 @dataclass(frozen=True)
-class MeshConfig(PlanMesh):
-    """How the devices are split, where the VAE decodes, and whether processes are launched."""
+class DecodeMesh(PlanMesh):
+    """How the devices are split and where the VAE decodes (`project`: nothing launched)."""
 
     vae_parallel: str = "off"
     """The VAE decode (patchpar/parallel/vae.py): off (one device, the whole image; the
@@ -90,14 +98,20 @@ class MeshConfig(PlanMesh):
     blended: not exact)."""
     vae_tile: int = 0
     """vae_parallel=tiles: a tile's side in pixels (0: the VAE's sample_size, as diffusers)."""
-    processes: int = 0
-    """0: run in this process on the devices it sees (on CPU, fake devices sharing the cores:
-    no speedup). N >= 1: launch N processes here (`--processes N`), one CPU device, one core
-    and one thread each, joined by jax.distributed (gloo): a real speedup; devices must be N."""
 
     def vae_plan(self):
         """How the VAE decodes on these devices (patchpar.parallel.vae.VAEPlan)."""
         return build_vae_plan(self.vae_parallel, self.devices, self.data, self.vae_tile)
+
+
+@dataclass(frozen=True)
+class MeshConfig(DecodeMesh):
+    """How the devices are split, where the VAE decodes, and whether processes are launched."""
+
+    processes: int = 0
+    """0: run in this process on the devices it sees (on CPU, fake devices sharing the cores:
+    no speedup). N >= 1: launch N processes here (`--processes N`), one CPU device, one core
+    and one thread each, joined by jax.distributed (gloo): a real speedup; devices must be N."""
 
 
 @dataclass(frozen=True)
@@ -343,7 +357,6 @@ class RunConfig:
             (m.lpips_net in ("alex", "vgg", "squeeze"), "measure.lpips_net", m.lpips_net,
              "alex, vgg or squeeze"),
         ]  # fmt: skip
-        from patchpar.lab.checks import Problems
 
         problems = Problems.collect()  # every problem, one line each, raised together
         problems.lines += [f"{key}={value!r}: must be {fits}" for ok, key, value, fits in checks
@@ -409,23 +422,6 @@ class RunConfig:
         return self
 
 
-def check_scan(scan_blocks: bool, quant: str, strategy: str) -> None:
-    """Scanned blocks run whole, on float weights: ValueError for a quantized model or a
-    strategy that runs the blocks apart (each its own stage or device)."""
-    if not scan_blocks:
-        return
-    if quant != "none":
-        raise ValueError(
-            f"scan_blocks with quant={quant!r}: a quantized model runs its blocks unrolled; "
-            f"turn one of them off"
-        )
-    if strategy in ("pipefusion", "asyncdiff"):
-        raise ValueError(
-            f"scan_blocks with strategy {strategy!r}: it runs the blocks apart (stages of "
-            f"layers); turn scan_blocks off"
-        )
-
-
 def unused_options(config: RunConfig) -> list[str]:
     """Options a run is given that have no effect in its context, one line each (printed as
     warnings, kept in the record): the run goes on, but the user meant something else. Only
@@ -472,13 +468,6 @@ def unused_options(config: RunConfig) -> list[str]:
             f"image(s) of the prompt set: one call takes them all"
         )
     return out
-
-
-def fsdp_unused(devices: int) -> str:
-    return (
-        f"fsdp has no effect on {devices} device(s) here: no two devices run the same weights "
-        f"(one device, or tensor parallelism over all of them), so there is nothing to shard"
-    )
 
 
 def clip_ok(model: str, m: MeasureConfig) -> bool:

@@ -12,7 +12,6 @@ from patchpar.lab.config import (
     CacheConfig,
     PlanMesh,
     StrategyConfig,
-    check_scan,
     sections_plan,
 )
 from patchpar.lab.configio import FromFlags
@@ -48,29 +47,42 @@ class CommConfig(FromFlags):
 
 def check_comm(config: CommConfig) -> list[str]:
     """Every check of the config before lowering, all the problems raised together
-    (`checks.Problems`, one line each); returns the options given that have no effect."""
-    from patchpar.lab.checks import Problems
-    from patchpar.models.presets import latent_factor
+    (`checks.Problems`, one line each), the plan against the model's config.json included;
+    returns the options given that have no effect."""
+    import jax.numpy as jnp
+
+    from patchpar.lab.checks import Problems, check_lowering, check_scan
+    from patchpar.models.attention import resolve
+    from patchpar.models.presets import square_latent
     from patchpar.quant import check_mode
 
     m = config.model
     problems = Problems.collect()
-    if config.dtype not in DTYPES:
+    dtype_ok = config.dtype in DTYPES
+    if not dtype_ok:
         problems.lines.append(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
+    model_ok = False
     with problems.check():
-        check_mode(m.quant)
-        check_scan(m.scan_blocks, m.quant, config.strategy.name)
+        try:
+            check_mode(m.quant)
+            check_scan(m.scan_blocks, m.quant, config.strategy.name)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
+        model_ok = True
+    with problems.check():  # its message names model.attention
+        resolve(m.attention_spec(), getattr(jnp, config.dtype if dtype_ok else "float32"))
+    latent = None
     with problems.check():
-        f = latent_factor(m.name)
-        if config.resolution <= 0 or config.resolution % f:
-            raise ValueError(
-                f"resolution={config.resolution}: must be a positive multiple of {f} (the VAE "
-                f"factor)"
-            )
+        latent = square_latent(m.name, config.resolution)
     if config.batch < 0:
         problems.lines.append(f"batch={config.batch}: must be >= 0 (0: one per data slice)")
+    plan = None
     with problems.check():
-        config.plan()
+        plan = config.plan()
+    if None not in (plan, latent) and model_ok and config.batch >= 0:  # against the model
+        with problems.check():
+            check_lowering(m.name, latent, plan, config.batch or plan.data, 1_000_000,
+                           m.scan_blocks)  # fmt: skip
     problems.raise_any()
     given = [f"model.{k}={getattr(m, k)!r}" for k in ("attention", "block_q", "block_kv")
              if getattr(m, k) != getattr(AbstractModel(), k)]  # fmt: skip

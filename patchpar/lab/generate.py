@@ -18,8 +18,6 @@ from patchpar.lab.config import (
     MeshConfig,
     ModelConfig,
     StrategyConfig,
-    check_scan,
-    fsdp_unused,
     sections_plan,
 )
 from patchpar.lab.configio import FromFlags
@@ -113,7 +111,7 @@ def check(config: GenerateConfig) -> list[str]:
     alone, then the plan against the model's config.json (`checks.check_plan_on_model`). All
     the problems found are raised together (`checks.Problems`, a ValueError: one line each,
     naming the value and what fits); returns the options given that have no effect here."""
-    from patchpar.lab.checks import Problems, check_plan_on_model
+    from patchpar.lab.checks import Problems, check_plan_on_model, check_scan, fsdp_unused
     from patchpar.pipelines.checks import check_guidance, check_seed
     from patchpar.quant import check_mode
 

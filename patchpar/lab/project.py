@@ -14,7 +14,7 @@ from patchpar.lab.config import (
 from patchpar.lab.config import (
     AbstractModel,
     CacheConfig,
-    MeshConfig,
+    DecodeMesh,
     StrategyConfig,
     sections_plan,
 )
@@ -33,7 +33,7 @@ class ProjectConfig(FromFlags):
     their short flags (`--strategy distrifusion --devices 4 --quant int8`)."""
 
     model: AbstractModel = field(default_factory=AbstractModel)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
+    mesh: DecodeMesh = field(default_factory=DecodeMesh)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     resolution: int = 1024
@@ -73,9 +73,9 @@ def check_project(config: ProjectConfig) -> list[str]:
     (the projection prices a model's FLOPs and bytes, a quantized one's at its int8/fp8 peak:
     the model's quant counts, its attention kernel and scanned blocks do not)."""
     from patchpar import hardware
-    from patchpar.lab.checks import Problems
+    from patchpar.lab.checks import Problems, check_lowering
     from patchpar.measure.projection import OVERLAPS
-    from patchpar.models.presets import abstract_denoiser, latent_factor
+    from patchpar.models.presets import latent_factor, square_latent
     from patchpar.quant import check_mode
 
     m, mesh = config.model, config.mesh
@@ -89,53 +89,53 @@ def check_project(config: ProjectConfig) -> list[str]:
         problems.lines.append(f"steps={config.steps!r}: must be a positive integer")
     if config.batch < 1:
         problems.lines.append(f"batch={config.batch!r}: must be >= 1")
-    if mesh.processes:
-        problems.lines.append(
-            f"mesh.processes={mesh.processes}: project runs nothing (it lowers with abstract "
-            f"weights and prices the programs); leave it at 0"
-        )
     with problems.check():
-        check_mode(m.quant)
+        try:
+            check_mode(m.quant)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
     with problems.check():
         if config.hardware != "all":
             hardware.load(config.hardware)
     if config.timings is not None and not Path(config.timings).is_file():
         problems.lines.append(f"timings={str(config.timings)!r}: no such file")
-    pixel_space = None
+    latent = None
     with problems.check():
-        pixel_space = latent_factor(m.name) == 1
-    if pixel_space and mesh.vae_parallel != "off":
-        problems.lines.append(
-            f"mesh.vae_parallel={mesh.vae_parallel!r}: model {m.name!r} works in pixel space "
-            f"(no VAE), so there is no decode to place; leave vae_parallel at off"
-        )
-    if mesh.vae_parallel == "tiles":
-        problems.lines.append(
-            "mesh.vae_parallel='tiles': the projection prices the decode on one device (off) or "
-            "on row patches (rows); tiles are measured, not projected (experiments/vae_decode.py)"
-        )
-    with problems.check():
-        mesh.vae_plan()  # a known mode and tile
+        latent = square_latent(m.name, config.resolution)
+    with problems.check():  # a known mode and tile, a decode that there is, one projected
+        try:
+            mesh.vae_plan()
+        except ValueError as e:
+            raise ValueError(f"mesh.{e}") from None
+        if mesh.vae_parallel != "off" and latent_factor(m.name) == 1:
+            raise ValueError(
+                f"mesh.vae_parallel={mesh.vae_parallel!r}: model {m.name!r} works in pixel "
+                f"space (no VAE), so there is no decode to place; leave vae_parallel at off"
+            )
+        if mesh.vae_parallel == "tiles":
+            raise ValueError(
+                "mesh.vae_parallel='tiles': the projection prices the decode on one device (off) "
+                "or on row patches (rows); tiles are measured, not projected "
+                "(experiments/vae_decode.py)"
+            )
     plan = None
     with problems.check():
         plan = config.plan()
-        if steps_ok:
-            plan.strategy.validate(config.steps, plan.patch, plan.cfg)
-    if plan is not None and plan.cache is not None and steps_ok and pixel_space is not None:
-        with problems.check():  # against the run's steps (the lowering validates with many)
-            plan.cache.validate(abstract_denoiser(m.name), config.steps)
+    if plan is not None and steps_ok:
+        with problems.check():  # the plan against the model, with the steps
+            if latent is not None and config.batch >= 1:
+                check_lowering(m.name, latent, plan, config.batch, config.steps)
+            else:  # what needs no size
+                plan.strategy.validate(config.steps, plan.patch, plan.cfg)
+    if plan is not None and (steps_ok or plan.cache is None):
         with problems.check():
             cache_schedule(plan.cache, config.steps, config.cache_computed_steps)
-            if config.timings is not None:
+            if plan.cache is not None and config.timings is not None:
                 raise ValueError(
                     f"timings={str(config.timings)!r} with cache {plan.cache.name!r}: the timed "
                     f"programs are uncached ones; project a cache with the profiles' fitted "
                     f"compute"
                 )
-    elif plan is not None and plan.cache is None and config.cache_computed_steps is not None:
-        problems.lines.append(
-            f"cache_computed_steps={config.cache_computed_steps}: there is no cache (set --cache)"
-        )
     problems.raise_any()
     unused = [
         f"model.{k}={getattr(m, k)!r} has no effect in project: it prices FLOPs and bytes, "

@@ -129,15 +129,11 @@ def compute_workload(
 
     from patchpar.measure.cost import measure
     from patchpar.models.attention import XLA
-    from patchpar.models.presets import abstract_denoiser, latent_factor
+    from patchpar.models.presets import abstract_denoiser, square_latent
 
     if not plan.comm:
         raise ValueError("a plan with stand-in collectives (comm=False) has nothing to project")
-    f = latent_factor(model)
-    if resolution <= 0 or resolution % f:
-        raise ValueError(
-            f"resolution={resolution}: must be a positive multiple of {f} (the VAE factor)"
-        )
+    latent = square_latent(model, resolution)
     jdtype = getattr(jnp, dtype)
     unet = abstract_denoiser(model, jdtype, XLA)
     params = None
@@ -145,7 +141,6 @@ def compute_workload(
         from patchpar.quant import quantize_abstract
 
         unet, params = quantize_abstract(unet, unet.abstract_params(), quant)
-    latent = resolution // f
     r = measure(
         unet, plan, (latent, latent), batch=batch, params=params, flops=True, memory=False,
         log=log,

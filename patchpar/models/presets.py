@@ -140,6 +140,17 @@ def latent_factor(model: str | Path) -> int:
     return 1 if vae is None else VAEConfig.from_diffusers(vae).downsample_factor
 
 
+def square_latent(model: str | Path, resolution: int) -> int:
+    """The latent side of a square `resolution`-pixel image of `model`; a ValueError where the
+    VAE factor does not divide it."""
+    f = latent_factor(model)
+    if not isinstance(resolution, int) or resolution <= 0 or resolution % f:
+        raise ValueError(
+            f"resolution={resolution}: must be a positive multiple of {f} (the VAE factor)"
+        )
+    return resolution // f
+
+
 def component_config(model: str | Path, sub: str) -> dict | None:
     """The config of component `sub` (`vae`, `text_encoder`, `text_encoder_2`, `unet`,
     `transformer`; `pipeline`: model_index.json) of a preset or a diffusers folder; None where
