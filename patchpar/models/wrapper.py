@@ -42,6 +42,37 @@ class ModuleDenoiser(Scannable):
         return random_params(self.abstract_params(), seed)
 
 
+class TokenDenoiser(ModuleDenoiser):
+    """A transformer over p x p latent patches (PixArt, SD3): a row slab is a run of whole
+    token rows, so its latent rows are a multiple of p; tensor parallelism splits the
+    feed-forward's inner width (heads are padded with zero heads)."""
+
+    @property
+    def row_multiple(self) -> int:
+        """Latent rows of one patch must be a multiple of the patch size p: a row slab is then
+        a contiguous run of whole tokens."""
+        return self.config.patch_size
+
+    @property
+    def row_multiple_reason(self) -> str:
+        return f"patch size {self.config.patch_size}"
+
+    def image_tokens(self, h: int, w: int) -> int:
+        """Tokens of an h x w latent (what a resolution-dependent shift reads)."""
+        p = self.config.patch_size
+        return (h // p) * (w // p)
+
+    def check_split(self, model: int) -> None:
+        """Tensor parallel over `model` devices: the feed-forward's inner width divides."""
+        inner = 4 * self.config.inner_dim
+        if model > 1 and inner % model:
+            fits = [d for d in range(2, 9) if inner % d == 0]
+            raise ValueError(
+                f"tensor parallel over model={model}: the feed-forward width {inner} is not "
+                f"divisible by {model}; degrees that divide it: {fits}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenStack:
     """A transformer's forward as a layer-splitting strategy (PipeFusion, AsyncDiff:

@@ -34,11 +34,11 @@ from patchpar.models.pixart.model import (
 from patchpar.models.sites import SiteOps
 from patchpar.models.t5 import T5Config, T5EncoderModel
 from patchpar.models.vae import AutoencoderKL, VAEConfig
-from patchpar.models.wrapper import ModuleDenoiser, TokenStack
+from patchpar.models.wrapper import TokenDenoiser, TokenStack
 
 
 @dataclass(frozen=True)
-class PixArtFn(ModuleDenoiser):
+class PixArtFn(TokenDenoiser):
     """`pixart_apply(params, sample (B, H, W, C), timesteps, encoder_hidden_states (B, S, Dt),
     encoder_attention_mask=None (B, S), added_cond_kwargs=None)` -> (B, H, W, out_channels);
     `added_cond_kwargs` holds `resolution` (B, 2) and `aspect_ratio` (B, 1) for a model with
@@ -60,16 +60,6 @@ class PixArtFn(ModuleDenoiser):
     )  # the step caches it has (`patchpar.sampling.cache`)
     guidance_halves = 2  # classifier-free guidance
 
-    @property
-    def row_multiple(self) -> int:
-        """Latent rows of one patch must be a multiple of the patch size p: a row slab is then
-        a contiguous run of whole tokens."""
-        return self.config.patch_size
-
-    @property
-    def row_multiple_reason(self) -> str:
-        return f"patch size {self.config.patch_size}"
-
     def prediction(self, out: jax.Array) -> jax.Array:
         """The sampler's model output from the network's: with learned sigma (twice the
         latent's channels) the first half, as diffusers' PixArt pipelines take it."""
@@ -79,17 +69,6 @@ class PixArtFn(ModuleDenoiser):
     def stack(self) -> Stack:
         """The forward's parts, for a strategy that splits the layers (PipeFusion)."""
         return Stack(self.module)
-
-    def check_split(self, model: int) -> None:
-        """Tensor parallel over `model` devices: the feed-forward's inner width divides (heads
-        need not: they are padded with zero heads)."""
-        inner = 4 * self.config.inner_dim
-        if model > 1 and inner % model:
-            fits = [d for d in range(1, 9) if inner % d == 0]
-            raise ValueError(
-                f"tensor parallel over model={model}: the feed-forward width {inner} is not "
-                f"divisible by {model}; degrees that divide it: {fits}"
-            )
 
     def __call__(
         self,

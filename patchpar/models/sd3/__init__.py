@@ -29,14 +29,14 @@ from patchpar.models.sd3.model import (
     position_table,
     sincos_grid,
 )
-from patchpar.models.wrapper import JointStack, ModuleDenoiser
+from patchpar.models.wrapper import JointStack, TokenDenoiser
 
 MAX_SEQUENCE_LENGTH = T5_TOKENS  # the most T5 tokens StableDiffusion3Pipeline takes
 POS_EMBED_KEY = "pos_embed.pos_embed"  # the position table diffusers keeps in the checkpoint
 
 
 @dataclass(frozen=True)
-class SD3Fn(ModuleDenoiser):
+class SD3Fn(TokenDenoiser):
     """`sd3_apply(params, sample (B, H, W, C), timesteps (B,), encoder_hidden_states (B, S, Dt),
     pooled_projections=(B, Dp))` -> (B, H, W, C): the timesteps as every flow-matching denoiser
     of patchpar takes them (sigma in [0, 1]; the model embeds sigma x 1000, what diffusers' SD3
@@ -68,35 +68,9 @@ class SD3Fn(ModuleDenoiser):
             )
         return Stack(self.module)
 
-    @property
-    def row_multiple(self) -> int:
-        """Latent rows of one patch must be a multiple of the patch size p: a row slab is then
-        a contiguous run of whole tokens."""
-        return self.config.patch_size
-
-    @property
-    def row_multiple_reason(self) -> str:
-        return f"patch size {self.config.patch_size}"
-
     def prediction(self, out: jax.Array) -> jax.Array:
         """The sampler's model output from the network's: all of it (the flow's velocity)."""
         return out
-
-    def image_tokens(self, h: int, w: int) -> int:
-        """Tokens of an h x w latent (what a resolution-dependent shift reads)."""
-        p = self.config.patch_size
-        return (h // p) * (w // p)
-
-    def check_split(self, model: int) -> None:
-        """Tensor parallel over `model` devices: the feed-forward's inner width divides (heads
-        need not: they are padded with zero heads)."""
-        inner = 4 * self.config.inner_dim
-        if model > 1 and inner % model:
-            fits = [d for d in range(2, 9) if inner % d == 0]
-            raise ValueError(
-                f"tensor parallel over model={model}: SD3's feed-forward width {inner} is not "
-                f"divisible by {model}; degrees that divide it: {fits}"
-            )
 
     def __call__(self, params, sample, timesteps, encoder_hidden_states, pooled_projections=None):
         if pooled_projections is None:
