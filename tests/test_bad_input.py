@@ -255,8 +255,9 @@ def test_run_reports_its_configs_and_its_models_problems_together(micro_folder, 
           "--hardware", "nope", "--vae-parallel", "tiles", "--cache-computed-steps", "3"],
          ["dtype='x'", "overlap='q'", "steps=0", "model.quant='zz'", "unknown hardware 'nope'",
           "mesh.vae_parallel='tiles'", "cache_computed_steps=3: there is no cache"]),
-        (["comm", "--attention", "bogus", "--strategy", "sync_patch", "--devices", "3"],
-         ["model.attention='bogus'", "latent rows=128 not divisible by patch=3"]),
+        (["comm", "--attention", "bogus", "--strategy", "sync_patch", "--devices", "3",
+          "--resolution", "64"],
+         ["model.attention='bogus'", "latent rows=8 are 2 unit(s) of 4"]),
         (["project", "--resolution", "100", "--strategy", "distrifusion", "--devices", "2",
           "--warmup-steps", "9", "--steps", "5"],
          ["resolution=100: must be a positive multiple of 8", "warmup_steps=9 must be < steps=5"]),
@@ -292,7 +293,7 @@ def test_dry_run_checks_every_point_and_says_where_it_writes(tmp_path, micro_fol
         "grid:\n"
         "  - {mesh.devices: [2], sampler.name: [ddim, euler], strategy: [{name: sync_patch}]}\n"
         "  - {mesh.devices: [2], strategy: [{name: pcpp, portion: 2.0}]}\n"
-        "  - {mesh.devices: [3], strategy: [{name: sync_patch}]}\n"
+        "  - {mesh.devices: [3], mesh.patch_weights: ['1,1'], strategy: [{name: sync_patch}]}\n"
         "  - {mesh.devices: [2], mesh.processes: [3], strategy: [{name: sync_patch}]}\n"
     )
     assert main(["sweep", str(sweep), "--dry-run"]) == 0
@@ -301,7 +302,8 @@ def test_dry_run_checks_every_point_and_says_where_it_writes(tmp_path, micro_fol
     assert lines[1] == "to run    sync_patch sampler.name=euler | devices=2 cfg=1"
     assert lines[2].startswith("invalid   pcpp portion=2.0 | devices=2 cfg=1  <- ")
     assert "portion=2.0 must be in (0, 1]" in lines[2]
-    assert lines[3].startswith("invalid   sync_patch | devices=3") and "not divisible" in lines[3]
+    assert lines[3].startswith("invalid   sync_patch mesh.patch_weights=1,1 | devices=3")
+    assert "2 weight(s) for 3 patch devices" in lines[3]
     assert lines[4].startswith("invalid") and "mesh.processes=3" in lines[4]
     assert lines[5] == f"records -> {tmp_path / 'ablation' / 'runs.jsonl'}"
     assert not (tmp_path / "ablation").exists()  # nothing run, nothing written

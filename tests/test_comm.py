@@ -284,7 +284,7 @@ def test_comm_cli_bad_resolution(capsys):
         == 2
     )
     assert (
-        "latent rows=12 not divisible by patch=4 x 2^2 UNet downsamplings = 16"
+        "latent rows=12 are 3 unit(s) of 4 (2^2 UNet downsamplings): fewer than the 4 patch"
         in capsys.readouterr().err
     )
     assert main(["comm", "--model", "tiny", "--resolution", "100", "--strategy", "sync_patch"]) == 2

@@ -254,7 +254,8 @@ def test_load_denoiser_finds_the_family_and_the_engine_checks_its_row_multiple(t
         load_denoiser(tmp_path / "other")
     plan = Plan(make_strategy("sync_patch"), 2)
     plan.validate(dit, (8, 12), 4, 1.0)  # 4 token rows per device
-    with pytest.raises(ValueError, match=r"rows=10 not divisible by patch=2 x patch size 2 = 4"):
-        plan.validate(dit, (10, 8), 4, 1.0)
+    plan.validate(dit, (10, 8), 4, 1.0)  # 5 token rows: 3 and 2 (uneven patches)
+    with pytest.raises(ValueError, match=r"rows=2 are 1 unit\(s\) of 2 \(patch size 2\)"):
+        plan.validate(dit, (2, 8), 4, 1.0)
     with pytest.raises(ValueError, match="feed-forward width 128 is not divisible by 3"):
         dit.check_split(3)

@@ -74,11 +74,11 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
     [
         (
             dict(strategy="pcpp", devices=8, height=48, width=32),
-            r"latent rows=24 not divisible by patch=8 x 2\^1 UNet downsamplings = 16",
+            r"uneven patches \(4, 4, 4, 4, 2, 2, 2, 2 latent rows\) with strategy 'pcpp'",
         ),
         (
             dict(strategy="naive_patch", split="col", devices=4, height=32, width=40),
-            r"latent columns=20 not divisible by patch=4",
+            r"latent columns=20 with split='col': column patches split evenly",
         ),
         (dict(strategy="sync_patch", devices=4, cfg=3), r"cfg=3: must be 1 .* or 2"),
         (dict(strategy="sync_patch", devices=3, cfg=2), r"devices=3 is not divisible by cfg=2"),
@@ -193,5 +193,5 @@ def test_plan_validation_is_independent_of_pipeline():
     from parallel_helpers import micro_unet
 
     unet, _ = micro_unet("sd")
-    with pytest.raises(ValueError, match=r"latent rows=8 not divisible by patch=8"):
+    with pytest.raises(ValueError, match=r"latent rows=8 are 4 unit\(s\) of 2 .* fewer than the 8"):
         Plan(make_strategy("sync_patch"), 8).validate(unet, (8, 16), 10, 5.0)

@@ -225,7 +225,7 @@ def test_sd3_bad_splits_are_one_line_errors():
         Plan(make_strategy("pipefusion"), 2).validate(fn, (16, 12), 4, GUIDANCE)
     with pytest.raises(ValueError, match="split by rows only"):
         Plan(make_strategy("naive_patch", split="col"), 2).validate(fn, (16, 12), 4, GUIDANCE)
-    with pytest.raises(ValueError, match=r"rows=14 not divisible by patch=4 x patch size 2 = 8"):
-        Plan(make_strategy("sync_patch"), 4).validate(fn, (14, 12), 4, GUIDANCE)
+    with pytest.raises(ValueError, match=r"rows=6 are 3 unit\(s\) of 2 \(patch size 2\)"):
+        Plan(make_strategy("sync_patch"), 4).validate(fn, (6, 12), 4, GUIDANCE)
     with pytest.raises(ValueError, match=r"feed-forward width 96 is not divisible by 5"):
         Plan(make_strategy("tensor"), 5).validate(fn, (16, 12), 4, GUIDANCE)

@@ -335,9 +335,9 @@ def test_project_cli_every_profile_and_bad_input(micro_folder, tmp_path, capsys)
     assert "| h100-sxm |" in out and "borrowed from a100-sxm" in out
     assert main([*args, "--hardware", "b200"]) == 2
     assert "unknown hardware 'b200'" in capsys.readouterr().err
-    bad = [a if a != "64" else "66" for a in args]  # 33 latent rows: no 2-way split
+    bad = [a if a != "64" else "66" for a in args]  # 33 latent rows: no whole units
     assert main([*bad, "--hardware", "a100-sxm"]) == 2
-    assert "not divisible by patch=2" in capsys.readouterr().err
+    assert "latent rows=33 are not a multiple of" in capsys.readouterr().err
     assert main([*args[:-2], "--steps", "3", "--hardware", "a100-sxm"]) == 2
     assert "warmup_steps=4 must be < steps=3" in capsys.readouterr().err
 

@@ -191,9 +191,9 @@ def test_cli_overrides_apply_on_top_of_the_yaml(tmp_path, capsys):
 
 
 SWEEP_GRID = [
-    # 16 latent rows do not split into 3 patches of the UNet's multiple: a failed point, first
-    # (the killed child's one record: written once the model has loaded, before any compile)
-    {"strategy": [{"name": "sync_patch"}], "mesh.devices": [3]},
+    # two patch weights for three patch devices: a failed point, first (the killed child's one
+    # record: written by the checks before any work)
+    {"strategy": [{"name": "sync_patch"}], "mesh.devices": [3], "mesh.patch_weights": ["1,1"]},
     {"strategy": [{"name": "single"}], "mesh.devices": [1]},
     {
         "mesh.devices": [2],
@@ -249,7 +249,9 @@ def test_killed_sweep_resumes_with_every_point_once(swept):
     assert records[0] == first  # the row written before the kill is kept as it was
     assert [r["status"] for r in records].count("ok") == 4
     failed = [r for r in records if r["status"] != "ok"]
-    assert failed[0]["status"] == "error" and "not divisible by patch=3" in failed[0]["error"]
+    assert (
+        failed[0]["status"] == "error" and "2 weight(s) for 3 patch devices" in failed[0]["error"]
+    )
     # a third run finds nothing to do
     run_sweep(SweepConfig(sweep))
     assert read_records(folder / "runs.jsonl") == records
@@ -334,7 +336,7 @@ def test_table_groups_and_sorts(swept, tmp_path):
         "pcpp warmup_steps=1 portion=0.3 mesh.vae_parallel=rows",
         "pcpp warmup_steps=1 portion=1.0 mesh.vae_parallel=rows",
         "sync_patch mesh.data=2",  # data parallel, 2 devices: told apart from the one below
-        "sync_patch",  # 3 devices (failed)
+        "sync_patch mesh.patch_weights=1,1",  # 3 devices (failed)
     ]
     assert "∞ (identical)" in lines[0] and "(error)" in text
     grouped = markdown(

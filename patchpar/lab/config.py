@@ -84,6 +84,10 @@ class PlanMesh:
     cfg x patch; MaxDiffusion's fsdp rule, ZeRO-3) and all-gather each layer's just before it
     runs: weight memory per device / that degree, for one all-gather of the weights per UNet
     call (site fsdp). Exact: the images are those without it."""
+    patch_weights: str = ""
+    """Each patch device's share of the latent rows, comma-separated, in order (`3,2,2,1`: a
+    faster device takes more rows; parallel/split.py); "": equal shares, an even split where
+    the rows divide, else the most even one (said when it runs)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,7 @@ def sections_plan(strategy: StrategyConfig, mesh: MeshConfig, cache: CacheConfig
     return build_plan(
         strategy.name, strategy.options(), mesh.devices, mesh.cfg, comm=comm, data=mesh.data,
         fsdp=mesh.fsdp, cache=cache.name, cache_options=cache.options(),
+        patch_weights=mesh.patch_weights,
     )  # fmt: skip
 
 
@@ -410,8 +415,9 @@ class RunConfig:
                 try:
                     plan = self.plan()  # strategy options: unknown names and bad values
                     plan.strategy.validate(s.steps, plan.patch, plan.cfg)
-                except ValueError as e:
-                    raise ValueError(f"strategy: {e}") from None
+                except ValueError as e:  # the mesh's patch weights, or the strategy's options
+                    where = "mesh." if str(e).startswith("patch_weights=") else "strategy: "
+                    raise ValueError(f"{where}{e}") from None
         if mesh_ok:
             with problems.check():
                 try:

@@ -143,7 +143,9 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
         out[f"{phase}_step_s_median"] = ph["median"] / steps[phase] if ph else None
     counted = None
     if m.comm and not m.compute_only:
-        local_out = guided_slab(plan, x0.shape)  # one device's share of the guided output
+        local_out = guided_slab(
+            plan, x0.shape, pipe.unet
+        )  # one device's share of the guided output
         itemsize = jax.numpy.dtype(pipe.unet.module.dtype).itemsize
         count = lambda low, calls: count_lowered(  # noqa: E731
             low, calls, plan, local_out, itemsize, phase_loop=True

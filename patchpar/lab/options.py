@@ -23,10 +23,12 @@ def build_plan(
     fsdp: bool = False,
     cache: str = "none",
     cache_options: dict | None = None,
+    patch_weights: str = "",
 ):
     """The strategy `name` with the options given (None = the strategy's default), on devices
     split as data x cfg x patch x model, weights sharded per layer with `fsdp`, with the step
-    cache `cache` (`patchpar.sampling.cache`; options None = the cache's default)."""
+    cache `cache` (`patchpar.sampling.cache`; options None = the cache's default), the rows
+    split over the patch devices by `patch_weights` ("3,2,2,1"; "": equal shares)."""
     from patchpar.parallel.engine import Plan
     from patchpar.parallel.strategies import make_strategy
     from patchpar.sampling.cache import make_cache
@@ -35,7 +37,30 @@ def build_plan(
     step_cache = make_cache(
         cache, **{k: v for k, v in (cache_options or {}).items() if v is not None}
     )
-    return Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache)
+    plan = Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache)
+    if patch_weights:
+        from dataclasses import replace
+
+        from patchpar.parallel.split import check_weights
+
+        weights = parse_weights(patch_weights)
+        check_weights(weights, plan.patch)
+        plan = replace(plan, patch_weights=weights)
+    return plan
+
+
+def parse_weights(text: str) -> tuple[float, ...]:
+    """`3,2,2,1` -> (3.0, 2.0, 2.0, 1.0); a ValueError naming what is not a number."""
+    out = []
+    for part in text.split(","):
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise ValueError(
+                f"patch_weights={text!r}: {part.strip()!r} is not a number; give one weight per "
+                f"patch device, comma-separated (e.g. 3,2,2,1)"
+            ) from None
+    return tuple(out)
 
 
 def build_vae_plan(mode: str, devices: int, data: int, tile: int):

@@ -161,7 +161,7 @@ def _measure_phases(
     sampler = get_sampler("ddim")
     schedule = sampler.schedule(SchedulerConfig(), 2)
     x, _, cond = abstract_inputs(unet, latent_hw, batch)
-    local_out = guided_slab(plan, x.shape)
+    local_out = guided_slab(plan, x.shape, unet)
     record = {
         "weight_bytes_per_device": weight_bytes(plan, unet, params),
         "mesh": plan.degrees(),
@@ -217,6 +217,8 @@ def count_lowered(
         "analytic_matches_hlo": _same(hlo, model),
         "collectives": collective_groups(collectives, plan.devices),
         "released": released_count(plan, log, local_out, out_itemsize).summary(),
+        # of the received bytes, those of padding (uneven patches: `parallel.split`)
+        "padding": _site_count(plan, log, "padding_bytes").summary(),
     }
     if flops:
         entry["flops_per_device"] = program_flops(lowered, outer_once=phase_loop, text=text)

@@ -77,8 +77,15 @@ class GroupNorm(nn.Module):
         if c % g:
             raise ValueError(f"GroupNorm: {c} channels are not divisible into {g} groups")
         xg = x.astype(jnp.float32).reshape(b, h, w, g, c // g)
-        mean = xg.mean(axis=(1, 2, 4))  # (B, G)
-        mean_sq = jnp.square(xg).mean(axis=(1, 2, 4))  # (B, G)
+        own = self.ops.own_rows(h)  # uneven patches: the rows after this patch's are padding
+        if own is None:
+            mean = xg.mean(axis=(1, 2, 4))  # (B, G)
+            mean_sq = jnp.square(xg).mean(axis=(1, 2, 4))  # (B, G)
+        else:
+            mine = jnp.where((jnp.arange(h) < own)[None, :, None, None, None], xg, 0.0)
+            count = (own * w * (c // g)).astype(jnp.float32)
+            mean = mine.sum(axis=(1, 2, 4)) / count
+            mean_sq = jnp.square(mine).sum(axis=(1, 2, 4)) / count
         mean, mean_sq = self.ops.group_stats(self, mean, mean_sq)
         var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
         xg = (xg - mean[:, None, None, :, None]) * jax.lax.rsqrt(var + self.epsilon)[

@@ -49,6 +49,12 @@ class SiteOps:
         del mod
         return mean, mean_sq
 
+    def own_rows(self, h: int) -> jax.Array | None:
+        """Of a local slab of `h` rows, how many are this device's patch's (the rest padding:
+        uneven patches, `parallel.split`); None: all of them."""
+        del h
+        return None
+
     def self_attn_kv(
         self, mod, k: jax.Array, v: jax.Array, row: int | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:

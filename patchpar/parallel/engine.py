@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from patchpar.models.family import Denoiser
+from patchpar.parallel.checks import check_scan_plan, uneven_supported
 from patchpar.parallel.exchange import check_groups
 from patchpar.parallel.mesh import AXES, divisors, make_mesh, mesh_shape
 from patchpar.parallel.program import Program
@@ -42,6 +43,7 @@ from patchpar.parallel.sites import (
     record_sites,
     shapes_only,
 )
+from patchpar.parallel.split import is_even, split_rows
 from patchpar.parallel.step import make_step
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.cache import CACHE, StepCache
@@ -72,6 +74,38 @@ class Plan:
     cache: StepCache | None = None
     """A step cache (`patchpar.sampling.cache`): reuse across steps, inside each device's
     program; None: every step runs every block."""
+    patch_weights: tuple[float, ...] | None = None
+    """Each patch device's share of the latent rows (`parallel.split`), in order; None: equal
+    shares (an even split where the rows divide, else the most even one)."""
+
+    def row_split(self, rows: int, unet: Denoiser) -> tuple[int, ...]:
+        """The latent rows of each patch of a latent of `rows` rows (`split.split_rows`): whole
+        units of the denoiser's row multiple, evenly where they divide and no weights are
+        given; a ValueError where they cannot be split."""
+        n, unit = self.patch, unet.row_multiple
+        if self.patch_weights is None and rows % (n * unit) == 0:
+            return (rows // n,) * n
+        return split_rows(rows, n, unit, self.patch_weights, unet.row_multiple_reason)
+
+    def patch_rows(self, rows: int, unet: Denoiser) -> tuple[int, ...] | None:
+        """The rows of each patch where this plan splits a latent of `rows` rows into row
+        patches (None: it does not: one patch device, column patches, a program of its own)."""
+        if self.patch == 1 or not self.program.splits_rows or self.strategy.patch_axis(0) != "row":
+            return None
+        return self.row_split(rows, unet)
+
+    def split_note(self, rows: int, unet: Denoiser) -> str | None:
+        """One line saying how an uneven split of a latent of `rows` rows falls (None: even)."""
+        got = self.patch_rows(rows, unet)
+        if is_even(got):
+            return None
+        why = "in proportion to the patch weights" if self.patch_weights else (
+            f"the most even split in units of {unet.row_multiple} rows, "
+            f"{unet.row_multiple_reason}")  # fmt: skip
+        return (
+            f"latent rows={rows} over {len(got)} patch devices: {', '.join(map(str, got))} rows "
+            f"({why}); each slab is padded to {max(got)} rows"
+        )
 
     @property
     def model(self) -> int:
@@ -186,28 +220,6 @@ class Plan:
                 )
 
 
-# the step caches that run part of a DiT's stack of blocks apart (its first block)
-PARTIAL_CACHES = ("fbcache", "teacache")
-
-
-def check_scan_plan(plan: Plan, unet: Denoiser) -> None:
-    """A denoiser with scanned blocks (`model.scan_blocks`) runs each scanned run whole, on
-    the engine's program: ValueError for a program that runs the blocks apart (PipeFusion's
-    stages, AsyncDiff's components) or a step cache that runs a DiT's first block apart."""
-    if not unet.scanned:
-        return
-    if plan.program is not STEP:
-        raise ValueError(
-            f"scan_blocks with strategy {plan.strategy.name!r}: its program runs the blocks "
-            f"apart (stages of layers); turn scan_blocks off"
-        )
-    if plan.cache is not None and plan.cache.name in PARTIAL_CACHES and unet.stack is not None:
-        raise ValueError(
-            f"scan_blocks with cache {plan.cache.name!r}: it runs the first block apart from the "
-            f"others; turn scan_blocks off, or use taylorseer"
-        )
-
-
 class StepProgram(Program):
     """The engine's program: each step one call of the denoiser under `shard_map` over the
     (data, cfg, patch, model) mesh, the strategy's site ops doing the exchanges."""
@@ -233,16 +245,22 @@ class StepProgram(Program):
                 f"strategy {s.name!r} splits columns, but a {unet.family} transformer's positions "
                 f"are split by rows only; use split=row"
             )
-        for axis in sorted(axes):
-            size = latent_hw[0] if axis == "row" else latent_hw[1]
+        if "col" in axes:  # column patches split evenly
             mult = plan.patch * down
-            if size % mult:
-                what = "rows" if axis == "row" else "columns"
-                raise ValueError(
-                    f"latent {what}={size} not divisible by patch={plan.patch} x "
-                    f"{unet.row_multiple_reason} = {mult}: every patch must split evenly; use a "
-                    f"latent size that is a multiple of {mult} (or fewer devices)"
-                )
+            for axis in sorted(axes):
+                size = latent_hw[0] if axis == "row" else latent_hw[1]
+                if size % mult or plan.patch_weights is not None:
+                    what = "rows" if axis == "row" else "columns"
+                    raise ValueError(
+                        f"latent {what}={size} with split={getattr(s, 'split', 'col')!r}: column patches split "
+                        f"evenly (patch={plan.patch} x {unet.row_multiple_reason} = {mult} must "
+                        f"divide both sides, and patch weights are for row patches); use a "
+                        f"latent size that is a multiple of {mult}, or split=row"
+                    )
+            return
+        rows = plan.row_split(latent_hw[0], unet)
+        if not is_even(rows):
+            uneven_supported(plan, rows)
 
     def place(self, plan, unet, params):
         # placed inside the program by the logical-axis rules (`parallel.rules`); a scanned
@@ -266,14 +284,16 @@ class StepProgram(Program):
 STEP = StepProgram()
 
 
-def guided_slab(plan: Plan, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+def guided_slab(plan: Plan, latent_shape: tuple[int, ...], unet: Denoiser) -> tuple[int, ...]:
     """One device's share of one step's guided output, (B, H, W, C) -> its slab (the unit of
-    the cfg gather's bytes): its images, and its rows (or columns) of the patch axis; a
-    program that does not split the rows (PipeFusion's) guides every row each step."""
+    the cfg gather's bytes): its images, and its rows (or columns) of the patch axis (uneven
+    patches: the largest patch's, as every slab is padded to it); a program that does not
+    split the rows (PipeFusion's) guides every row each step."""
     b, h, w, c = latent_shape
     axis = plan.strategy.patch_axis(0)
     n = plan.patch if plan.program.splits_rows else 1
-    return (b // plan.data, h // n if axis == "row" else h, w // n if axis == "col" else w, c)
+    rows = max(plan.row_split(h, unet)) if axis == "row" and n > 1 else h
+    return (b // plan.data, rows, w // n if axis == "col" else w, c)
 
 
 def placed_params(plan: Plan, unet: Denoiser, params):

@@ -21,6 +21,7 @@ from patchpar.parallel.mesh import CFG, DATA, PATCH, STATE_SPEC
 from patchpar.parallel.rules import placed, unplaced
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
 from patchpar.parallel.sites.common import note
+from patchpar.parallel.split import is_even, pad_rows, unpad_rows
 from patchpar.sampling.cache import CACHE, STEADY_COMPUTED
 from patchpar.sampling.guidance import call_on_stack
 from patchpar.sampling.loop import guided
@@ -59,7 +60,6 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
         ops = replace(ops, fsdp_op=FSDPGather(degree=plan.fsdp_degree))
     if not plan.comm:
         ops = ops.with_stand_ins()
-    module = unet.module.clone(ops=ops)
     rules = plan.rules()
     cfg = plan.cfg
     cache = plan.cache
@@ -75,55 +75,67 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
         with jax.named_scope("pp_cache"):
             return lax.psum(v, (DATA, CFG, PATCH))
 
-    def local(params, x, t, cond, state):
-        # cond holds this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1
-        variables = {
-            "params": unplaced(params, unet.logical, rules)
-        }  # this device's share of each weight
-        state = jax.tree.map(lambda a: a[0, 0, 0, 0], state or {})  # drop device axes
-        cache_state = state.pop(CACHE, None)
-        if reads_state and state:
-            variables[STALE] = state
-        mutable = [STALE, SEND] if groups else [STALE]
+    def program(ops):  # one device's program with these site ops
+        module = unet.module.clone(ops=ops)
 
-        def exchanged(mutated, n_groups=groups):  # the stale buffers after the call's sends
-            stale = mutated.get(STALE, {})
-            if not n_groups:
-                return stale
-            sends = mutated.get(SEND, {})
-            n_groups = min(n_groups, max(1, sum(1 for _ in pending_sends(sends))))
-            return merged(stale, exchange_packed(sends, ops, n_groups, stale))
+        def local(params, x, t, cond, state):
+            # cond: this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1;
+            # params: this device's share of each weight
+            variables = {"params": unplaced(params, unet.logical, rules)}
+            state = jax.tree.map(lambda a: a[0, 0, 0, 0], state or {})  # drop device axes
+            cache_state = state.pop(CACHE, None)
+            if reads_state and state:
+                variables[STALE] = state
+            mutable = [STALE, SEND] if groups else [STALE]
 
-        if cache is None:
-            apply = lambda *a, **k: module.apply(variables, *a, **k, mutable=mutable)  # noqa: E731
-            out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
-            stale = exchanged(mutated)
-        else:
-            before = cache_state
-            inner = None if before is None else {
-                k: v for k, v in before.items() if k != STEADY_COMPUTED
-            }  # fmt: skip
-            out, stale, cache_state = cached_call(
-                cache, module, variables, mutable, exchanged, x, t, cond, inner, reduce_sum
-            )
-        out = unet.prediction(out)  # the sampler's model output (a learned-sigma DiT: half)
-        if cache is not None:  # and the steady phase's computed steps apart (bytes per phase)
-            ran = cache_state["computed"] - (0 if before is None else before["computed"])
-            steady = 0 if before is None else before[STEADY_COMPUTED]
-            cache_state = {**cache_state, STEADY_COMPUTED: steady + ran * (phase == "steady")}
-            stale = {**stale, CACHE: cache_state}
-        if cfg == 2 and not plan.comm:
-            out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below
-        elif cfg == 2:
-            with jax.named_scope("pp_cfg"):
-                out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
-        new_state = jax.tree.map(lambda a: a[None, None, None, None], stale)
-        return guided(out, guidance_scale), new_state
+            def exchanged(mutated, n_groups=groups):  # the stale buffers after the call's sends
+                stale = mutated.get(STALE, {})
+                if not n_groups:
+                    return stale
+                sends = mutated.get(SEND, {})
+                n_groups = min(n_groups, max(1, sum(1 for _ in pending_sends(sends))))
+                return merged(stale, exchange_packed(sends, ops, n_groups, stale))
+
+            if cache is None:
+
+                def apply(*a, **k):
+                    return module.apply(variables, *a, **k, mutable=mutable)
+
+                out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+                stale = exchanged(mutated)
+            else:
+                before = cache_state
+                inner = None if before is None else {
+                    k: v for k, v in before.items() if k != STEADY_COMPUTED
+                }  # fmt: skip
+                out, stale, cache_state = cached_call(
+                    cache, module, variables, mutable, exchanged, x, t, cond, inner, reduce_sum
+                )
+            out = unet.prediction(out)  # the sampler's model output (a learned-sigma DiT: half)
+            if cache is not None:  # and the steady phase's computed steps apart (bytes per phase)
+                ran = cache_state["computed"] - (0 if before is None else before["computed"])
+                steady = 0 if before is None else before[STEADY_COMPUTED]
+                cache_state = {**cache_state, STEADY_COMPUTED: steady + ran * (phase == "steady")}
+                stale = {**stale, CACHE: cache_state}
+            if cfg == 2 and not plan.comm:
+                out = jnp.concatenate([out, out], axis=0)  # the stand-in for the gather below
+            elif cfg == 2:
+                with jax.named_scope("pp_cfg"):
+                    out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
+            new_state = jax.tree.map(lambda a: a[None, None, None, None], stale)
+            return guided(out, guidance_scale), new_state
+
+        return local
 
     xs = _x_spec(axis)
 
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
+        rows = plan.row_split(x.shape[1], unet) if axis == "row" else None
+        uneven = not is_even(rows)  # every slab padded to the largest patch's rows
+        local = program(ops.with_rows(rows) if uneven else ops)
+        if uneven:
+            x = pad_rows(x, rows)
         params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program
         # split by the logical-axis rules
         params, param_specs = placed(params, rules, unet.logical, local_shapes, plan.degrees())
@@ -142,7 +154,8 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
             # cannot see through Flax's apply, so it is off.
             check_vma=False,
         )
-        return fn(params, x, t, cond, state_in)
+        out, new_state = fn(params, x, t, cond, state_in)
+        return (unpad_rows(out, rows) if uneven else out), new_state
 
     return step
 

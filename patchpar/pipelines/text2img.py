@@ -394,6 +394,8 @@ class Pipeline:
         if vae_plan is not None:
             vae_plan.validate(self.vae, hw, len(prompts) if latents is None else latents.shape[0])
         say = log or (lambda msg: None)
+        if plan is not None and (note := plan.split_note(hw[0], self.unet)):
+            say(note)
         say(f"encoding {len(prompts)} prompt(s)")
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
         check_finite_conditioning(cond, self.unet.module.dtype)

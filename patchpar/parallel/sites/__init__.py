@@ -86,6 +86,13 @@ class PatchOps(SiteOps):
         """The stale buffers that this (steady-phase) ops' sends refresh."""
         return {b for op in self.sites() if op.sends_stale() for b in op.buffers}
 
+    def with_rows(self, rows: tuple[int, ...] | None) -> PatchOps:
+        """The same ops on patches of `rows` latent rows each (`parallel.split`; None: even)."""
+        return replace(self, **{
+            f.name: replace(op, rows=rows) for f in fields(self)
+            if isinstance(op := getattr(self, f.name), PatchSite)
+        })  # fmt: skip
+
     def with_stand_ins(self) -> PatchOps:
         """Every collective replaced by a local stand-in of the same shape (`Plan(comm=False)`,
         and tracing outside a mesh)."""
@@ -100,6 +107,10 @@ class PatchOps(SiteOps):
 
     def group_stats(self, mod, mean, mean_sq):
         return self.gn_op(mod, mean, mean_sq)
+
+    def own_rows(self, h: int):
+        split = self.gn_op.split
+        return None if split is None else split.mine(h)
 
     def self_attn_kv(self, mod, k, v, row: int | None = None):
         return self.attn_op.keys(mod, k, v, row)
@@ -120,7 +131,11 @@ class PatchOps(SiteOps):
         token rows and this slab is the patch index's (a constant sliced, no exchange; row
         patches only). Stand-ins (tracing outside a mesh) take the first slab."""
         del mod
-        n = self.n
+        n, split = self.n, self.halo_op.split
+        if split is not None:  # uneven: the patches' own rows, then padding's (zeros)
+            total = sum(split.counts(rows))
+            whole = jnp.pad(jnp.asarray(table(total, cols)), ((0, rows * cols), (0, 0)))
+            return lax.dynamic_slice_in_dim(whole, split.start(rows) * cols, rows * cols, axis=0)
         whole = jnp.asarray(table(rows * n, cols))  # (n * rows * cols, D)
         if n == 1:
             return whole

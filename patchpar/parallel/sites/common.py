@@ -34,6 +34,7 @@ from jax import lax
 from patchpar.parallel.codecs import Codec, from_rows, rows_bytes, to_rows
 from patchpar.parallel.mesh import PATCH
 from patchpar.parallel.sites.compress import Link
+from patchpar.parallel.split import Rows, is_even
 
 PHASES = ("warmup", "steady")  # exact exchanges (and buffers written), then stale ones
 STALE = "stale"  # Flax collection: the buffers a stale site reads at step t (written at t-1)
@@ -155,6 +156,12 @@ class Site:
         """Whether this op, in the steady phase, sends for a stale buffer (what is packed)."""
         return False
 
+    def padding_bytes(self, info: dict, p: int) -> int:
+        """Of `received_bytes`, those that are padding (uneven patches: a slab's rows after its
+        patch's own, `parallel.split`); 0 by default (a halo's rows and the statistics are
+        all image)."""
+        return 0
+
 
 @dataclass(frozen=True)
 class PatchSite(Site):
@@ -164,13 +171,16 @@ class PatchSite(Site):
     phase's payloads are compressed and extrapolated (`sites.compress.Link`; None: sent as
     they are). `wire`: a per-token codec (`codecs.to_rows`) every exact exchange of the site
     goes through (an exact strategy's fp8 on the wire; stateless: each payload is coded, sent
-    and decoded in the same step; None: sent as they are)."""
+    and decoded in the same step; None: sent as they are). `rows`: the latent rows of each
+    patch where they differ (`parallel.split`: every slab padded to the largest patch's rows;
+    None: an even split, no padding)."""
 
     n: int = 1
     phase: str = "warmup"
     packed: bool = False
     link: Link | None = None
     wire: Codec | None = None
+    rows: tuple[int, ...] | None = None
     buffers: ClassVar[tuple[str, ...]] = ()  # the stale buffers a send of this site refreshes
 
     def __post_init__(self):
@@ -180,6 +190,11 @@ class PatchSite(Site):
     @property
     def warmup(self) -> bool:
         return self.phase == "warmup"
+
+    @property
+    def split(self) -> Rows | None:
+        """The uneven split's per-device figures (`split.Rows`); None where it is even."""
+        return None if is_even(self.rows) else Rows(self.rows, self.local)
 
     def send(self, mod, sends: dict[str, jax.Array]) -> None:
         """A stale site's exchange for step t+1: with `packed`, left in the `send` collection

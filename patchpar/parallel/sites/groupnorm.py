@@ -7,6 +7,10 @@ Modes after warm-up (DistriFusion Table 5): `sync` (exact mean over the patch ax
 negative, the local variance). During warm-up every mode is exact (the released code
 all-reduces while counter <= warmup_steps) and the stale modes write their buffers
 `gn_global` (the exact mean) and `gn_local` (this patch's own), each (2, B, G).
+
+Uneven patches (`rows`): each patch's moments are over its own rows (the layer counts them:
+`SiteOps.own_rows`), and weighed by its rows in the mean over the patch axis, so that the
+global moments are the whole image's; `stale` replaces this patch's share by its rows.
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ class GroupStats(PatchSite):
         if self.n == 1 or not self._exchanged():
             return mean, mean_sq
         fresh = jnp.stack([mean, mean_sq])  # (2, B, G): one payload for both moments
+        # a patch's share of the mean over the patch axis: its rows over the mean patch's
+        weight = 1.0 if self.split is None else self.split.weight()
         stale_mode = self.mode in ("stale", "corrected")
         if self.warmup or self.mode == "sync":
-            glob = exchange(self.kind, [{"mean": fresh}], self.n, self.local)[0]["mean"]
+            sent = fresh if self.split is None else fresh * weight
+            glob = exchange(self.kind, [{"mean": sent}], self.n, self.local)[0]["mean"]
             if stale_mode:
                 mod.put_variable(STALE, "gn_global", glob)
                 mod.put_variable(STALE, "gn_local", fresh)
@@ -49,10 +56,10 @@ class GroupStats(PatchSite):
         g = mod.variable(STALE, "gn_global", jnp.zeros, fresh.shape, fresh.dtype)
         loc = mod.variable(STALE, "gn_local", jnp.zeros, fresh.shape, fresh.dtype)
         if self.mode == "stale":  # own slot fresh, the others as at step t-1
-            est = g.value + (fresh - loc.value) / self.n
+            est = g.value + (fresh - loc.value) * weight / self.n
         else:  # corrected: DistriFusion Eq. 2
             est = g.value + (fresh - loc.value)
-        self.send(mod, {"mean": fresh})  # the next step's gn_global
+        self.send(mod, {"mean": fresh if self.split is None else fresh * weight})  # next gn_global
         loc.value = fresh
         e_mean, e_sq = est[0], est[1]
         if self.mode == "corrected":  # where the estimated variance is negative, the local one

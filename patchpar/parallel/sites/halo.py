@@ -8,6 +8,10 @@ naive patches). `exchange=False` is DistriFusion's no_sync: the buffer stays as 
 warm-up step. Buffer `halo`: (B, top + bottom, W, C), the rows above then the rows below.
 With a `link` the steady phase's rows are compressed (and may be extrapolated), stale or fresh
 (`sites.compress`); the model's first conv stays exact.
+
+Uneven patches (`rows`): a slab holds its patch's rows, then padding; it sends its last own
+rows down, and the rows from below go right under its last own row (where the padding
+starts), so its own rows convolve as in the whole image (the rows after them are padding's).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from patchpar.parallel.sites.common import STALE, PatchSite, nbytes, note
 
@@ -46,8 +51,11 @@ class Halo(PatchSite):
     def __call__(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
         """(B, h, W, C) -> (B, top + h + bottom, W, C)."""
         note(self, shape=x.shape, itemsize=x.dtype.itemsize, top=top, bottom=bottom)
-        if self.mode == "zero" or self.n == 1 or not top + bottom:
+        if self.n == 1 or not top + bottom:
             return jnp.pad(x, ((0, 0), (top, bottom), (0, 0), (0, 0)))
+        if self.mode == "zero":
+            zeros = jnp.zeros((x.shape[0], top + bottom) + x.shape[2:], x.dtype)
+            return self._around(x, zeros, top)
         sends = self._sends(x, top, bottom)
         if self.warmup or self.mode == "fresh":
             buf = self.receive(self.exchange_now(mod, sends))["halo"]
@@ -58,14 +66,23 @@ class Halo(PatchSite):
             buf = mod.variable(STALE, "halo", jnp.zeros, shape, x.dtype).value
             if self.exchange:
                 self.send(mod, sends)
-        return jnp.concatenate([buf[:, :top], x, buf[:, top:]], axis=1)
+        return self._around(x, buf, top)
 
-    @staticmethod
-    def _sends(x, top: int, bottom: int) -> dict[str, jax.Array]:
+    def _around(self, x, buf, top: int) -> jax.Array:
+        """x with the rows above (`buf[:, :top]`) and below (the rest) around its own rows."""
+        if self.split is None:
+            return jnp.concatenate([buf[:, :top], x, buf[:, top:]], axis=1)
+        below = buf[:, top:]
+        y = jnp.concatenate([buf[:, :top], x, jnp.zeros_like(below)], axis=1)
+        return lax.dynamic_update_slice_in_dim(y, below, top + self.split.mine(x.shape[1]), 1)
+
+    def _sends(self, x, top: int, bottom: int) -> dict[str, jax.Array]:
         """My last `top` rows go down (the next patch's rows above), my first `bottom` rows up."""
         sends = {}
-        if top:
+        if top and self.split is None:
             sends["down"] = x[:, x.shape[1] - top :]
+        elif top:
+            sends["down"] = lax.dynamic_slice_in_dim(x, self.split.mine(x.shape[1]) - top, top, 1)
         if bottom:
             sends["up"] = x[:, :bottom]
         return sends

@@ -14,6 +14,9 @@ is `portion` of the patch's tokens (`align=tokens`, PCPP's code) or of its image
 up to whole rows (`align=rows`: the model passes `row`, its tokens per image row; a whole-row
 band is what a 2-D neighbour of a token actually is).
 `exchange=False` is DistriFusion's no_sync (buffers stay as at the last warm-up step).
+Uneven patches (`rows`): every slab is padded to the largest patch's tokens; the keys of
+padding are masked (where the patches are gathered, a constant mask: which slot holds which
+patch is known), so each query attends to the image's keys alone.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class KV(PatchSite):
         row = self._row(k.shape[1], row)
         note(self, shape=(2,) + k.shape, itemsize=k.dtype.itemsize, row=row)
         if self.mode == "local" or self.n == 1:
-            return k, v, None
+            return k, v, None if self.split is None else self.split.own_mask(k.shape[1])
         kv = jnp.stack([k, v])  # (2, B, L, D): one payload for both
         if self.warmup or self.mode == "all":
             sends = self._others(kv)
@@ -110,10 +113,14 @@ class KV(PatchSite):
                 mod.put_variable(STALE, "kv_below", below)
                 if self.link is not None:
                     self._start_band(mod, kv, full, row)
-            return full[0], full[1], None
+            return full[0], full[1], self._gathered_mask(kv.shape[2])
         if self.mode == "stale":
             return self._stale_all(mod, kv)
         return self._stale_band(mod, kv, row)
+
+    def _gathered_mask(self, length: int) -> jax.Array | None:
+        """(n * L,) keys of the patches in order that are image, not padding (None: all)."""
+        return None if self.split is None else jnp.asarray(self.split.gathered_mask(length))
 
     def _row(self, length: int, row: int | None) -> int | None:
         """Tokens per row the band keeps whole (None: tokens, as PCPP's code)."""
@@ -153,7 +160,7 @@ class KV(PatchSite):
             full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)
         if self.exchange:
             self.send(mod, self._others(kv))
-        return full[0], full[1], None
+        return full[0], full[1], self._gathered_mask(length)
 
     def _stale_band(self, mod, kv, row):
         length = kv.shape[2]
@@ -247,6 +254,15 @@ class KV(PatchSite):
         if self.sends == "band":
             shape = shape[:2] + (band,) + shape[3:]
         return self.wire_bytes(shape, itemsize) * ((p > 0) + (p < n - 1))
+
+    def padding_bytes(self, info, p):
+        """Uneven patches: of a gathered slab of L tokens, patch j's L - its own tokens."""
+        if self.split is None or self.received_bytes(info, p) == 0:
+            return 0
+        length = info["shape"][2]
+        per = self.wire_bytes(info["shape"], info["itemsize"])
+        own = self.split.counts(length)
+        return sum(per * (length - own[j]) // length for j in range(self.n) if j != p)
 
     def released_bytes(self, info, p):
         """The released code all-gathers K/V (warm-up, DistriFusion); PCPP's steady phase sends
