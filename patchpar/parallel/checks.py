@@ -42,7 +42,7 @@ def uneven_supported(plan, rows: tuple[int, ...]) -> None:
         attn = ops.attn_op
         what = None
         if isinstance(attn, ContextAttention):
-            what = "context-parallel attention (Ring, Ulysses)"
+            pass  # its blocks carry their patches' masks
         elif attn.mode == "band":
             what = "PCPP's neighbour bands"
         elif any(getattr(op, "link", None) is not None for op in ops.sites()):
@@ -51,5 +51,5 @@ def uneven_supported(plan, rows: tuple[int, ...]) -> None:
             raise ValueError(
                 f"{said} with strategy {plan.strategy.name!r}: {what} on uneven patches is not "
                 f"implemented; use a latent size that the patch devices divide (even patches), "
-                f"or sync_patch / distrifusion"
+                f"or sync_patch, distrifusion, ring, ulysses"
             )

@@ -17,6 +17,11 @@ equals attention over the whole image's tokens.
 Every collective sits in `pp_kv` (the self-attention site), and `context_bytes` is its analytic
 byte model (the convention of `patchpar.measure.comm`). `ContextAttention` is the site op.
 
+Uneven patches (`rows`, `parallel.split`): every device's tokens are padded to the largest
+patch's; after Ulysses' all-to-all a device holds its group's padded slabs in order, and a ring
+block is a group's, so each block of keys carries the mask of its patches' own tokens (a
+constant where one group holds every patch, else looked up by the group the block came from).
+
 fp8 (or int8) on the wire (`codecs`, one per tensor of Q, K, V and the output O; cache-dit's
 FP8 all-to-all sends Q, V and O in fp8 and K as it is): each coded tensor goes as
 `codecs.to_rows` payloads, a scale per token and head (the last axis is a head's D channels),
@@ -65,8 +70,18 @@ class ContextAttention(PatchSite):
         if self.n == 1:
             return attend(spec, q, k, v, heads)
         return context_attention(
-            q, k, v, heads, spec, self.n, self.ulysses, self.local, self.codecs
-        )
+            q, k, v, heads, spec, self.n, self.ulysses, self.local, self.codecs,
+            self._masks(q.shape[1]),
+        )  # fmt: skip
+
+    def _masks(self, length: int) -> jax.Array | None:
+        """Uneven patches: (r, u * L) bool, the own tokens of each ring block (one group's slabs
+        in order); None where the split is even."""
+        split = self.split
+        if split is None:
+            return None
+        own = split.gathered_mask(length).reshape(self.n // self.ulysses, -1)
+        return jnp.asarray(own)
 
     def joint(self, mod, q, text_k, text_v, k, v, heads: int, spec: AttentionSpec, row=None):
         """An MMDiT's joint attention (`SiteOps.joint_attention`): the image tokens' Q/K/V go
@@ -79,7 +94,7 @@ class ContextAttention(PatchSite):
             return attend_joint(spec, q, text_k, text_v, k, v, heads)
         return joint_context_attention(
             q[:, :s], text_k, text_v, q[:, s:], k, v, heads, spec, self.n, self.ulysses,
-            self.local, self.codecs,
+            self.local, self.codecs, self._masks(k.shape[1]),
         )  # fmt: skip
 
     def received_bytes(self, info, p):
@@ -93,6 +108,37 @@ class ContextAttention(PatchSite):
             hp = padded_heads(info["heads"], self.ulysses)
             one = b * info["text"] * hp * (inner // info["heads"]) * info["itemsize"]
             total += (self.ulysses - 1) * one // self.ulysses
+        return total
+
+    def padding_bytes(self, info, p):
+        """Uneven patches: of each received piece, the share that is its patches' padding (a
+        ring block: its group's; an all-to-all's piece from member m: m's; the output's pieces
+        are this device's own tokens)."""
+        split = self.split
+        if split is None or self.n == 1 or info.get("text"):
+            return 0
+        b, length, inner = info["shape"]
+        heads, u, n = info["heads"], self.ulysses, self.n
+        r, d, hp = n // u, inner // heads, padded_heads(heads, u)
+        pad = [length - c for c in split.counts(length)]
+
+        def part(codec, tokens_padding, tokens):  # of one tensor's `one`, the padding's share
+            return rows_bytes((b, length, hp, d), info["itemsize"], codec) * tokens_padding // (
+                tokens)  # fmt: skip
+
+        g, total = p // u, 0
+        if u > 1:
+            for m in range(g * u, g * u + u):
+                if m == p:
+                    continue
+                # from member m: its tokens x my heads of Q, K, V (1/u each), then the output
+                # of my own tokens x its heads
+                total += sum(part(c, pad[m], u * length) for c in self.codecs[:3])
+                total += part(self.codecs[3], pad[p], u * length)
+        for hop in range(1, r):  # the block of group (g - hop) mod r: its u slabs' tokens
+            src = (g - hop) % r
+            share = sum(pad[src * u + j] for j in range(u))
+            total += sum(part(c, share, u * length) for c in self.codecs[1:3])
         return total
 
 
@@ -124,10 +170,12 @@ def context_attention(
     ulysses: int,
     local: bool = False,
     codecs: Codecs = EXACT,
+    masks: jax.Array | None = None,
 ) -> jax.Array:
     """Self-attention of the local queries over the keys/values of all n patches.
     q, k, v: (B, L, H*D) of this device's patch -> (B, L, H*D). `local`: stand-ins of the same
-    shapes instead of collectives (compute-only timing); `codecs`: Q, K, V, O on the wire."""
+    shapes instead of collectives (compute-only timing); `codecs`: Q, K, V, O on the wire;
+    `masks`: (r, u * L) own tokens of each ring block (uneven patches; None: all)."""
     b, length, inner = q.shape
     d = inner // heads
     hp = padded_heads(heads, ulysses)
@@ -140,9 +188,10 @@ def context_attention(
     lh = hp // ulysses  # local heads
     q, kv = qkv[0].reshape(qkv.shape[1:3] + (lh * d,)), qkv[1:]  # (B, T, Hp/u * D), T = u*L
     if r == 1:
-        out = attend(spec, q, *(a.reshape(q.shape) for a in kv), lh)
+        mask = None if masks is None else masks[0]
+        out = attend(spec, q, *(a.reshape(q.shape) for a in kv), lh, mask)
     else:
-        out = _ring(q, kv, lh, spec, n, ulysses, r, local, codecs=codecs[1:3])
+        out = _ring(q, kv, lh, spec, n, ulysses, r, local, codecs=codecs[1:3], masks=masks)
     out = out.reshape(b, -1, lh, d)
     if ulysses > 1:  # head-sharded -> sequence-sharded: (B, L, Hp, D)
         out = _all_to_all(out[None], 2, 3, n, ulysses, local, codecs[3:])[0]
@@ -150,7 +199,7 @@ def context_attention(
 
 
 def joint_context_attention(tq, tk, tv, q, k, v, heads, spec, n, ulysses, local=False,
-                            codecs: Codecs = EXACT):  # fmt: skip
+                            codecs: Codecs = EXACT, masks=None):  # fmt: skip
     """Joint attention of text queries tq and image queries q (this device's patch) over the
     text keys/values tk, tv (B, S, H*D, whole on every device) and the image's of all n
     patches: -> (B, S + L, H*D), text first. The image part is `context_attention`'s; each
@@ -174,10 +223,11 @@ def joint_context_attention(tq, tk, tv, q, k, v, heads, spec, n, ulysses, local=
     queries = jnp.concatenate([text[0], flat[0]], axis=1)  # (B, S + T, lh * D)
     if r == 1:
         keys = jnp.concatenate([text[1], flat[1]], axis=1)
-        out = attend(spec, queries, keys, jnp.concatenate([text[2], flat[2]], axis=1), lh)
+        mask = None if masks is None else jnp.concatenate([jnp.ones((s,), bool), masks[0]])
+        out = attend(spec, queries, keys, jnp.concatenate([text[2], flat[2]], axis=1), lh, mask)
     else:
         out = _ring(queries, qkv[1:], lh, spec, n, ulysses, r, local, first=text[1:],
-                    codecs=codecs[1:3])  # fmt: skip
+                    codecs=codecs[1:3], masks=masks)  # fmt: skip
     out = out.reshape(b, -1, lh, d)
     t_out, i_out = out[:, :s], out[:, s:]
     if ulysses > 1:
@@ -221,13 +271,14 @@ def _all_to_all(x, split: int, concat: int, n: int, ulysses: int, local: bool,
 
 
 def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, local: bool,
-          first=None, codecs: Codecs = (None, None)):  # fmt: skip
+          first=None, codecs: Codecs = (None, None), masks=None):  # fmt: skip
     """Online softmax over the r K/V blocks of the ring (Python-unrolled: r <= devices, and
     each hop is its own collective in the program, so its bytes are counted). With the `xla`
     kernel each hop's block is one whole-logits block (no inner loop: XLA's cost analysis
     counts a loop body once, so FLOP counts need it); otherwise the spec's block sizes.
     kv: (2, B, T, heads, D); `codecs`: K's and V's on the wire (the blocks travel coded, as
-    their owner coded them; the own block is attended exactly)."""
+    their owner coded them; the own block is attended exactly); `masks`: (r, T) the own tokens
+    of each group's block (uneven patches), the block at hop h being group (g - h) mod r's."""
     b, t = kv.shape[1:3]
     own = kv.reshape(2, b, t, -1)
     k_codec, v_codec = codecs
@@ -260,7 +311,11 @@ def _ring(q, kv, heads: int, spec: AttentionSpec, n: int, ulysses: int, r: int, 
                 with jax.named_scope("pp_kv"):
                     nxt = [lax.ppermute(w, PATCH, pairs) for w in parts]
         cur = own if hop == 0 else block(parts)
-        state = state.update(cur[0], cur[1], None, block_kv)
+        mask = None
+        if masks is not None:  # the group this block came from
+            g = 0 if local else lax.axis_index(PATCH) // ulysses
+            mask = masks[(g - hop) % r]
+        state = state.update(cur[0], cur[1], mask, block_kv)
         parts = nxt
     return state.finish(q.dtype)
 
