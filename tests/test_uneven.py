@@ -120,19 +120,28 @@ def test_ring_and_ulysses_on_uneven_patches_equal_single(model, hw, devices, str
     assert rel_err(got, ref) <= 1e-4
 
 
+STALE = [
+    ("distrifusion", ()),
+    ("pcpp", ()),  # whole neighbour K/V sent, cropped at the sender's own tokens
+    ("pcpp", (("send", "band"), ("align", "rows"), ("portion", 0.5))),  # the band alone
+]
+
+
+@pytest.mark.parametrize("strategy, options", STALE)
 @pytest.mark.parametrize("model", ["fmnist", pytest.param("tiny-dit", marks=SLOW)])
-def test_distrifusion_with_warmup_over_every_step_equals_sync_patch(model):
+def test_stale_strategies_with_warmup_over_every_step_equal_sync_patch(model, strategy, options):
     hw = (32, 32) if model == "fmnist" else (256, 256)
     exact = latent(model, hw, "sync_patch", 3)
-    stale = latent(model, hw, "distrifusion", 3, None, (("warmup_steps", 2),))
+    stale = latent(model, hw, strategy, 3, None, (("warmup_steps", 2), *options))
     assert rel_err(stale, exact) <= 1e-4
 
 
-def test_distrifusion_steady_phase_on_uneven_patches_stays_close():
-    """The stale phase reads each patch's own rows: one stale step of three stays within a
-    few percent of the exact run (a padding row read as image would be far off)."""
+@pytest.mark.parametrize("strategy, options", STALE)
+def test_the_stale_phase_on_uneven_patches_stays_close(strategy, options):
+    """The stale phase reads each patch's own rows (a band: the last own tokens of the patch
+    above): one stale step of three stays within a few percent of the exact run."""
     exact = latent("fmnist", (32, 32), "sync_patch", 3)
-    stale = latent("fmnist", (32, 32), "distrifusion", 3, None, (("warmup_steps", 1),))
+    stale = latent("fmnist", (32, 32), strategy, 3, None, (("warmup_steps", 1), *options))
     assert np.isfinite(stale).all()
     assert rel_err(stale, exact) < 0.05
 
@@ -217,24 +226,43 @@ def test_context_parallel_padding_is_counted_apart(strategy, share):
     assert p["padding"]["kv"]["total"] == kv // 3  # 32 padding tokens of 96 per slab, 2 slabs
 
 
+def test_pcpp_sends_padding_only_with_whole_neighbour_kv():
+    import jax.numpy as jnp
+
+    from patchpar.measure.cost import measure
+    from patchpar.models.presets import abstract_denoiser
+
+    unet = abstract_denoiser("tiny-dit", jnp.float32)
+    for send, padded in (("full", True), ("band", False)):
+        plan = Plan(make_strategy("pcpp", warmup_steps=1, send=send), 3)
+        p = measure(unet, plan, (32, 32), batch=1, flops=False)["phases"]["steady"]
+        assert p["analytic_matches_hlo"]
+        if not padded:  # the bands are own tokens
+            assert "kv" not in p["padding"]
+            continue
+        # device 1 receives its two neighbours' whole slabs (the most), the 10-row patch's
+        # 1/6 padding; devices 0 and 2 one slab each, device 1's (1/6 padding)
+        whole = p["hlo"]["kv"]["max"] // 2
+        assert p["padding"]["kv"]["max"] == whole // 6
+        assert p["padding"]["kv"]["total"] == 3 * (whole // 6)
+
+
 # --------------------------------------------------------------------------- refused
 
 
 @pytest.mark.parametrize(
-    "strategy, what",
+    "flags, what",
     [
-        ("pcpp", "PCPP's neighbour bands"),
-        ("compact", "a compressed exchange"),
+        (["--strategy", "compact"], "with strategy 'compact': a compressed exchange"),
+        (["--strategy", "naive_patch"], "with strategy 'naive_patch': each device takes its"),
+        (["--strategy", "distrifusion", "--cache", "taylorseer"], "with cache 'taylorseer'"),
     ],
 )
-def test_strategies_whose_sites_do_not_pad_yet_are_refused_before_any_work(
-    strategy, what, tmp_path, capsys
-):
-    args = ["generate", "--model", "fmnist", "--devices", "3", "--strategy", strategy,
-            "--out", str(tmp_path)]  # fmt: skip
+def test_what_does_not_pad_yet_is_refused_before_any_work(flags, what, tmp_path, capsys):
+    args = ["generate", "--model", "fmnist", "--devices", "3", *flags, "--out", str(tmp_path)]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert f"uneven patches (12, 12, 8 latent rows) with strategy {strategy!r}: {what}" in err
+    assert f"uneven patches (12, 12, 8 latent rows) {what}" in err
     assert not list(tmp_path.iterdir())
 
 

@@ -4,7 +4,7 @@ them yet. `plan`: an `engine.Plan`."""
 
 from __future__ import annotations
 
-from patchpar.parallel.sites import PHASES, ContextAttention
+from patchpar.parallel.sites import PHASES
 
 # the step caches that run part of a DiT's stack of blocks apart (its first block)
 PARTIAL_CACHES = ("fbcache", "teacache")
@@ -29,8 +29,9 @@ def check_scan_plan(plan, unet) -> None:
 
 
 def uneven_supported(plan, rows: tuple[int, ...]) -> None:
-    """Uneven patches (`rows` latent rows each) run with halos, GroupNorm and K/V that are
-    gathered, kept stale or local; a ValueError names what does not run on them yet. `plan`: an `engine.Plan`."""
+    """Uneven patches (`rows` latent rows each; `plan`: an `engine.Plan`) run with halos,
+    GroupNorm statistics and K/V gathered, stale, banded or context-parallel; a ValueError
+    names what does not run on them yet."""
     said = f"uneven patches ({', '.join(map(str, rows))} latent rows)"
     if plan.cache is not None:
         raise ValueError(
@@ -39,17 +40,15 @@ def uneven_supported(plan, rows: tuple[int, ...]) -> None:
         )
     for phase in PHASES:
         ops = plan.strategy.ops(phase, plan.patch)
-        attn = ops.attn_op
-        what = None
-        if isinstance(attn, ContextAttention):
-            pass  # its blocks carry their patches' masks
-        elif attn.mode == "band":
-            what = "PCPP's neighbour bands"
-        elif any(getattr(op, "link", None) is not None for op in ops.sites()):
-            what = "a compressed exchange"
-        if what is not None:
+        if not hasattr(ops, "with_rows"):  # the identity's sites: a slab is a whole image
             raise ValueError(
-                f"{said} with strategy {plan.strategy.name!r}: {what} on uneven patches is not "
-                f"implemented; use a latent size that the patch devices divide (even patches), "
-                f"or sync_patch, distrifusion, ring, ulysses"
+                f"{said} with strategy {plan.strategy.name!r}: each device takes its slab for a "
+                f"whole image, so a padded slab would be denoised padding included; use a latent "
+                f"size that the patch devices divide (even patches)"
+            )
+        if any(getattr(op, "link", None) is not None for op in ops.sites()):
+            raise ValueError(
+                f"{said} with strategy {plan.strategy.name!r}: a compressed exchange on uneven "
+                f"patches is not implemented; use a latent size that the patch devices divide "
+                f"(even patches), or sync_patch, distrifusion, pcpp, ring, ulysses"
             )

@@ -162,19 +162,35 @@ class KV(PatchSite):
             self.send(mod, self._others(kv))
         return full[0], full[1], self._gathered_mask(length)
 
+    def _band(self, length: int, row: int | None) -> int:
+        """Tokens of a neighbour's band: `portion` of a patch's tokens (uneven patches: of the
+        smallest patch's, so that every band is of one static size and all image)."""
+        if self.split is not None:
+            length = min(self.split.counts(length))
+        return band_tokens(length, self.portion, row)
+
+    def _neighbour(self, step: int) -> jax.Array:
+        """The patch index `step` away from this device's (clipped to the axis)."""
+        idx = 0 if self.local else lax.axis_index(PATCH)
+        return jnp.clip(idx + step, 0, self.n - 1)
+
     def _stale_band(self, mod, kv, row):
         length = kv.shape[2]
-        band = band_tokens(length, self.portion, row)
+        band = self._band(length, row)
         shape = kv.shape[:2] + (band,) + kv.shape[3:]
         above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
         below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
+        own = None if self.split is None else self.split.own_mask(length)  # else all
         if self.n == 2:  # one neighbour each: its band alone beside the own K/V, nothing masked
             first = lax.axis_index(PATCH) == 0
             keys = _pair(kv, jnp.where(first, below.value, above.value))  # (2, B, L+band, D)
             mask = None
+            if own is not None:  # but the own padding
+                ones = jnp.ones((band,), bool)
+                mask = jnp.where(first, jnp.concatenate([own, ones]), jnp.concatenate([ones, own]))
         else:
             keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, L+2band, D)
-            mask = self._band_mask(band, length)
+            mask = self._band_mask(band, length, own)
         if self.exchange:  # after the reads: an unpacked send refreshes the buffers at once
             self.send(mod, self._band_sends(kv, band, row))
         return keys[0], keys[1], mask
@@ -187,13 +203,16 @@ class KV(PatchSite):
             whole = kv if row is None else kv.reshape(kv.shape[:2] + (-1, row, kv.shape[3]))
             return {"down": whole, "up": whole}
         length = kv.shape[2]  # only the rows used
-        return {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
+        if self.split is None:
+            return {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
+        end = self.split.mine(length)  # uneven: the last of the patch's own
+        return {"down": lax.dynamic_slice_in_dim(kv, end - band, band, 2), "up": kv[:, :, :band]}
 
     def _start_band(self, mod, kv, full, row) -> None:
         """The link's bases after the exact warm-up: what the band sends of this patch and of
         its neighbours (out of the all-gather; zeros where there is no neighbour) would be."""
         length, n = kv.shape[2], self.n
-        band = band_tokens(length, self.portion, row)
+        band = self._band(length, row)
         idx = lax.axis_index(PATCH)
 
         def patch(i, present):
@@ -211,17 +230,39 @@ class KV(PatchSite):
             return {"kv": got["other"] if self.n == 2 else _whole(got["gather"])}
         # from the patches above, below: (2, B, L or band, D), or (2, B, rows, row, D) whole
         down, up = got["down"], got["up"]
+        if self.split is not None:
+            return self._receive_uneven(down, up)
         band = band_tokens(down.shape[2], self.portion) if self.sends == "full" else down.shape[2]
         above, below = down[:, :, down.shape[2] - band :], up[:, :, :band]
         if above.ndim == 5:  # whole rows, cropped by rows
             above, below = (a.reshape(a.shape[:2] + (-1, a.shape[4])) for a in (above, below))
         return {"kv_above": above, "kv_below": below}
 
+    def _receive_uneven(self, down, up):
+        """Uneven patches: the band above is the last of the above patch's own tokens (a whole
+        K/V sent is cropped at its patch's count), the band below the first of the patch
+        below."""
+        if down.ndim == 5:  # whole rows: as tokens
+            row = down.shape[3]
+            down, up = (a.reshape(a.shape[:2] + (-1, a.shape[4])) for a in (down, up))
+        else:
+            row = None
+        if self.sends == "band":
+            return {"kv_above": down, "kv_below": up}
+        length = down.shape[2]
+        band = self._band(length, row)
+        end = jnp.asarray(self.split.counts(length), jnp.int32)[self._neighbour(-1)]
+        above = lax.dynamic_slice_in_dim(down, end - band, band, axis=2)
+        return {"kv_above": above, "kv_below": up[:, :, :band]}
+
     def _bands_from_full(self, full, length, row):
         """The neighbours' bands out of an exact all-gather (zeros where there is no neighbour)."""
-        band = band_tokens(length, self.portion, row)
+        band = self._band(length, row)
         idx = lax.axis_index(PATCH)
         start_above = jnp.maximum(idx * length - band, 0)
+        if self.split is not None:  # the above patch's own tokens end before its padding
+            counts = jnp.asarray(self.split.counts(length), jnp.int32)
+            start_above = jnp.maximum((idx - 1) * length + counts[self._neighbour(-1)] - band, 0)
         above = lax.dynamic_slice_in_dim(full, start_above, band, axis=2)
         below = lax.dynamic_slice_in_dim(
             full, jnp.minimum((idx + 1) * length, full.shape[2] - band), band, axis=2
@@ -230,12 +271,14 @@ class KV(PatchSite):
         below = jnp.where(idx < self.n - 1, below, jnp.zeros_like(below))
         return above, below
 
-    def _band_mask(self, band: int, length: int) -> jax.Array:
-        """(band + L + band,) keys that exist: no band above device 0 or below the last device."""
+    def _band_mask(self, band: int, length: int, own=None) -> jax.Array:
+        """(band + L + band,) keys that exist: no band above device 0 or below the last device
+        (`own`: this patch's own tokens of its slab, uneven patches; None: all)."""
         idx = lax.axis_index(PATCH)
         has_above = jnp.broadcast_to(idx > 0, (band,))
         has_below = jnp.broadcast_to(idx < self.n - 1, (band,))
-        return jnp.concatenate([has_above, jnp.ones((length,), bool), has_below])
+        own = jnp.ones((length,), bool) if own is None else own
+        return jnp.concatenate([has_above, own, has_below])
 
     def sends_stale(self) -> bool:
         return self.mode in ("stale", "band") and self.exchange
@@ -250,7 +293,7 @@ class KV(PatchSite):
         shape, itemsize = info["shape"], info["itemsize"]
         if self.warmup or self.mode in ("all", "stale"):
             return (n - 1) * self.wire_bytes(shape, itemsize)  # all-gather
-        band = band_tokens(shape[2], self.portion, info.get("row"))
+        band = self._band(shape[2], info.get("row"))
         if self.sends == "band":
             shape = shape[:2] + (band,) + shape[3:]
         return self.wire_bytes(shape, itemsize) * ((p > 0) + (p < n - 1))
@@ -262,7 +305,11 @@ class KV(PatchSite):
         length = info["shape"][2]
         per = self.wire_bytes(info["shape"], info["itemsize"])
         own = self.split.counts(length)
-        return sum(per * (length - own[j]) // length for j in range(self.n) if j != p)
+        if self.warmup or self.mode in ("all", "stale"):  # the other patches' slabs
+            return sum(per * (length - own[j]) // length for j in range(self.n) if j != p)
+        if self.sends == "band":  # the bands are the neighbours' own tokens
+            return 0
+        return sum(per * (length - own[j]) // length for j in (p - 1, p + 1) if 0 <= j < self.n)
 
     def released_bytes(self, info, p):
         """The released code all-gathers K/V (warm-up, DistriFusion); PCPP's steady phase sends
