@@ -112,14 +112,8 @@ def measure(
         state = jax.eval_shape(plain, params, x, t, cond, None)[1]
     out_shape, state = jax.eval_shape(warm, params, x, t, cond, state)
     reads = plan.cache is not None  # the warm-up reads the buffers too
-    local_b = batch // plan.data
-    local_out = (
-        (local_b,)
-        + (latent_hw[0] // plan.patch if axis == "row" else latent_hw[0],)
-        + out_shape.shape[2:]
-    )
-    if axis == "col":
-        local_out = (local_b, latent_hw[0], latent_hw[1] // plan.patch) + out_shape.shape[3:]
+    # one device's slab of the guided output (uneven patches: the largest patch's rows)
+    local_out = guided_slab(plan, (batch, *latent_hw, out_shape.shape[-1]), unet)
     record = {
         "stale_bytes_per_device": stale_bytes_per_device(state),
         "weight_bytes_per_device": weight_bytes(plan, unet, params),

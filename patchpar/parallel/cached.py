@@ -26,6 +26,9 @@ class DecisionSum:
 
     released_bytes = received_bytes  # the released codes have no cache: the same op
 
+    def padding_bytes(self, info: dict, p: int) -> int:
+        return 0  # sums, not rows
+
 
 @dataclass
 class ModelParts:

@@ -78,6 +78,10 @@ class Plan:
     """Each patch device's share of the latent rows (`parallel.split`), in order; None: equal
     shares (an even split where the rows divide, else the most even one)."""
 
+    def __post_init__(self):
+        if self.patch_weights is not None:  # hashable: a plan is a static jit argument
+            object.__setattr__(self, "patch_weights", tuple(self.patch_weights))
+
     def row_split(self, rows: int, unet: Denoiser) -> tuple[int, ...]:
         """The latent rows of each patch of a latent of `rows` rows (`split.split_rows`): whole
         units of the denoiser's row multiple, evenly where they divide and no weights are
@@ -168,6 +172,15 @@ class Plan:
         devices are elsewhere (launched processes), the mesh is not built here."""
         s = self.strategy
         mesh_shape(self.devices, self.cfg, self.data)  # data and cfg degrees
+        rows_split = self.patch > 1 and self.program.splits_rows and {
+            s.patch_axis(0), s.patch_axis(1)} == {"row"}  # fmt: skip
+        if self.patch_weights is not None and not rows_split:
+            raise ValueError(
+                f"patch_weights={','.join(f'{w:g}' for w in self.patch_weights)}: strategy "
+                f"{s.name!r} on {self.patch} patch device(s) does not split the rows into row "
+                f"patches (one patch device, column patches, or a program of its own), so there "
+                f"are no rows to weigh; leave patch_weights unset"
+            )
         s.validate_mesh(self.devices // (self.cfg * self.data))  # the strategy's model degree
         if build_mesh:
             make_mesh(self.devices, self.cfg, self.data, self.model)  # and the devices present
@@ -234,6 +247,10 @@ class StepProgram(Program):
                 f"{s.name}: text={text!r} says how an MMDiT keeps its text stream; a "
                 f"{unet.family} has none (its text enters by cross-attention): use text=own"
             )
+        if s.patch_axis(0) == s.patch_axis(1) == "row":  # a split there is; what pads, said
+            rows = plan.row_split(latent_hw[0], unet)  # first (a trace below would fail on it)
+            if not is_even(rows):
+                uneven_supported(plan, rows)
         if build_mesh and (groups := s.packed_groups()) is not None and groups > 1:
             check_groups(groups, stale_sites(unet, plan, tuple(latent_hw)))
         if (coded := s.coded()) is not None:  # a wire or codec names only sites the model has
@@ -252,15 +269,11 @@ class StepProgram(Program):
                 if size % mult or plan.patch_weights is not None:
                     what = "rows" if axis == "row" else "columns"
                     raise ValueError(
-                        f"latent {what}={size} with split={getattr(s, 'split', 'col')!r}: column patches split "
-                        f"evenly (patch={plan.patch} x {unet.row_multiple_reason} = {mult} must "
+                        f"latent {what}={size} with split={getattr(s, 'split', 'col')!r}: "
+                        f"column patches split evenly (patch={plan.patch} x {unet.row_multiple_reason} = {mult} must "
                         f"divide both sides, and patch weights are for row patches); use a "
                         f"latent size that is a multiple of {mult}, or split=row"
                     )
-            return
-        rows = plan.row_split(latent_hw[0], unet)
-        if not is_even(rows):
-            uneven_supported(plan, rows)
 
     def place(self, plan, unet, params):
         # placed inside the program by the logical-axis rules (`parallel.rules`); a scanned

@@ -13,6 +13,7 @@ attention masks the keys of padding rows; positions start at the patch's first g
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -50,15 +51,15 @@ def split_rows(
     total = sum(weights)
     share = [w * units / total for w in weights]
     for i, s in enumerate(share):
-        if s < 1:
+        if s < 1 - 1e-9:  # (a share of one unit in floating point may read 0.999...)
             rest = total - weights[i]
-            least = rest / (units - 1) if units > 1 else math.inf
+            least = math.ceil(1000 * rest / (units - 1)) / 1000 if units > 1 else math.inf
             raise ValueError(
                 f"patch_weights={fmt(weights)} give patch device {i} {s * multiple:.2f} of the "
                 f"{rows} latent rows, fewer than its minimum of {multiple}{because}: raise its "
                 f"weight to at least {least:.3g}, or use a larger image"
             )
-    got = [math.floor(s) for s in share]
+    got = [max(1, math.floor(s + 1e-9)) for s in share]
     order = sorted(range(n), key=lambda j: (-(share[j] - got[j]), j))
     for i in order[: units - sum(got)]:  # the units rounding left, to the largest remainders
         got[i] += 1
@@ -72,7 +73,8 @@ def check_weights(weights: Sequence[float], n: int) -> None:
             f"patch_weights={fmt(weights)}: {len(weights)} weight(s) for {n} patch devices; "
             f"give one per patch device, in order"
         )
-    bad = [w for w in weights if not (isinstance(w, int | float) and math.isfinite(w) and w > 0)]
+    bad = [w for w in weights if isinstance(w, bool) or not (
+        isinstance(w, numbers.Real) and math.isfinite(w) and w > 0)]  # fmt: skip
     if bad:
         raise ValueError(
             f"patch_weights={fmt(weights)}: {bad[0]!r} is not a positive number; every "

@@ -115,7 +115,7 @@ class ContextAttention(PatchSite):
         ring block: its group's; an all-to-all's piece from member m: m's; the output's pieces
         are this device's own tokens)."""
         split = self.split
-        if split is None or self.n == 1 or info.get("text"):
+        if split is None or self.n == 1:  # (an MMDiT's text heads, gathered, are no padding)
             return 0
         b, length, inner = info["shape"]
         heads, u, n = info["heads"], self.ulysses, self.n

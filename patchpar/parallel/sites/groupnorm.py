@@ -55,7 +55,9 @@ class GroupStats(PatchSite):
             return glob[0], glob[1]
         g = mod.variable(STALE, "gn_global", jnp.zeros, fresh.shape, fresh.dtype)
         loc = mod.variable(STALE, "gn_local", jnp.zeros, fresh.shape, fresh.dtype)
-        if self.mode == "stale":  # own slot fresh, the others as at step t-1
+        if self.mode == "stale" and self.split is None:  # own slot fresh, others as at t-1
+            est = g.value + (fresh - loc.value) / self.n
+        elif self.mode == "stale":  # uneven: the own slot's share by its rows
             est = g.value + (fresh - loc.value) * weight / self.n
         else:  # corrected: DistriFusion Eq. 2
             est = g.value + (fresh - loc.value)

@@ -51,9 +51,9 @@ class Halo(PatchSite):
     def __call__(self, mod, x: jax.Array, top: int, bottom: int) -> jax.Array:
         """(B, h, W, C) -> (B, top + h + bottom, W, C)."""
         note(self, shape=x.shape, itemsize=x.dtype.itemsize, top=top, bottom=bottom)
-        if self.n == 1 or not top + bottom:
+        if self.n == 1 or not top + bottom or (self.mode == "zero" and self.split is None):
             return jnp.pad(x, ((0, 0), (top, bottom), (0, 0), (0, 0)))
-        if self.mode == "zero":
+        if self.mode == "zero":  # uneven: the zeros below go under the patch's own rows
             zeros = jnp.zeros((x.shape[0], top + bottom) + x.shape[2:], x.dtype)
             return self._around(x, zeros, top)
         sends = self._sends(x, top, bottom)
