@@ -52,6 +52,17 @@ class ModelConfig:
 
         return AttentionSpec(self.attention, self.block_q, self.block_kv)
 
+    def check(self, strategy: str) -> None:
+        """The quant mode, and scanned blocks against it and the strategy: a ValueError naming
+        the field (`model.quant=...`)."""
+        from patchpar.quant import check_mode
+
+        try:
+            check_mode(self.quant)
+            check_scan(self.scan_blocks, self.quant, strategy)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
+
 
 @dataclass(frozen=True)
 class AbstractModel(ModelConfig):
@@ -394,7 +405,6 @@ class RunConfig:
                 f"split evenly over the data axis; use a batch size and an image count that are "
                 f"multiples of {data}"
             )
-        from patchpar.quant import check_mode
         from patchpar.sampling.cache import make_cache
 
         cache_ok = False  # the plan below builds the cache again
@@ -405,11 +415,7 @@ class RunConfig:
                 raise ValueError(f"cache: {e}") from None
             cache_ok = True
         with problems.check():
-            try:
-                check_mode(self.model.quant)
-                check_scan(self.model.scan_blocks, self.model.quant, self.strategy.name)
-            except ValueError as e:
-                raise ValueError(f"model.{e}") from None
+            self.model.check(self.strategy.name)
         if self.strategy.name in STRATEGIES and mesh_ok and cache_ok and s.steps >= 1:
             with problems.check():
                 try:

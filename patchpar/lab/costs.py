@@ -51,10 +51,9 @@ def check_comm(config: CommConfig) -> list[str]:
     returns the options given that have no effect."""
     import jax.numpy as jnp
 
-    from patchpar.lab.checks import Problems, check_lowering, check_scan
+    from patchpar.lab.checks import Problems, check_lowering
     from patchpar.models.attention import resolve
     from patchpar.models.presets import square_latent
-    from patchpar.quant import check_mode
 
     m = config.model
     problems = Problems.collect()
@@ -63,11 +62,7 @@ def check_comm(config: CommConfig) -> list[str]:
         problems.lines.append(f"dtype={config.dtype!r}; known: {list(DTYPES)}")
     model_ok = False
     with problems.check():
-        try:
-            check_mode(m.quant)
-            check_scan(m.scan_blocks, m.quant, config.strategy.name)
-        except ValueError as e:
-            raise ValueError(f"model.{e}") from None
+        m.check(config.strategy.name)
         model_ok = True
     with problems.check():  # its message names model.attention
         resolve(m.attention_spec(), getattr(jnp, config.dtype if dtype_ok else "float32"))

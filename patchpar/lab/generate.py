@@ -111,9 +111,8 @@ def check(config: GenerateConfig) -> list[str]:
     alone, then the plan against the model's config.json (`checks.check_plan_on_model`). All
     the problems found are raised together (`checks.Problems`, a ValueError: one line each,
     naming the value and what fits); returns the options given that have no effect here."""
-    from patchpar.lab.checks import Problems, check_plan_on_model, check_scan, fsdp_unused
+    from patchpar.lab.checks import Problems, check_plan_on_model, fsdp_unused
     from patchpar.pipelines.checks import check_guidance, check_seed
-    from patchpar.quant import check_mode
 
     problems = Problems.collect()
     with problems.check():
@@ -121,8 +120,7 @@ def check(config: GenerateConfig) -> list[str]:
             raise ValueError(f"sampler.dtype={config.sampler.dtype!r}; known: {list(DTYPES)}")
     model_ok = False  # the checks against the model say scan_blocks' refusals again
     with problems.check():
-        check_mode(config.model.quant)
-        check_scan(config.model.scan_blocks, config.model.quant, config.strategy.name)
+        config.model.check(config.strategy.name)
         model_ok = True
     for name in ("height", "width"):
         v = getattr(config.sampler, name)

@@ -37,15 +37,13 @@ def build_plan(
     step_cache = make_cache(
         cache, **{k: v for k, v in (cache_options or {}).items() if v is not None}
     )
-    plan = Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache)
-    if patch_weights:
-        from dataclasses import replace
-
+    weights = parse_weights(patch_weights) if patch_weights else None
+    plan = Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache,
+                weights)  # fmt: skip
+    if weights is not None:
         from patchpar.parallel.split import check_weights
 
-        weights = parse_weights(patch_weights)
         check_weights(weights, plan.patch)
-        plan = replace(plan, patch_weights=weights)
     return plan
 
 

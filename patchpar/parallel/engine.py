@@ -43,7 +43,7 @@ from patchpar.parallel.sites import (
     record_sites,
     shapes_only,
 )
-from patchpar.parallel.split import is_even, split_rows
+from patchpar.parallel.split import fmt, is_even, split_rows
 from patchpar.parallel.step import make_step
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.cache import CACHE, StepCache
@@ -91,12 +91,17 @@ class Plan:
             return (rows // n,) * n
         return split_rows(rows, n, unit, self.patch_weights, unet.row_multiple_reason)
 
+    @property
+    def splits_row_patches(self) -> bool:
+        """Whether its program splits the latent into row patches over several devices (not:
+        one patch device, column patches, a program that does not split rows)."""
+        axes = {self.strategy.patch_axis(0), self.strategy.patch_axis(1)}
+        return self.patch > 1 and self.program.splits_rows and axes == {"row"}
+
     def patch_rows(self, rows: int, unet: Denoiser) -> tuple[int, ...] | None:
         """The rows of each patch where this plan splits a latent of `rows` rows into row
-        patches (None: it does not: one patch device, column patches, a program of its own)."""
-        if self.patch == 1 or not self.program.splits_rows or self.strategy.patch_axis(0) != "row":
-            return None
-        return self.row_split(rows, unet)
+        patches (None: it does not)."""
+        return self.row_split(rows, unet) if self.splits_row_patches else None
 
     def split_note(self, rows: int, unet: Denoiser) -> str | None:
         """One line saying how an uneven split of a latent of `rows` rows falls (None: even)."""
@@ -172,11 +177,9 @@ class Plan:
         devices are elsewhere (launched processes), the mesh is not built here."""
         s = self.strategy
         mesh_shape(self.devices, self.cfg, self.data)  # data and cfg degrees
-        rows_split = self.patch > 1 and self.program.splits_rows and {
-            s.patch_axis(0), s.patch_axis(1)} == {"row"}  # fmt: skip
-        if self.patch_weights is not None and not rows_split:
+        if self.patch_weights is not None and not self.splits_row_patches:
             raise ValueError(
-                f"patch_weights={','.join(f'{w:g}' for w in self.patch_weights)}: strategy "
+                f"patch_weights={fmt(self.patch_weights)}: strategy "
                 f"{s.name!r} on {self.patch} patch device(s) does not split the rows into row "
                 f"patches (one patch device, column patches, or a program of its own), so there "
                 f"are no rows to weigh; leave patch_weights unset"
@@ -305,7 +308,8 @@ def guided_slab(plan: Plan, latent_shape: tuple[int, ...], unet: Denoiser) -> tu
     b, h, w, c = latent_shape
     axis = plan.strategy.patch_axis(0)
     n = plan.patch if plan.program.splits_rows else 1
-    rows = max(plan.row_split(h, unet)) if axis == "row" and n > 1 else h
+    rows = plan.patch_rows(h, unet)  # uneven: the largest patch's, as the slabs are padded
+    rows = max(rows) if rows else (h // n if axis == "row" else h)
     return (b // plan.data, rows, w // n if axis == "col" else w, c)
 
 

@@ -59,7 +59,7 @@ def split_rows(
                 f"{rows} latent rows, fewer than its minimum of {multiple}{because}: raise its "
                 f"weight to at least {least:.3g}, or use a larger image"
             )
-    got = [max(1, math.floor(s + 1e-9)) for s in share]
+    got = [math.floor(s + 1e-9) for s in share]  # each >= 1 (checked above)
     order = sorted(range(n), key=lambda j: (-(share[j] - got[j]), j))
     for i in order[: units - sum(got)]:  # the units rounding left, to the largest remainders
         got[i] += 1

@@ -131,7 +131,7 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
 
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
-        rows = plan.row_split(x.shape[1], unet) if axis == "row" else None
+        rows = plan.patch_rows(x.shape[1], unet) if axis == "row" else None
         uneven = not is_even(rows)  # every slab padded to the largest patch's rows
         local = program(ops.with_rows(rows) if uneven else ops)
         if uneven:
