@@ -74,8 +74,9 @@ def pipeline(model):
 
 
 @functools.cache
-def latent(model, hw, strategy, devices, weights=None, options=()):
-    plan = Plan(make_strategy(strategy, **dict(options)), devices, 1, patch_weights=weights)
+def latent(model, hw, strategy, devices, weights=None, options=(), compute="own"):
+    plan = Plan(make_strategy(strategy, **dict(options)), devices, 1, patch_weights=weights,
+                uneven_compute=compute)  # fmt: skip
     out = pipeline(model)(
         ["a red bag"], height=hw[0], width=hw[1], steps=3, guidance_scale=5.0, plan=plan, seed=0
     )
@@ -174,6 +175,56 @@ def test_a_halo_under_the_padding_fails_the_contract(monkeypatch):
         assert rel_err(out.latents, ref.latents) > 1e-2
     finally:
         latent.cache_clear()
+
+
+# ------------------------------------------------------- compute in proportion to own rows
+
+
+@pytest.mark.parametrize(
+    "model, hw, devices, weights, strategy, options",
+    [
+        ("tiny-dit", (256, 256), 3, (1, 2, 1), "distrifusion", ()),
+        ("tiny-dit", (256, 256), 3, None, "pcpp", (("send", "band"),)),
+        pytest.param("tiny-flux", (240, 256), 4, (1, 2, 1, 1), "pcpp", (), marks=SLOW),
+        pytest.param("tiny-sd3", (256, 256), 3, (2, 1, 1), "distrifusion", (), marks=SLOW),
+    ],
+)  # fmt: skip
+def test_own_rows_compute_equals_the_padded_slabs(model, hw, devices, weights, strategy, options):
+    """The steady phase of a stale DiT/MMDiT computes each device's own rows alone (a branch
+    per patch size): the same image as padded slabs, every step stale."""
+    args = (model, hw, strategy, devices, weights, (("warmup_steps", 0), *options))
+    own, padded = latent(*args), latent(*args, compute="padded")
+    assert rel_err(own, padded) <= 1e-5
+    # every step stale: not the exact image (beyond the exact strategies' tolerance)
+    assert rel_err(own, latent(model, hw, "sync_patch", devices, weights)) > 1e-4
+
+
+def steady_hlo(model, plan, hw):
+    import jax
+    import jax.numpy as jnp
+
+    from patchpar.models.presets import abstract_denoiser
+    from patchpar.parallel.engine import abstract_inputs, make_step
+
+    unet = abstract_denoiser(model, jnp.float32)
+    params, (x, t, cond) = unet.abstract_params(), abstract_inputs(unet, hw, 1)
+    mesh = plan.mesh()
+    warm = make_step(unet, plan, "warmup", "row", 5.0, mesh)
+    state = jax.eval_shape(warm, params, x, t, cond, None)[1]
+    step = make_step(unet, plan, "steady", "row", 5.0, mesh)
+    return jax.jit(step).lower(params, x, t, cond, state).as_text()
+
+
+def test_own_rows_compute_branches_where_no_collective_runs_inside_the_call():
+    """A branch per patch size in a DiT's packed steady phase; none in the warm-up (its K/V
+    gather runs inside), none in a UNet's (its first conv's halo is exchanged fresh) and none
+    with `uneven_compute=padded`."""
+    weights = (1, 2, 1)
+    stale = make_strategy("distrifusion", warmup_steps=1)
+    assert "case" in steady_hlo("tiny-dit", Plan(stale, 3, patch_weights=weights), (32, 32))
+    padded = Plan(stale, 3, patch_weights=weights, uneven_compute="padded")
+    assert "case" not in steady_hlo("tiny-dit", padded, (32, 32))
+    assert "case" not in steady_hlo("tiny", Plan(stale, 3, patch_weights=weights), (32, 32))
 
 
 # ----------------------------------------------------------------------- bytes, padding
@@ -290,6 +341,9 @@ def test_bad_weights_from_the_command_line(tmp_path, capsys):
            "sync_patch", "--mesh.patch-weights", "1,1", "--results", str(tmp_path)]  # fmt: skip
     assert main(run) == 2
     assert "mesh.patch_weights=1,1: 2 weight(s)" in capsys.readouterr().err
+    assert main([*base, "--uneven-compute", "some"]) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert len(errors) == 1 and "uneven_compute='some'; known: ('own', 'padded')" in errors[0]
 
 
 def test_the_split_is_said_in_one_line(capsys):

@@ -132,3 +132,20 @@ def fsdp_unused(devices: int) -> str:
         f"fsdp has no effect on {devices} device(s) here: no two devices run the same weights "
         f"(one device, or tensor parallelism over all of them), so there is nothing to shard"
     )
+
+
+def clip_ok(model: str, m) -> bool:
+    """clip_score has a CLIP to use (`m`: a run's MeasureConfig): the model's default, a
+    shipped name, a local-dir folder, or a named open_clip model with its checkpoint (whether
+    the files load is checked before generating: patchpar.lab.evaluate.check_quality_inputs)."""
+    from patchpar.lab.defaults import DEFAULT_CLIP
+    from patchpar.models.presets import CLIP_MODELS
+
+    if m.clip_model is None:
+        return model in DEFAULT_CLIP
+    return (
+        m.clip_model in CLIP_MODELS
+        or m.clip_model.startswith("local-dir:")
+        or Path(m.clip_model).is_dir()
+        or bool(m.clip_checkpoint)
+    )

@@ -1,5 +1,4 @@
 """Typed, frozen configs. Every knob an ablation varies is a field (with its paper reference).
-
 `RunConfig` is what `patchpar run` takes: read from YAML (`load_config`), changed by dotted
 overrides (`with_overrides(cfg, {"strategy.portion": 0.5})`, or `--strategy.portion 0.5` on the
 command line), checked by `validate()`. A sweep point is a new RunConfig, never a mutated one.
@@ -17,7 +16,7 @@ from typing import Annotated
 
 import tyro
 
-from patchpar.lab.checks import Problems, check_scan, fsdp_unused
+from patchpar.lab.checks import Problems, check_scan, clip_ok, fsdp_unused
 from patchpar.lab.options import HELP, StrategyOptions, build_plan, build_vae_plan
 from patchpar.lab.paths import RUNS
 
@@ -99,6 +98,9 @@ class PlanMesh:
     """Each patch device's share of the latent rows, comma-separated, in order (`3,2,2,1`: a
     faster device takes more rows; parallel/split.py); "": equal shares, an even split where
     the rows divide, else the most even one (said when it runs)."""
+    uneven_compute: str = "own"
+    """Uneven patches: own (a stale DiT's or MMDiT's steady phase computes each device's own
+    rows alone: nothing is exchanged inside its model call), padded (the largest patch's)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ def sections_plan(strategy: StrategyConfig, mesh: MeshConfig, cache: CacheConfig
     return build_plan(
         strategy.name, strategy.options(), mesh.devices, mesh.cfg, comm=comm, data=mesh.data,
         fsdp=mesh.fsdp, cache=cache.name, cache_options=cache.options(),
-        patch_weights=mesh.patch_weights,
+        patch_weights=mesh.patch_weights, uneven_compute=mesh.uneven_compute,
     )  # fmt: skip
 
 
@@ -422,7 +424,8 @@ class RunConfig:
                     plan = self.plan()  # strategy options: unknown names and bad values
                     plan.strategy.validate(s.steps, plan.patch, plan.cfg)
                 except ValueError as e:  # the mesh's patch weights, or the strategy's options
-                    where = "mesh." if str(e).startswith("patch_weights=") else "strategy: "
+                    mesh = str(e).startswith(("patch_weights=", "uneven_compute="))
+                    where = "mesh." if mesh else "strategy: "
                     raise ValueError(f"{where}{e}") from None
         if mesh_ok:
             with problems.check():
@@ -480,20 +483,3 @@ def unused_options(config: RunConfig) -> list[str]:
             f"image(s) of the prompt set: one call takes them all"
         )
     return out
-
-
-def clip_ok(model: str, m: MeasureConfig) -> bool:
-    """clip_score has a CLIP to use: the model's default, a shipped name, a local-dir folder,
-    or a named open_clip model with its checkpoint (whether the files load is checked before
-    generating: patchpar.lab.evaluate.check_quality_inputs)."""
-    from patchpar.lab.defaults import DEFAULT_CLIP
-    from patchpar.models.presets import CLIP_MODELS
-
-    if m.clip_model is None:
-        return model in DEFAULT_CLIP
-    return (
-        m.clip_model in CLIP_MODELS
-        or m.clip_model.startswith("local-dir:")
-        or Path(m.clip_model).is_dir()
-        or bool(m.clip_checkpoint)
-    )

@@ -24,11 +24,13 @@ def build_plan(
     cache: str = "none",
     cache_options: dict | None = None,
     patch_weights: str = "",
+    uneven_compute: str = "own",
 ):
     """The strategy `name` with the options given (None = the strategy's default), on devices
     split as data x cfg x patch x model, weights sharded per layer with `fsdp`, with the step
     cache `cache` (`patchpar.sampling.cache`; options None = the cache's default), the rows
-    split over the patch devices by `patch_weights` ("3,2,2,1"; "": equal shares)."""
+    split over the patch devices by `patch_weights` ("3,2,2,1"; "": equal shares), each
+    device computing its own rows or the largest patch's (`uneven_compute`)."""
     from patchpar.parallel.engine import Plan
     from patchpar.parallel.strategies import make_strategy
     from patchpar.sampling.cache import make_cache
@@ -39,7 +41,7 @@ def build_plan(
     )
     weights = parse_weights(patch_weights) if patch_weights else None
     plan = Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache,
-                weights)  # fmt: skip
+                weights, uneven_compute)  # fmt: skip
     if weights is not None:
         from patchpar.parallel.split import check_weights
 

@@ -43,7 +43,7 @@ from patchpar.parallel.sites import (
     record_sites,
     shapes_only,
 )
-from patchpar.parallel.split import fmt, is_even, split_rows
+from patchpar.parallel.split import UNEVEN_COMPUTE, describe, fmt, is_even, split_rows
 from patchpar.parallel.step import make_step
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.cache import CACHE, StepCache
@@ -78,7 +78,14 @@ class Plan:
     """Each patch device's share of the latent rows (`parallel.split`), in order; None: equal
     shares (an even split where the rows divide, else the most even one)."""
 
+    uneven_compute: str = "own"
+    """Uneven patches: `own`, each device computes its own rows alone where no collective runs
+    inside the model call (the packed steady phase of a stale strategy); `padded`, every
+    device computes the largest patch's rows (what every phase with a collective inside does)."""
+
     def __post_init__(self):
+        if self.uneven_compute not in UNEVEN_COMPUTE:
+            raise ValueError(f"uneven_compute={self.uneven_compute!r}; known: {UNEVEN_COMPUTE}")
         if self.patch_weights is not None:  # hashable: a plan is a static jit argument
             object.__setattr__(self, "patch_weights", tuple(self.patch_weights))
 
@@ -106,15 +113,7 @@ class Plan:
     def split_note(self, rows: int, unet: Denoiser) -> str | None:
         """One line saying how an uneven split of a latent of `rows` rows falls (None: even)."""
         got = self.patch_rows(rows, unet)
-        if is_even(got):
-            return None
-        why = "in proportion to the patch weights" if self.patch_weights else (
-            f"the most even split in units of {unet.row_multiple} rows, "
-            f"{unet.row_multiple_reason}")  # fmt: skip
-        return (
-            f"latent rows={rows} over {len(got)} patch devices: {', '.join(map(str, got))} rows "
-            f"({why}); each slab is padded to {max(got)} rows"
-        )
+        return None if is_even(got) else describe(rows, got, unet, self.patch_weights is not None)
 
     @property
     def model(self) -> int:

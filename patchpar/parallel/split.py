@@ -66,6 +66,22 @@ def split_rows(
     return tuple(g * multiple for g in got)
 
 
+UNEVEN_COMPUTE = ("own", "padded")  # `Plan.uneven_compute`
+
+
+def describe(rows: int, got: Sequence[int], unet, weighted: bool) -> str:
+    """One line saying how an uneven split `got` of `rows` latent rows falls (`unet`: its
+    denoiser, for the row multiple and why)."""
+    why = "in proportion to the patch weights"
+    if not weighted:
+        why = f"the most even split in units of {unet.row_multiple} rows, "
+        why += unet.row_multiple_reason
+    return (
+        f"latent rows={rows} over {len(got)} patch devices: {', '.join(map(str, got))} rows "
+        f"({why}); each slab is padded to {max(got)} rows for the exchanges"
+    )
+
+
 def check_weights(weights: Sequence[float], n: int) -> None:
     """Patch weights: one positive finite number per patch device."""
     if len(weights) != n:
@@ -93,17 +109,31 @@ def is_even(rows: Sequence[int] | None) -> bool:
 
 class Rows:
     """A split's per-device figures at a site whose local slab has `h` rows (or tokens) where
-    the latent has `max(rows)`: the patches' counts scale with the slab (a UNet level's rows,
-    a DiT's tokens). `local`: a stand-in program (one device's compute alone): patch 0's."""
+    the latent slab has `slab` rows (the largest patch's, `pad`, by default: a padded slab):
+    the patches' counts scale with the slab (a UNet level's rows, a DiT's tokens). A slab of
+    one patch's own rows alone (`slab` = its rows: `own_slab`, compute in proportion to them)
+    sends and keeps its buffers in the padded layout (`padded`). `local`: a stand-in program
+    (one device's compute alone): patch 0's."""
 
-    def __init__(self, rows: Sequence[int], local: bool = False):
+    def __init__(self, rows: Sequence[int], local: bool = False, slab: int | None = None):
         self.rows = tuple(rows)
         self.pad = max(self.rows)
         self.local = local
+        self.slab = self.pad if slab is None else slab
+
+    @property
+    def own_slab(self) -> bool:
+        """Whether the local slab holds its patch's rows alone (no padding)."""
+        return self.slab != self.pad
 
     def counts(self, h: int) -> tuple[int, ...]:
-        """Each patch's own rows (or tokens) of a slab of `h` (static)."""
-        return tuple(r * h // self.pad for r in self.rows)
+        """Each patch's own rows (or tokens) at the scale of a slab of `h` (static)."""
+        return tuple(r * h // self.slab for r in self.rows)
+
+    def padded(self, h: int) -> int:
+        """The padded slab's rows (or tokens) at the scale of a slab of `h`: what every device
+        sends and keeps for its patch."""
+        return self.pad * h // self.slab
 
     def mine(self, h: int) -> jax.Array:
         """This device's own count of a slab of `h` (traced)."""

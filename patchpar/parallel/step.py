@@ -5,6 +5,7 @@ met and guided."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from functools import cache
 
@@ -20,7 +21,7 @@ from patchpar.parallel.exchange import exchange_packed, merged, pending_sends
 from patchpar.parallel.mesh import CFG, DATA, PATCH, STATE_SPEC
 from patchpar.parallel.rules import placed, unplaced
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
-from patchpar.parallel.sites.common import note
+from patchpar.parallel.sites.common import CollectiveInBranch, no_collectives, note
 from patchpar.parallel.split import is_even, pad_rows, unpad_rows
 from patchpar.sampling.cache import CACHE, STEADY_COMPUTED
 from patchpar.sampling.guidance import call_on_stack
@@ -75,8 +76,43 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
         with jax.named_scope("pp_cache"):
             return lax.psum(v, (DATA, CFG, PATCH))
 
-    def program(ops):  # one device's program with these site ops
+    def program(ops, rows=None):  # one device's program with these site ops
         module = unet.module.clone(ops=ops)
+        # uneven patches in a steady phase whose exchanges all follow the call: each device
+        # computes its own rows alone (a branch per patch size); padded slabs otherwise
+        by_rows = (
+            not is_even(rows) and groups and cache is None and plan.comm
+            and plan.uneven_compute == "own"
+            and plan.model == 1 and plan.fsdp_degree == 1
+        )  # fmt: skip
+
+        def own_rows_call(variables, mutable, x, t, cond):
+            """call_on_stack on this device's own rows of its padded slab x, the output padded
+            back; None where a site exchanges inside the call (every device must take part)."""
+            sizes = sorted(set(rows))
+
+            def branch(i, r):
+                def call(x):
+                    module_r = unet.module.clone(ops=ops.with_rows(rows, slab=r))
+
+                    def apply(*a, **k):
+                        return module_r.apply(variables, *a, **k, mutable=mutable)
+
+                    # the sites' calls are recorded once (for the byte models), the first size's
+                    with contextlib.nullcontext() if i == 0 else shapes_only():
+                        out, mutated = call_on_stack(apply, x[:, :r], t, cond)
+                    widths = [(0, 0)] * out.ndim
+                    widths[2] = (0, max(rows) - r)  # (G, B, h, W, C)
+                    return jnp.pad(out, widths), mutated
+
+                return call
+
+            which = jnp.asarray([sizes.index(r) for r in rows], jnp.int32)[lax.axis_index(PATCH)]
+            try:
+                with no_collectives():
+                    return lax.switch(which, [branch(i, r) for i, r in enumerate(sizes)], x)
+            except CollectiveInBranch:
+                return None
 
         def local(params, x, t, cond, state):
             # cond: this device's guidance half with cfg=2 (G = 1), the whole stack with cfg=1;
@@ -101,7 +137,10 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
                 def apply(*a, **k):
                     return module.apply(variables, *a, **k, mutable=mutable)
 
-                out, mutated = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+                mine = own_rows_call(variables, mutable, x, t, cond) if by_rows else None
+                if mine is None:
+                    mine = call_on_stack(apply, x, t, cond)  # (G, B, h, W, C)
+                out, mutated = mine
                 stale = exchanged(mutated)
             else:
                 before = cache_state
@@ -133,7 +172,7 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
         state_in = state if reads_state else {}
         rows = plan.patch_rows(x.shape[1], unet) if axis == "row" else None
         uneven = not is_even(rows)  # every slab padded to the largest patch's rows
-        local = program(ops.with_rows(rows) if uneven else ops)
+        local = program(ops.with_rows(rows), rows) if uneven else program(ops)
         if uneven:
             x = pad_rows(x, rows)
         params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program

@@ -86,10 +86,11 @@ class PatchOps(SiteOps):
         """The stale buffers that this (steady-phase) ops' sends refresh."""
         return {b for op in self.sites() if op.sends_stale() for b in op.buffers}
 
-    def with_rows(self, rows: tuple[int, ...] | None) -> PatchOps:
-        """The same ops on patches of `rows` latent rows each (`parallel.split`; None: even)."""
+    def with_rows(self, rows: tuple[int, ...] | None, slab: int | None = None) -> PatchOps:
+        """The same ops on patches of `rows` latent rows each (`parallel.split`; None: even);
+        `slab`: the rows of a slab that holds its patch's alone (None: padded slabs)."""
         return replace(self, **{
-            f.name: replace(op, rows=rows) for f in fields(self)
+            f.name: replace(op, rows=rows, slab=slab) for f in fields(self)
             if isinstance(op := getattr(self, f.name), PatchSite)
         })  # fmt: skip
 

@@ -173,7 +173,8 @@ class PatchSite(Site):
     goes through (an exact strategy's fp8 on the wire; stateless: each payload is coded, sent
     and decoded in the same step; None: sent as they are). `rows`: the latent rows of each
     patch where they differ (`parallel.split`: every slab padded to the largest patch's rows;
-    None: an even split, no padding)."""
+    None: an even split, no padding). `slab`: the latent rows of the local slab where it holds
+    its patch's own rows alone (`split.Rows.own_slab`; None: padded)."""
 
     n: int = 1
     phase: str = "warmup"
@@ -181,6 +182,7 @@ class PatchSite(Site):
     link: Link | None = None
     wire: Codec | None = None
     rows: tuple[int, ...] | None = None
+    slab: int | None = None
     buffers: ClassVar[tuple[str, ...]] = ()  # the stale buffers a send of this site refreshes
 
     def __post_init__(self):
@@ -194,7 +196,7 @@ class PatchSite(Site):
     @property
     def split(self) -> Rows | None:
         """The uneven split's per-device figures (`split.Rows`); None where it is even."""
-        return None if is_even(self.rows) else Rows(self.rows, self.local)
+        return None if is_even(self.rows) else Rows(self.rows, self.local, self.slab)
 
     def send(self, mod, sends: dict[str, jax.Array]) -> None:
         """A stale site's exchange for step t+1: with `packed`, left in the `send` collection
@@ -247,6 +249,32 @@ class PatchSite(Site):
         raise NotImplementedError
 
 
+class CollectiveInBranch(Exception):
+    """A site exchanged inside a call traced under `no_collectives` (a program's branch, which
+    only some devices run: a collective there would wait for the others forever)."""
+
+
+_NO_COLLECTIVES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "patchpar_no_collectives", default=False
+)
+
+
+@contextlib.contextmanager
+def no_collectives():
+    """Inside the block a site that exchanges raises `CollectiveInBranch` (while tracing); the
+    site calls recorded in the block are kept only if it ends without."""
+    token = _NO_COLLECTIVES.set(True)
+    outer = _LOG.get()
+    log_token = _LOG.set([] if outer is not None else None)
+    try:
+        yield
+        if outer is not None:
+            outer.extend(_LOG.get())
+    finally:
+        _LOG.reset(log_token)
+        _NO_COLLECTIVES.reset(token)
+
+
 def exchange(
     site: str, sends: Sequence[dict[str, jax.Array]], n: int, local: bool = False
 ) -> list[dict[str, jax.Array]]:
@@ -254,6 +282,8 @@ def exchange(
     axis of `n` devices: one collective per (collective, dtype) over the flat concatenation of
     those payloads, in the `pp_<site>` scope. Returns what each site received, in its shapes
     (`gather`: a leading axis of n)."""
+    if _NO_COLLECTIVES.get() and not local:
+        raise CollectiveInBranch(site)
     got: list[dict[str, jax.Array]] = [{} for _ in sends]
     groups: dict[tuple[str, jnp.dtype], list[int]] = {}
     for i, s in enumerate(sends):

@@ -16,13 +16,15 @@ band is what a 2-D neighbour of a token actually is).
 `exchange=False` is DistriFusion's no_sync (buffers stay as at the last warm-up step).
 Uneven patches (`rows`): every slab is padded to the largest patch's tokens; the keys of
 padding are masked (where the patches are gathered, a constant mask: which slot holds which
-patch is known), so each query attends to the image's keys alone.
+patch is known), so each query attends to the image's keys alone. A slab of its patch's own
+tokens alone (`Rows.own_slab`) is padded here, for the buffers and sends, and its queries
+stay its own.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +95,10 @@ class KV(PatchSite):
     def keys(self, mod, k: jax.Array, v: jax.Array, row: int | None = None):
         """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a (T,) mask of
         the keys that exist (None: all). `row`: tokens per image row (`align=rows`)."""
+        split = self.split
+        if split is not None and split.own_slab:  # own tokens alone: padded for the exchange
+            pad = ((0, 0), (0, split.padded(k.shape[1]) - k.shape[1]), (0, 0))
+            return replace(self, slab=None).keys(mod, jnp.pad(k, pad), jnp.pad(v, pad), row)
         row = self._row(k.shape[1], row)
         note(self, shape=(2,) + k.shape, itemsize=k.dtype.itemsize, row=row)
         if self.mode == "local" or self.n == 1:
