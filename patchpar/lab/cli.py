@@ -160,6 +160,18 @@ def _project(config, args: list[str]) -> None:
         print(format_project(rows))
 
 
+def _calibrate(config, args: list[str]) -> None:
+    from patchpar.lab import launch
+    from patchpar.lab.calibrate import format_calibrate, run_calibrate
+
+    if not config.processes:
+        launch.request_cpu_devices(config.devices, _stderr)
+    record = run_calibrate(config, args, log=_stderr)
+    if launch.is_writer() and not launch.launched_worker():  # the launcher prints it
+        print(format_calibrate(record))
+        print(f"-> {config.out}")
+
+
 def _config(module: str, name: str):
     """The config class `name` of `patchpar.lab.<module>`, imported when asked for (the CLI's
     start stays light)."""
@@ -173,7 +185,13 @@ class Command(NamedTuple):
     run: Callable[[Any, list[str]], None]  # what it does with it (prints what it returns)
 
 
-NESTED = ("run", "generate", "comm", "project")  # the nested spec's commands: short flags too
+NESTED = (
+    "run",
+    "generate",
+    "comm",
+    "project",
+    "calibrate",
+)  # the nested spec's commands: short flags too
 
 COMMANDS = {  # the `patchpar` commands, in --help's order
     "run": Command(_config("config", "RunConfig"), _run),
@@ -183,6 +201,7 @@ COMMANDS = {  # the `patchpar` commands, in --help's order
     "generate": Command(_config("generate", "GenerateConfig"), _generate),
     "comm": Command(_config("costs", "CommConfig"), _comm),
     "project": Command(_config("project", "ProjectConfig"), _project),
+    "calibrate": Command(_config("calibrate", "CalibrateConfig"), _calibrate),
 }
 
 

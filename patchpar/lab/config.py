@@ -96,8 +96,9 @@ class PlanMesh:
     call (site fsdp). Exact: the images are those without it."""
     patch_weights: str = ""
     """Each patch device's share of the latent rows, comma-separated, in order (`3,2,2,1`: a
-    faster device takes more rows; parallel/split.py); "": equal shares, an even split where
-    the rows divide, else the most even one (said when it runs)."""
+    faster device takes more rows; parallel/split.py); measured: each device's speed timed
+    when the run starts (`patchpar calibrate`); "": equal shares, an even split where the
+    rows divide, else the most even one (said when it runs)."""
     uneven_compute: str = "own"
     """Uneven patches: own (a stale DiT's or MMDiT's steady phase computes each device's own
     rows alone: nothing is exchanged inside its model call), padded (the largest patch's)."""

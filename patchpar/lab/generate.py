@@ -12,6 +12,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
+from patchpar.lab.calibrate import MEASURED
 from patchpar.lab.config import (
     DTYPES,
     CacheConfig,
@@ -213,6 +214,15 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
         .with_scan(config.model.scan_blocks)
     )
     t_load = time.perf_counter() - t0
+    measured = {}
+    if config.mesh.patch_weights == MEASURED:  # timed on these devices now
+        from patchpar.lab.calibrate import measured_plan
+
+        f = pipe.latent_factor
+        h = config.sampler.height or pipe.unet.config.sample_size * f
+        w = config.sampler.width or h
+        plan, seconds = measured_plan(plan, pipe.unet, pipe.unet_params, (h // f, w // f), log)
+        measured = {"measured_seconds_per_step": seconds, "patch_weights": list(plan.patch_weights)}
     checkpoint = getattr(pipe, "quant_checkpoint", None)  # the quantized weights, not the floats
     if checkpoint is not None:
         log(f"read quantized checkpoint {checkpoint}")
@@ -253,6 +263,7 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
         "processes": config.mesh.processes,
         "stale_bytes_per_device": out.stale_bytes_per_device,
         **(out.cache or {}),
+        **measured,
         "compile_cache_hits": hits,
         "load_s": round(t_load, 3),
         "generate_s_including_compile": round(t_gen, 3),

@@ -39,14 +39,35 @@ def build_plan(
     step_cache = make_cache(
         cache, **{k: v for k, v in (cache_options or {}).items() if v is not None}
     )
-    weights = parse_weights(patch_weights) if patch_weights else None
+    measured = patch_weights == "measured"  # timed when the run starts (lab/calibrate.py)
+    weights = parse_weights(patch_weights) if patch_weights and not measured else None
     plan = Plan(make_strategy(name, **options), devices, cfg, comm, data, fsdp, step_cache,
                 weights, uneven_compute)  # fmt: skip
+    if measured:
+        check_measured(plan)
     if weights is not None:
         from patchpar.parallel.split import check_weights
 
         check_weights(weights, plan.patch)
     return plan
+
+
+def check_measured(plan) -> None:
+    """`patch_weights=measured`: every device a patch device of row patches that may be uneven."""
+    from patchpar.parallel.checks import uneven_supported
+
+    if plan.patch != plan.devices:
+        raise ValueError(
+            f"patch_weights=measured: {plan.patch} of the {plan.devices} devices are patch "
+            f"devices; measured weights need every device on the patch axis (cfg 1, data 1, "
+            f"no tensor parallelism), or give the weights"
+        )
+    if not plan.splits_row_patches:
+        raise ValueError(
+            f"patch_weights=measured: strategy {plan.strategy.name!r} on {plan.patch} device(s) "
+            f"does not split the rows into row patches; leave patch_weights unset"
+        )
+    uneven_supported(plan, "rows by measured speed")
 
 
 def parse_weights(text: str) -> tuple[float, ...]:
@@ -58,7 +79,7 @@ def parse_weights(text: str) -> tuple[float, ...]:
         except ValueError:
             raise ValueError(
                 f"patch_weights={text!r}: {part.strip()!r} is not a number; give one weight per "
-                f"patch device, comma-separated (e.g. 3,2,2,1)"
+                f"patch device, comma-separated (e.g. 3,2,2,1), or measured"
             ) from None
     return tuple(out)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from patchpar.lab.calibrate import MEASURED
 from patchpar.lab.config import (
     LOWERED_DTYPES as DTYPES,
 )
@@ -45,7 +46,8 @@ class ProjectConfig(FromFlags):
     dtype: str = "bfloat16"
     """float32 or bfloat16 (bytes per element of the exchanged activations)."""
     hardware: str = "a100-sxm"
-    """A profile name (see `--hardware all`), a profile YAML path, or `all`: one row each."""
+    """A profile name (see `--hardware all`), a profile YAML path, or `all`: one row each; or
+    one profile per patch device, comma-separated (a mixed node: `a100-sxm,l40s`)."""
     overlap: str = "auto"
     """How long a stale collective may run: auto (next-step where the profile's collectives
     are asynchronous, else none), none, step (patchpar's compiled loop: within the step's
@@ -96,7 +98,10 @@ def check_project(config: ProjectConfig) -> list[str]:
             raise ValueError(f"model.{e}") from None
     with problems.check():
         if config.hardware != "all":
-            hardware.load(config.hardware)
+            for name in config.hardware.split(","):
+                hardware.load(name.strip())
+    with problems.check():
+        check_mixed(config)
     if config.timings is not None and not Path(config.timings).is_file():
         problems.lines.append(f"timings={str(config.timings)!r}: no such file")
     latent = None
@@ -161,7 +166,7 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     from patchpar import hardware
     from patchpar.lab.config import build_plan
     from patchpar.lab.results import read_records
-    from patchpar.measure.projection import project
+    from patchpar.measure.projection import Mixed, project
     from patchpar.measure.workload import WorkloadCache, decode_collectives
     from patchpar.models.presets import latent_factor
     from patchpar.sampling.cache import Forced
@@ -169,7 +174,13 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     for line in check_project(config):
         log(f"patchpar: warning: {line}")
     m, vae_parallel = config.model, config.mesh.vae_parallel
-    profiles = hardware.load_all() if config.hardware == "all" else [hardware.load(config.hardware)]
+    mixed = None  # one profile per patch device
+    if config.hardware == "all":
+        profiles = hardware.load_all()
+    elif "," in config.hardware:
+        mixed = tuple(hardware.load(x.strip()) for x in config.hardware.split(","))
+    else:
+        profiles = [hardware.load(config.hardware)]
     timings = []
     if config.timings is not None:
         timings = read_records(Path(config.timings), skip_bad=True)
@@ -181,8 +192,13 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     def workload(p, quant=m.quant):
         return cache.get(m.name, config.resolution, p, config.batch, config.dtype, quant)
 
+    if config.mesh.patch_weights == MEASURED:  # each device's speed from its profile
+        plan = profile_weighted(plan, mixed, workload(replace(plan, cache=None)), m.name,
+                                config.resolution, log)  # fmt: skip
     one = build_plan("single", {}, 1, 1)
     w, single = workload(replace(plan, cache=None)), workload(one, "none")
+    if mixed is not None:
+        profiles = [Mixed(mixed, tuple(w.patch_rows) if w.patch_rows else None)]
     cached = None
     if computed is not None:  # each kind of step's programs: computed, skipped (predicted)
         cached = {
@@ -238,6 +254,7 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
                 "dtype": config.dtype,
                 "quant": m.quant,
                 "quant_emulated": hw.emulates(kinds[0]),
+                "patch_rows": w.patch_rows,
                 **p.to_json(),
                 "latency_decode_one_device_s": by_vae["off"].latency_s,
                 "latency_decode_rows_s": by_rows.latency_s if by_rows else None,
@@ -248,6 +265,40 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
             }
         )
     return rows
+
+
+def check_mixed(config: ProjectConfig) -> None:
+    """One profile per patch device (`--hardware a100-sxm,l40s`); weights `measured` need them."""
+    names = config.hardware.split(",")
+    if len(names) > 1:
+        plan = config.plan()
+        if len(names) != plan.patch or plan.patch != plan.devices:
+            raise ValueError(
+                f"hardware={config.hardware!r}: {len(names)} profiles for {plan.patch} patch "
+                f"device(s) of {plan.devices}; a mixed node takes one profile per device, every "
+                f"device a patch device (cfg 1, data 1, no tensor parallelism)"
+            )
+    elif config.mesh.patch_weights == MEASURED:
+        raise ValueError(
+            f"mesh.patch_weights=measured: the projection takes each device's speed from its "
+            f"own profile; give one per patch device (--hardware a100-sxm,l40s), not "
+            f"{config.hardware!r}"
+        )
+
+
+def profile_weighted(plan, profiles, even, model: str, resolution: int, log):
+    """`plan` with patch weights from each device's profile: its speed on the even split's
+    largest patch (`even`: that plan's workload) relative to the fastest, floored to a unit."""
+    from patchpar.measure.calibrate import speed_weights
+    from patchpar.models.presets import abstract_denoiser, square_latent
+    from patchpar.parallel.split import floored
+
+    flops = even.phases["steady"]["flops_per_device"]
+    weights = speed_weights([p.compute_s(flops) for p in profiles])
+    unit = abstract_denoiser(model).row_multiple
+    weights = floored(weights, square_latent(model, resolution), unit)
+    log("patch weights from the profiles: " + ",".join(f"{x:.3g}" for x in weights))
+    return replace(plan, patch_weights=weights)
 
 
 def cache_schedule(cache, steps: int, computed_steps: int | None) -> list[bool] | None:

@@ -29,6 +29,7 @@ from patchpar.lab.baselines import (
     load_or_make_baseline,
     weights_sha256,
 )
+from patchpar.lab.calibrate import MEASURED, measured_plan
 from patchpar.lab.checks import Problems, check_plan_on_model
 from patchpar.lab.config import RunConfig, unused_options
 from patchpar.lab.configio import dump_config, point_config, to_dict
@@ -116,6 +117,12 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded
     metrics["quant"] = pipe.quant
     plan, hw = checked_plan(config, pipe)
+    if config.mesh.patch_weights == MEASURED:  # timed on these devices now
+        f = pipe.latent_factor
+        plan, seconds = measured_plan(plan, pipe.unet, pipe.unet_params, (hw[0] // f, hw[1] // f),
+                                      log)  # fmt: skip
+        metrics["measured_seconds_per_step"] = seconds
+        metrics["patch_weights"] = list(plan.patch_weights)
     metrics["height"], metrics["width"] = hw
     metrics["strategy"] = plan.strategy.describe()
     metrics["mesh_degrees"] = plan.degrees()  # data x cfg x patch x model

@@ -79,15 +79,72 @@ class Projection:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Mixed:
+    """A node of different chips, one profile per patch device in order (a mixed A100 + L40S
+    node). A step's compute is its slowest device's: each device's FLOPs are its own rows'
+    share of the largest patch's where the phase computes own rows (`own_rows`: a stale
+    DiT's steady phase on uneven patches), the padded slab's otherwise. A collective runs at
+    the slowest device's latency and rate; the one-device baseline (and the text encoding) on
+    the fastest chip (`single`)."""
+
+    profiles: tuple[Profile, ...]
+    rows: tuple[int, ...] | None = None  # each patch device's latent rows (None: even)
+
+    @property
+    def name(self) -> str:
+        return ",".join(p.name for p in self.profiles)
+
+    @property
+    def compute_note(self) -> str:
+        return "; ".join(dict.fromkeys(f"{p.name}: {p.compute_note}" for p in self.profiles))
+
+    @property
+    def single(self) -> Profile:
+        return min(self.profiles, key=lambda p: p.compute_s(1e15))
+
+    def step_compute_s(self, flops, quantized=0.0, kind=None, own_rows=False) -> float:
+        """The slowest device's seconds for one call whose largest patch costs `flops`."""
+        n = len(self.profiles)
+        share = [1.0] * n
+        if own_rows and self.rows:
+            share = [r / max(self.rows) for r in self.rows]
+        return max(p.compute_s(flops * f, quantized * f, kind) for p, f in zip(
+            self.profiles, share, strict=True))  # fmt: skip
+
+    def compute_s(self, flops, quantized=0.0, kind=None) -> float:  # work split evenly
+        return self.step_compute_s(flops, quantized, kind)
+
+    def collective_s(self, op, n, count, received_bytes) -> float:
+        return max(p.collective_s(op, n, count, received_bytes) for p in self.profiles)
+
+    def emulates(self, kind) -> bool:
+        return any(p.emulates(kind) for p in self.profiles)
+
+    @property
+    def launch_s(self) -> float:
+        return max(p.launch_s for p in self.profiles)
+
+    @property
+    def async_collectives(self) -> bool:
+        return all(p.async_collectives for p in self.profiles)
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return min(p.hbm_bytes_per_s for p in self.profiles)
+
+
 def phase_time(
-    w: Workload, phase: str, hw: Profile, overlap: str, compute_s: float | None = None
+    w: Workload, phase: str, hw: Profile | Mixed, overlap: str, compute_s: float | None = None
 ) -> PhaseTime:
     """One denoising step of `phase` on the busiest device."""
     p = w.phases[phase]
     compute = compute_s
     if compute_s is None:  # a quantized model's int8/fp8 products at those units' peak
         quantized, kinds = p.get("quantized_flops_per_device") or 0.0, p.get("quantized_types")
-        compute = hw.compute_s(p["flops_per_device"], quantized, (kinds or [None])[0])
+        args = (p["flops_per_device"], quantized, (kinds or [None])[0])
+        own = bool(p.get("own_rows"))
+        compute = hw.step_compute_s(*args, own) if isinstance(hw, Mixed) else hw.compute_s(*args)
     stale = 0.0
     if compute_s is None and w.stale_bytes_per_device:  # a timed program already holds it
         stale = (2 if phase == "steady" else 1) * w.stale_bytes_per_device / hw.hbm_bytes_per_s
@@ -161,9 +218,10 @@ def project(
     m = measured or {}
     n_warm = warmup_phase_steps(w, steps)
     times = {ph: phase_time(w, ph, hw, overlap, m.get(ph)) for ph in PHASES}
-    encode = hw.compute_s(w.encode_flops)
+    one_hw = hw.single if isinstance(hw, Mixed) else hw  # one device: the fastest chip
+    encode = one_hw.compute_s(w.encode_flops)
     # no decode: left out, or a pixel-space model (no VAE: nothing to price, not even a call)
-    one_device = 0.0 if vae == "none" or not w.decode_flops else hw.compute_s(w.decode_flops)
+    one_device = 0.0 if vae == "none" or not w.decode_flops else one_hw.compute_s(w.decode_flops)
     decode = one_device
     if vae == "rows" and w.decode_flops:  # images over data, each image's rows over the rest
         decode = hw.compute_s(w.decode_flops / w.devices) + sum(
@@ -176,7 +234,7 @@ def project(
     if w.step_stride == 2:  # the odd steps of [n_warm, steps)
         runs = steps // 2 - n_warm // 2
     latency = n_warm * times["warmup"].step_s + runs * times["steady"].step_s + other
-    single_step = m.get("single", hw.compute_s(single.phases["warmup"]["flops_per_device"]))
+    single_step = m.get("single", one_hw.compute_s(single.phases["warmup"]["flops_per_device"]))
     single_latency = steps * single_step + encode + one_device
     compute = sum(
         k * (times[ph].compute_s + times[ph].stale_traffic_s)

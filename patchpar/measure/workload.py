@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from patchpar.measure.flops import program_flops
+from patchpar.parallel.split import fmt, is_even
 
 PHASES = ("warmup", "steady")
 
@@ -49,6 +50,7 @@ class Workload:
     # each a round giving two steps' predictions)
     step_stride: int = 1
     quant: str = "none"  # the denoiser's quant mode (patchpar.quant)
+    patch_rows: list | None = None  # uneven patches: each patch device's latent rows
     # what lowered it (WORKLOAD_VERSION): a cache line of another version is not served
     version: int = 1
 
@@ -78,7 +80,9 @@ def plan_label(plan) -> str:
     """The strategy's description, and its step cache's (a workload of one kind of cached step:
     `sampling.cache.Forced`)."""
     cache = "" if plan.cache is None else f" + {plan.cache.describe()}"
-    return plan.strategy.describe() + cache
+    rows = "" if plan.patch_weights is None else f" patch_weights={fmt(plan.patch_weights)}"
+    rows += "" if plan.uneven_compute == "own" else f" uneven_compute={plan.uneven_compute}"
+    return plan.strategy.describe() + rows + cache
 
 
 def workload_key(
@@ -147,6 +151,9 @@ def compute_workload(
     )  # fmt: skip
     keys = ("flops_per_device", "collectives", "quantized_flops_per_device", "quantized_types")
     phases = {name: {k: r["phases"][name].get(k) for k in keys} for name in PHASES}
+    rows = plan.patch_rows(latent, unet)
+    for name in PHASES:  # uneven: whether each device computes its own rows or the padded slab
+        phases[name]["own_rows"] = not is_even(rows) and r["phases"][name]["own_rows"]
     if log is not None:
         log("lowering the text encoders and the VAE decoder (their FLOPs)")
     halves = unet.guidance_halves  # prompts encoded per image: with a negative one, or not
@@ -175,6 +182,7 @@ def compute_workload(
         drain_steps=drain,
         step_stride=stride,
         quant=quant,
+        patch_rows=None if is_even(rows) else list(rows),
         version=WORKLOAD_VERSION,
     )
 

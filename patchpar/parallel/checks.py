@@ -28,11 +28,12 @@ def check_scan_plan(plan, unet) -> None:
         )
 
 
-def uneven_supported(plan, rows: tuple[int, ...]) -> None:
-    """Uneven patches (`rows` latent rows each; `plan`: an `engine.Plan`) run with halos,
-    GroupNorm statistics and K/V gathered, stale, banded or context-parallel; a ValueError
-    names what does not run on them yet."""
-    said = f"uneven patches ({', '.join(map(str, rows))} latent rows)"
+def uneven_supported(plan, rows: tuple[int, ...] | str) -> None:
+    """Uneven patches (`rows` latent rows each, or how they will be split; `plan`: an
+    `engine.Plan`) run with halos, GroupNorm statistics and K/V gathered, stale, banded or
+    context-parallel; a ValueError names what does not run on them yet."""
+    said = "uneven patches (" + (rows if isinstance(rows, str) else (
+        f"{', '.join(map(str, rows))} latent rows")) + ")"  # fmt: skip
     if plan.cache is not None:
         raise ValueError(
             f"{said} with cache {plan.cache.name!r}: a cache's decision over padded patches is "

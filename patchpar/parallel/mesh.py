@@ -69,6 +69,13 @@ def make_mesh(devices: int, cfg: int = 1, data: int = 1, model: int = 1) -> Mesh
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def device_mesh(device) -> Mesh:
+    """A (data, cfg, patch, model) mesh of the one `device` (in a multi-process run: this
+    process's own, `jax.local_devices()`; a program on it runs there alone)."""
+    grid = np.asarray([device]).reshape((1,) * len(AXES))
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
 def to_local(x: jax.Array) -> jax.Array:
     """`x` whole on this process's default device. An array spread over devices of several
     processes (a multi-process mesh, docs/design.md §1) is all-gathered first; every process

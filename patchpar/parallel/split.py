@@ -82,6 +82,24 @@ def describe(rows: int, got: Sequence[int], unet, weighted: bool) -> str:
     )
 
 
+def floored(weights: Sequence[float], rows: int, multiple: int) -> tuple[float, ...]:
+    """`weights` (measured speeds) with those whose share of the `rows` latent rows would be
+    under one unit of `multiple` rows raised to exactly one unit's share (a device much slower
+    than the others still takes one unit: `split_rows` needs it)."""
+    units, w = rows // multiple, list(weights)
+    low: set[int] = set()
+    while units > len(low):
+        total = sum(w)
+        new = {i for i in range(len(w)) if i not in low and w[i] * units < total * (1 - 1e-9)}
+        if not new:
+            break
+        low |= new
+        rest = sum(x for i, x in enumerate(w) if i not in low)  # one unit each for the low
+        for i in low:
+            w[i] = rest / (units - len(low))
+    return tuple(w)
+
+
 def check_weights(weights: Sequence[float], n: int) -> None:
     """Patch weights: one positive finite number per patch device."""
     if len(weights) != n:

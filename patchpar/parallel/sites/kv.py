@@ -15,8 +15,8 @@ up to whole rows (`align=rows`: the model passes `row`, its tokens per image row
 band is what a 2-D neighbour of a token actually is).
 `exchange=False` is DistriFusion's no_sync (buffers stay as at the last warm-up step).
 Uneven patches (`rows`): every slab is padded to the largest patch's tokens; the keys of
-padding are masked (where the patches are gathered, a constant mask: which slot holds which
-patch is known), so each query attends to the image's keys alone. A slab of its patch's own
+padding are masked, or where the patches are gathered taken out (which slot holds which patch
+is known: static), so each query attends to the image's keys alone. A slab of its patch's own
 tokens alone (`Rows.own_slab`) is padded here, for the buffers and sends, and its queries
 stay its own.
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from patchpar.models.attention import AttentionSpec, attend, attend_joint
@@ -119,14 +120,20 @@ class KV(PatchSite):
                 mod.put_variable(STALE, "kv_below", below)
                 if self.link is not None:
                     self._start_band(mod, kv, full, row)
-            return full[0], full[1], self._gathered_mask(kv.shape[2])
+            return self._image_keys(full, kv.shape[2])
         if self.mode == "stale":
             return self._stale_all(mod, kv)
         return self._stale_band(mod, kv, row)
 
-    def _gathered_mask(self, length: int) -> jax.Array | None:
-        """(n * L,) keys of the patches in order that are image, not padding (None: all)."""
-        return None if self.split is None else jnp.asarray(self.split.gathered_mask(length))
+    def _image_keys(self, full: jax.Array, length: int):
+        """(2, B, n*L, D) patches' K/V in order -> keys, values and mask: uneven patches' keys
+        without their padding (which slots are padding is static: taken out, not masked, so
+        that no query pays for them)."""
+        if self.split is None:
+            return full[0], full[1], None
+        keep = np.flatnonzero(self.split.gathered_mask(length))
+        full = jnp.take(full, jnp.asarray(keep, jnp.int32), axis=2)
+        return full[0], full[1], None
 
     def _row(self, length: int, row: int | None) -> int | None:
         """Tokens per row the band keeps whole (None: tokens, as PCPP's code)."""
@@ -166,7 +173,7 @@ class KV(PatchSite):
             full = lax.dynamic_update_slice_in_dim(buf.value, kv, idx * length, axis=2)
         if self.exchange:
             self.send(mod, self._others(kv))
-        return full[0], full[1], self._gathered_mask(length)
+        return self._image_keys(full, length)
 
     def _band(self, length: int, row: int | None) -> int:
         """Tokens of a neighbour's band: `portion` of a patch's tokens (uneven patches: of the
