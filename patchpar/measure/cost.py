@@ -29,10 +29,10 @@ from patchpar.parallel.engine import (
     make_step,
     phase_steps,
     placed_params,
-    stale_bytes_per_device,
     weight_bytes,
 )
 from patchpar.parallel.sites import PHASES, record_sites
+from patchpar.parallel.step import stale_bytes_per_device
 
 __all__ = [
     "abstract_inputs",

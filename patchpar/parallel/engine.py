@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from patchpar.models.family import Denoiser
 from patchpar.parallel.checks import check_scan_plan, uneven_supported
 from patchpar.parallel.exchange import check_groups
-from patchpar.parallel.mesh import AXES, divisors, make_mesh, mesh_shape
+from patchpar.parallel.mesh import divisors, make_mesh, mesh_shape
 from patchpar.parallel.program import Program
 from patchpar.parallel.rules import (
     FSDP_AXES,
@@ -43,10 +43,18 @@ from patchpar.parallel.sites import (
     record_sites,
     shapes_only,
 )
-from patchpar.parallel.split import UNEVEN_COMPUTE, describe, fmt, is_even, split_rows
+from patchpar.parallel.split import (
+    UNEVEN_COMPUTE,
+    describe,
+    fmt,
+    is_even,
+    pad_rows,
+    split_rows,
+    unpad_rows,
+)
 from patchpar.parallel.step import make_step
 from patchpar.parallel.strategies import Strategy
-from patchpar.sampling.cache import CACHE, StepCache
+from patchpar.sampling.cache import StepCache
 from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.loop import run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
@@ -288,11 +296,16 @@ class StepProgram(Program):
     def run_phase(self, unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
                   guidance_scale, watch=False):  # fmt: skip
         mesh = plan.mesh()
+        axes = {plan.strategy.patch_axis(0), plan.strategy.patch_axis(1)}
+        rows = plan.patch_rows(x.shape[1], unet) if axes == {"row"} else None
+        whole = x  # uneven: the latent (and the solver's history) padded through the loop
+        x = x if is_even(rows) else pad_rows(x, rows)  # (no step pays to pad and join it)
         if loop is None:  # the first phase starts the solver history and the stale buffers
-            state = state_template(unet, plan, guidance_scale, mesh, params, x, cond)
+            state = state_template(unet, plan, guidance_scale, mesh, params, whole, cond)
             loop = (sampler.init_carry(x), state)
-        fn = _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh)
+        fn = _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh, rows)
         x, carry, state, *first = run_steps(fn, sampler, schedule, x, *loop, *span, watch)
+        x = x if is_even(rows) else unpad_rows(x, rows)
         return (x, (carry, state), *first)
 
 
@@ -400,23 +413,14 @@ def stale_sites(unet: Denoiser, plan: Plan, latent_hw: tuple[int, int]) -> int:
     return count(state)
 
 
-def stale_bytes_per_device(state) -> int:
-    """Stale-buffer memory one device holds (the global arrays carry the mesh's device grid);
-    a step cache's state is not counted."""
-    total = 0
-    if isinstance(state, dict):
-        state = {k: v for k, v in state.items() if k != CACHE}
-    for leaf in jax.tree.leaves(state):
-        per = leaf.size // math.prod(leaf.shape[: len(AXES)])
-        total += per * leaf.dtype.itemsize
-    return total
-
-
-def _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh):
+def _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh, rows=None):
     """model_fn(x_in, t, i, state) of the run loop for one phase (both patch axes if the
-    strategy alternates them)."""
+    strategy alternates them); `rows`: uneven patches, x_in padded (`split.pad_rows`)."""
     s = plan.strategy
-    steps = {a: make_step(unet, plan, phase, a, guidance_scale, mesh) for a in ("row", "col")}
+    steps = {
+        a: make_step(unet, plan, phase, a, guidance_scale, mesh, padded=rows)
+        for a in ("row", "col")
+    }
     row, col = steps["row"], steps["col"]
     if s.patch_axis(0) == s.patch_axis(1):
         one = steps[s.patch_axis(0)]

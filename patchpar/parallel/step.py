@@ -6,6 +6,7 @@ met and guided."""
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import replace
 from functools import cache
 
@@ -18,11 +19,11 @@ from jax.sharding import PartitionSpec as P
 from patchpar.models.family import Denoiser
 from patchpar.parallel.cached import DecisionSum, cached_call
 from patchpar.parallel.exchange import exchange_packed, merged, pending_sends
-from patchpar.parallel.mesh import CFG, DATA, PATCH, STATE_SPEC
+from patchpar.parallel.mesh import AXES, CFG, DATA, PATCH, STATE_SPEC
 from patchpar.parallel.rules import placed, unplaced
 from patchpar.parallel.sites import SEND, STALE, FSDPGather, PatchOps, TensorSum, shapes_only
 from patchpar.parallel.sites.common import CollectiveInBranch, no_collectives, note
-from patchpar.parallel.split import is_even, pad_rows, unpad_rows
+from patchpar.parallel.split import Rows, is_even, pad_rows, unpad_rows
 from patchpar.sampling.cache import CACHE, STEADY_COMPUTED
 from patchpar.sampling.guidance import call_on_stack
 from patchpar.sampling.loop import guided
@@ -36,8 +37,12 @@ def _cond_spec(cond, cfg: int):  # (G, B, ...): guidance halves over cfg, images
     return jax.tree.map(lambda _: P(CFG if cfg == 2 else None, DATA), cond)
 
 
-def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh):
+def make_step(
+    unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float, mesh: Mesh, padded=None
+):
     """step(params, x (B,H,W,C), t, cond, state) -> (guided model output (B,H,W,C), state).
+    `padded`: uneven patches of these latent rows, x given padded (`split.pad_rows`) and the
+    output returned so, its padding rows zero (None: x as it is, padded and joined here).
 
     `state` is None in the `warmup` phase (buffers are written, not read), unless the plan has
     a step cache (a skipped step returns the buffers it read, so every phase reads them and
@@ -162,7 +167,11 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
                 with jax.named_scope("pp_cfg"):
                     out = lax.all_gather(out, CFG, axis=0, tiled=True)  # (2, B, h, W, C)
             new_state = jax.tree.map(lambda a: a[None, None, None, None], stale)
-            return guided(out, guidance_scale), new_state
+            out = guided(out, guidance_scale)
+            if padded is not None:  # the padding rows stay zero in the loop's latent
+                keep = Rows(padded, not plan.comm).own_mask(out.shape[1])
+                out = jnp.where(keep[None, :, None, None], out, jnp.zeros_like(out))
+            return out, new_state
 
         return local
 
@@ -170,10 +179,12 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
 
     def step(params, x, t, cond, state):
         state_in = state if reads_state else {}
-        rows = plan.patch_rows(x.shape[1], unet) if axis == "row" else None
+        rows = padded
+        if padded is None:
+            rows = plan.patch_rows(x.shape[1], unet) if axis == "row" else None
         uneven = not is_even(rows)  # every slab padded to the largest patch's rows
         local = program(ops.with_rows(rows), rows) if uneven else program(ops)
-        if uneven:
+        if uneven and padded is None:
             x = pad_rows(x, rows)
         params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program
         # split by the logical-axis rules
@@ -194,7 +205,7 @@ def make_step(unet: Denoiser, plan, phase: str, axis: str, guidance_scale: float
             check_vma=False,
         )
         out, new_state = fn(params, x, t, cond, state_in)
-        return (unpad_rows(out, rows) if uneven else out), new_state
+        return (unpad_rows(out, rows) if uneven and padded is None else out), new_state
 
     return step
 
@@ -206,3 +217,15 @@ def _local_param_shapes(unet: Denoiser):
     abstract init takes seconds."""
     with shapes_only():
         return jax.eval_shape(unet.prepare, unet.abstract_params())  # stacked where scanned
+
+
+def stale_bytes_per_device(state) -> int:
+    """Stale-buffer memory one device holds (the global arrays carry the mesh's device grid);
+    a step cache's state is not counted."""
+    total = 0
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if k != CACHE}
+    for leaf in jax.tree.leaves(state):
+        per = leaf.size // math.prod(leaf.shape[: len(AXES)])
+        total += per * leaf.dtype.itemsize
+    return total

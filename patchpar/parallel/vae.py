@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from patchpar.parallel.mesh import DATA, PATCH, divisors, make_mesh, mesh_shape
 from patchpar.parallel.sites import patch_ops
+from patchpar.parallel.split import pad_rows, split_rows, unpad_rows
 
 MODES = ("off", "rows", "tiles")
 TILE_OVERLAP = 0.25  # diffusers' tile_overlap_factor
@@ -85,13 +86,11 @@ class VAEPlan:
                     f"data < devices (e.g. data=1: rows over all {self.devices} devices) or "
                     f"vae_parallel=off"
                 )
-            if h % self.patch:
+            if h < self.patch:
                 raise ValueError(
-                    f"vae_parallel=rows: the latent's {h} rows do not split into {self.patch} "
-                    f"row patches: the decoder's upsampling chain (x{f}) keeps each patch's "
-                    f"rows, so latent rows must be a multiple of {self.patch} (image height a "
-                    f"multiple of {self.patch * f}); nearest heights that fit: "
-                    f"{_nearest(h * f, self.patch * f)}"
+                    f"vae_parallel=rows: the latent's {h} rows are fewer than the {self.patch} "
+                    f"row patches, each of which needs one; use at most {h} devices per image "
+                    f"or an image of at least {self.patch * f} rows"
                 )
             if batch is not None and batch % self.data:
                 raise ValueError(
@@ -113,8 +112,18 @@ class VAEPlan:
                 )
 
 
-def _nearest(v: int, mult: int) -> list[int]:
-    return sorted({max(mult, v // mult * mult), (v // mult + 1) * mult})
+def latent_rows(h: int, n: int) -> tuple[int, ...] | None:
+    """The latent rows of each of `n` row patches of an `h`-row latent: None where they divide
+    evenly, else the most even split (`split.split_rows`; the upsampling chain keeps each
+    patch's rows, so any row is a unit). Uneven patches run padded to the largest patch's
+    rows, the sites reading each patch's own (docs/design.md, "Uneven patches")."""
+    return None if h % n == 0 else split_rows(h, n, 1)
+
+
+def _spec(h: int, n: int) -> P:
+    """Where a (B, h, ...) input goes: its rows over the patch devices where they divide, else
+    whole on each (the program pads it into uneven patches)."""
+    return P(DATA, PATCH) if h % n == 0 else P(DATA)
 
 
 def decode(vae, params, z: jax.Array, plan: VAEPlan) -> jax.Array:
@@ -125,7 +134,8 @@ def decode(vae, params, z: jax.Array, plan: VAEPlan) -> jax.Array:
         return _whole_decode(vae, params, z)
     if plan.mode == "rows":
         mesh = make_mesh(plan.devices, 1, plan.data)
-        return _rows(vae, params, _global(z, mesh, P(DATA, PATCH)), mesh, "decode")
+        z = _global(z, mesh, _spec(z.shape[1], plan.patch))
+        return _rows(vae, params, z, mesh, "decode")
     return tiled_decode(vae, params, z, plan.tile_size(vae), plan.devices)
 
 
@@ -141,7 +151,8 @@ def encode(vae, params, images: jax.Array, plan: VAEPlan) -> tuple[jax.Array, ja
     if plan.mode == "off" or plan.devices == 1:
         return _whole_encode(vae, params, images)
     mesh = make_mesh(plan.devices, 1, plan.data)
-    return _rows(vae, params, _global(images, mesh, P(DATA, PATCH)), mesh, "encode")
+    x = _global(images, mesh, _spec(images.shape[1] // f, plan.patch))
+    return _rows(vae, params, x, mesh, "encode")
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -168,8 +179,14 @@ def _global(x, mesh, spec) -> jax.Array:
 def _rows(vae, params, x, mesh, method: str):
     """The decoder or encoder on row patches: x (B, H, W, C) sharded (data, patch) -> its
     output, sharded alike."""
-    n = mesh.shape[PATCH]
-    local = vae.with_ops(patch_ops(n, "warmup", ulysses=1))  # exact: fresh, sync, ring
+    n, f = mesh.shape[PATCH], vae.config.downsample_factor
+    ops = patch_ops(n, "warmup", ulysses=1)  # exact: fresh, sync, ring
+    scale = 1 if method == "decode" else f  # input rows per latent row
+    rows = latent_rows(x.shape[1] // scale, n)
+    if rows is not None:  # uneven: every slab padded to the largest patch's rows
+        ops = ops.with_rows(rows)
+        x = pad_rows(x, [r * scale for r in rows])
+    local = vae.with_ops(ops)
     call = local if method == "decode" else local.encode
     spec = P(DATA, PATCH)
     out_specs = spec if method == "decode" else (spec, spec)
@@ -180,7 +197,12 @@ def _rows(vae, params, x, mesh, method: str):
         out_specs=out_specs,
         check_vma=False,
     )
-    return fn(params, x)
+    out = fn(params, x)
+    if rows is None:
+        return out
+    if method == "decode":  # each patch's own rows, joined
+        return unpad_rows(out, [r * f for r in rows])
+    return tuple(unpad_rows(o, rows) for o in out)
 
 
 # ------------------------------------------------------------------------------ tiles
@@ -329,7 +351,8 @@ def lowered_decode(vae, params, z_shape: tuple[int, ...], plan: VAEPlan, dtype=N
         return _whole_decode.lower(vae, params, jax.ShapeDtypeStruct(z_shape, dtype))
     if plan.mode == "rows":
         mesh = make_mesh(plan.devices, 1, plan.data)
-        z = jax.ShapeDtypeStruct(z_shape, dtype, sharding=NamedSharding(mesh, P(DATA, PATCH)))
+        sharding = NamedSharding(mesh, _spec(z_shape[1], plan.patch))
+        z = jax.ShapeDtypeStruct(z_shape, dtype, sharding=sharding)
         return _rows.lower(vae, params, z, mesh, "decode")
     f = vae.config.downsample_factor
     tiling = Tiling(z_shape[1], z_shape[2], plan.tile_size(vae) // f, f)

@@ -26,10 +26,10 @@ from patchpar.parallel.engine import (
     denoise_phase,
     phase_steps,
     placed_params,
-    stale_bytes_per_device,
 )
 from patchpar.parallel.engine import denoise as denoise_parallel
 from patchpar.parallel.mesh import to_local
+from patchpar.parallel.step import stale_bytes_per_device
 from patchpar.parallel.vae import VAEPlan
 from patchpar.parallel.vae import decode as vae_decode
 from patchpar.pipelines.checks import (
