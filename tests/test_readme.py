@@ -13,6 +13,8 @@ import tyro
 import yaml
 
 from patchpar.lab import cli
+from patchpar.lab.calibrate import CalibrateConfig
+from patchpar.lab.calibrate import check as check_calibrate
 from patchpar.lab.config import RunConfig
 from patchpar.lab.costs import CommConfig, check_comm
 from patchpar.lab.generate import GenerateConfig, check
@@ -84,6 +86,8 @@ def test_every_readme_command_parses_passes_its_checks_and_follows_what_it_reads
             check(config)
         elif isinstance(config, CommConfig):
             check_comm(config)
+        elif isinstance(config, CalibrateConfig):
+            check_calibrate(config)
         elif isinstance(config, ProjectConfig):
             if config.timings is not None:  # made by README's device suite (run_all.sh)
                 assert str(config.timings).startswith("results/device/")

@@ -218,12 +218,15 @@ def steady_hlo(model, plan, hw):
 def test_own_rows_compute_branches_where_no_collective_runs_inside_the_call():
     """A branch per patch size in a DiT's packed steady phase; none in the warm-up (its K/V
     gather runs inside), none in a UNet's (its first conv's halo is exchanged fresh) and none
-    with `uneven_compute=padded`."""
+    with `uneven_compute=padded`; by default (`auto`) only where patch weights are given."""
     weights = (1, 2, 1)
     stale = make_strategy("distrifusion", warmup_steps=1)
     assert "case" in steady_hlo("tiny-dit", Plan(stale, 3, patch_weights=weights), (32, 32))
     padded = Plan(stale, 3, patch_weights=weights, uneven_compute="padded")
     assert "case" not in steady_hlo("tiny-dit", padded, (32, 32))
+    # auto: own rows where weights say the devices differ, not on the most even split
+    assert "case" not in steady_hlo("tiny-dit", Plan(stale, 3), (32, 32))
+    assert "case" in steady_hlo("tiny-dit", Plan(stale, 3, uneven_compute="own"), (32, 32))
     assert "case" not in steady_hlo("tiny", Plan(stale, 3, patch_weights=weights), (32, 32))
 
 
@@ -306,6 +309,22 @@ def test_pcpp_sends_padding_only_with_whole_neighbour_kv():
         assert p["padding"]["kv"]["total"] == 3 * (whole // 6)
 
 
+def test_naive_patches_of_uneven_rows_are_each_their_own_image():
+    """naive_patch on 12, 12, 8 rows: each device denoises its own rows alone, as a whole
+    image (nothing of the padding), so each slab equals one device's run on those rows."""
+    pipe = pipeline("fmnist")
+    x0 = pipe.initial_latents(1, 32, 32, 0)
+    run = dict(steps=3, guidance_scale=2.0, latents=x0)
+    plan = Plan(make_strategy("naive_patch"), 3, 1)
+    got = np.asarray(pipe(["a bag"], height=32, width=32, plan=plan, **run).latents)
+    at = 0
+    for r in (12, 12, 8):
+        one = dict(run, latents=x0[:, at : at + r])
+        ref = np.asarray(pipe(["a bag"], height=r, width=32, **one).latents)
+        assert rel_err(got[:, at : at + r], ref) <= 1e-4
+        at += r
+
+
 # --------------------------------------------------------------------------- refused
 
 
@@ -313,7 +332,6 @@ def test_pcpp_sends_padding_only_with_whole_neighbour_kv():
     "flags, what",
     [
         (["--strategy", "compact"], "with strategy 'compact': a compressed exchange"),
-        (["--strategy", "naive_patch"], "with strategy 'naive_patch': each device takes its"),
         (["--strategy", "distrifusion", "--cache", "taylorseer"], "with cache 'taylorseer'"),
     ],
 )
@@ -343,7 +361,9 @@ def test_bad_weights_from_the_command_line(tmp_path, capsys):
     assert "mesh.patch_weights=1,1: 2 weight(s)" in capsys.readouterr().err
     assert main([*base, "--uneven-compute", "some"]) == 2
     errors = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
-    assert len(errors) == 1 and "uneven_compute='some'; known: ('own', 'padded')" in errors[0]
+    assert (
+        len(errors) == 1 and "uneven_compute='some'; known: ('auto', 'own', 'padded')" in errors[0]
+    )
 
 
 def test_the_split_is_said_in_one_line(capsys):

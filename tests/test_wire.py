@@ -232,7 +232,7 @@ def test_a_wire_or_codec_names_only_sites_the_model_has(family, name, options, m
 def test_site_kinds_are_what_the_model_exchanges(family):
     """A UNet's convolutions exchange halos and its attention K/V; a DiT's and an MMDiT's
     attention K/V only (their patch embedding cuts whole tokens)."""
-    from patchpar.parallel.engine import site_kinds
+    from patchpar.parallel.checks import site_kinds
 
     fn, _ = _family(family)
     assert site_kinds(fn) == ({"halo", "kv"} if family == "unet" else {"kv"})

@@ -99,9 +99,9 @@ class PlanMesh:
     faster device takes more rows; parallel/split.py); measured: each device's speed timed
     when the run starts (`patchpar calibrate`); "": equal shares, an even split where the
     rows divide, else the most even one (said when it runs)."""
-    uneven_compute: str = "own"
-    """Uneven patches: own (a stale DiT's or MMDiT's steady phase computes each device's own
-    rows alone: nothing is exchanged inside its model call), padded (the largest patch's)."""
+    uneven_compute: str = "auto"
+    """Uneven patches: own (a stale DiT's steady phase computes each device's own rows alone),
+    padded (the largest patch's), auto (own where patch_weights are given, else padded)."""
 
 
 @dataclass(frozen=True)

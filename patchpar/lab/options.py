@@ -24,7 +24,7 @@ def build_plan(
     cache: str = "none",
     cache_options: dict | None = None,
     patch_weights: str = "",
-    uneven_compute: str = "own",
+    uneven_compute: str = "auto",
 ):
     """The strategy `name` with the options given (None = the strategy's default), on devices
     split as data x cfg x patch x model, weights sharded per layer with `fsdp`, with the step

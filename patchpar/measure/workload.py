@@ -81,7 +81,7 @@ def plan_label(plan) -> str:
     `sampling.cache.Forced`)."""
     cache = "" if plan.cache is None else f" + {plan.cache.describe()}"
     rows = "" if plan.patch_weights is None else f" patch_weights={fmt(plan.patch_weights)}"
-    rows += "" if plan.uneven_compute == "own" else f" uneven_compute={plan.uneven_compute}"
+    rows += "" if plan.uneven_compute == "auto" else f" uneven_compute={plan.uneven_compute}"
     return plan.strategy.describe() + rows + cache
 
 

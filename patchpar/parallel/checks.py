@@ -4,7 +4,11 @@ them yet. `plan`: an `engine.Plan`."""
 
 from __future__ import annotations
 
-from patchpar.parallel.sites import PHASES
+from functools import cache
+
+from patchpar.parallel.sites import PHASES, patch_ops, record_sites
+from patchpar.parallel.sites.halo import Halo
+from patchpar.parallel.sites.kv import KV
 
 # the step caches that run part of a DiT's stack of blocks apart (its first block)
 PARTIAL_CACHES = ("fbcache", "teacache")
@@ -41,15 +45,34 @@ def uneven_supported(plan, rows: tuple[int, ...] | str) -> None:
         )
     for phase in PHASES:
         ops = plan.strategy.ops(phase, plan.patch)
-        if not hasattr(ops, "with_rows"):  # the identity's sites: a slab is a whole image
+        whole = not hasattr(ops, "with_rows")  # the identity's sites: a slab a whole image
+        if whole and (plan.fsdp_degree > 1 or plan.model > 1):  # own rows alone: `step.py`
             raise ValueError(
-                f"{said} with strategy {plan.strategy.name!r}: each device takes its slab for a "
-                f"whole image, so a padded slab would be denoised padding included; use a latent "
-                f"size that the patch devices divide (even patches)"
+                f"{said} with strategy {plan.strategy.name!r}: each device denoises its own "
+                f"rows alone as a whole image, which the collectives of FSDP or tensor "
+                f"parallelism inside the model call do not allow; use even patches, or no fsdp"
             )
+        if whole:
+            continue
         if any(getattr(op, "link", None) is not None for op in ops.sites()):
             raise ValueError(
                 f"{said} with strategy {plan.strategy.name!r}: a compressed exchange on uneven "
                 f"patches is not implemented; use a latent size that the patch devices divide "
                 f"(even patches), or sync_patch, distrifusion, pcpp, ring, ulysses"
             )
+
+
+@cache
+def site_kinds(unet) -> frozenset[str]:
+    """The site kinds at which `unet` exchanges activations that a codec can code (a `wire`
+    or `codec` option): `halo` (the rows of a convolution but the first, which stays exact)
+    and `kv` (attention's keys and values; a DiT's and an MMDiT's only exchange). Traced once
+    per module: its abstract init, every site a stand-in, the site calls recorded."""
+    with record_sites() as calls:
+        unet.with_ops(patch_ops(1).with_stand_ins()).abstract_params()
+    halo = any(
+        isinstance(op, Halo) and not op.input and info["top"] + info["bottom"] > 0
+        for op, info in calls
+    )
+    kv = any(isinstance(op, KV) for op, _ in calls)
+    return frozenset(k for k, has in (("halo", halo), ("kv", kv)) if has)

@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from patchpar.models.family import Denoiser
-from patchpar.parallel.checks import check_scan_plan, uneven_supported
+from patchpar.parallel.checks import check_scan_plan, site_kinds, uneven_supported
 from patchpar.parallel.exchange import check_groups
 from patchpar.parallel.mesh import divisors, make_mesh, mesh_shape
 from patchpar.parallel.program import Program
@@ -36,11 +36,7 @@ from patchpar.parallel.rules import (
     weight_bytes_per_device,
 )
 from patchpar.parallel.sites import (
-    KV,
-    Halo,
     param_shapes,
-    patch_ops,
-    record_sites,
     shapes_only,
 )
 from patchpar.parallel.split import (
@@ -86,10 +82,12 @@ class Plan:
     """Each patch device's share of the latent rows (`parallel.split`), in order; None: equal
     shares (an even split where the rows divide, else the most even one)."""
 
-    uneven_compute: str = "own"
+    uneven_compute: str = "auto"
     """Uneven patches: `own`, each device computes its own rows alone where no collective runs
     inside the model call (the packed steady phase of a stale strategy); `padded`, every
-    device computes the largest patch's rows (what every phase with a collective inside does)."""
+    device computes the largest patch's rows (what every phase with a collective inside does);
+    `auto`, own where patch weights are given (devices of different speeds), padded on the
+    most even split (equal devices: the largest patch sets the pace either way)."""
 
     def __post_init__(self):
         if self.uneven_compute not in UNEVEN_COMPUTE:
@@ -122,6 +120,13 @@ class Plan:
         """One line saying how an uneven split of a latent of `rows` rows falls (None: even)."""
         got = self.patch_rows(rows, unet)
         return None if is_even(got) else describe(rows, got, unet, self.patch_weights is not None)
+
+    @property
+    def own_rows(self) -> bool:
+        """Whether uneven patches compute their own rows where they can (`uneven_compute`)."""
+        return self.uneven_compute == "own" or (
+            self.uneven_compute == "auto" and self.patch_weights is not None
+        )
 
     @property
     def model(self) -> int:
@@ -335,22 +340,6 @@ def placed_params(plan: Plan, unet: Denoiser, params):
 def weight_bytes(plan: Plan, unet: Denoiser, params) -> int:
     """Parameter bytes one device holds under `plan` (a pipeline's stage: its blocks)."""
     return plan.program.weight_bytes(plan, unet, params)
-
-
-@cache
-def site_kinds(unet: Denoiser) -> frozenset[str]:
-    """The site kinds at which `unet` exchanges activations that a codec can code (a `wire`
-    or `codec` option): `halo` (the rows of a convolution but the first, which stays exact)
-    and `kv` (attention's keys and values; a DiT's and an MMDiT's only exchange). Traced once
-    per module: its abstract init, every site a stand-in, the site calls recorded."""
-    with record_sites() as calls:
-        unet.with_ops(patch_ops(1).with_stand_ins()).abstract_params()
-    halo = any(
-        isinstance(op, Halo) and not op.input and info["top"] + info["bottom"] > 0
-        for op, info in calls
-    )
-    kv = any(isinstance(op, KV) for op, _ in calls)
-    return frozenset(k for k, has in (("halo", halo), ("kv", kv)) if has)
 
 
 def state_template(unet, plan, guidance_scale, mesh, params, x, cond):

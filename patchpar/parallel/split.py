@@ -66,7 +66,7 @@ def split_rows(
     return tuple(g * multiple for g in got)
 
 
-UNEVEN_COMPUTE = ("own", "padded")  # `Plan.uneven_compute`
+UNEVEN_COMPUTE = ("auto", "own", "padded")  # `Plan.uneven_compute`
 
 
 def describe(rows: int, got: Sequence[int], unet, weighted: bool) -> str:

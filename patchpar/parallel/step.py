@@ -85,9 +85,10 @@ def make_step(
         module = unet.module.clone(ops=ops)
         # uneven patches in a steady phase whose exchanges all follow the call: each device
         # computes its own rows alone (a branch per patch size); padded slabs otherwise
+        whole = not hasattr(ops, "with_rows")  # identity sites: each slab a whole image
         by_rows = (
-            not is_even(rows) and groups and cache is None and plan.comm
-            and plan.uneven_compute == "own"
+            not is_even(rows) and (groups or whole) and cache is None and plan.comm
+            and (plan.own_rows or whole)
             and plan.model == 1 and plan.fsdp_degree == 1
         )  # fmt: skip
 
@@ -98,7 +99,7 @@ def make_step(
 
             def branch(i, r):
                 def call(x):
-                    module_r = unet.module.clone(ops=ops.with_rows(rows, slab=r))
+                    module_r = unet.module.clone(ops=ops if whole else ops.with_rows(rows, slab=r))
 
                     def apply(*a, **k):
                         return module_r.apply(variables, *a, **k, mutable=mutable)
@@ -183,7 +184,8 @@ def make_step(
         if padded is None:
             rows = plan.patch_rows(x.shape[1], unet) if axis == "row" else None
         uneven = not is_even(rows)  # every slab padded to the largest patch's rows
-        local = program(ops.with_rows(rows), rows) if uneven else program(ops)
+        local = program(ops, rows) if uneven and not hasattr(ops, "with_rows") else (
+            program(ops.with_rows(rows), rows) if uneven else program(ops))  # fmt: skip
         if uneven and padded is None:
             x = pad_rows(x, rows)
         params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program

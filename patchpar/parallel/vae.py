@@ -7,7 +7,9 @@ tiles (diffusers' tiling rule, not exact).
   neighbours (after each nearest upsampling too, so the rows it reads are the neighbour's
   upsampled ones), GroupNorm all-reduces its statistics, and the mid-block self-attention is
   Ring attention over the patches (a device holds one block of K/V at a time, 1/n of a
-  gather's). Decoded rows leave the program sharded; `to_local` gathers them once.
+  gather's). Rows the patches do not divide split as evenly as they go, every slab padded to
+  the largest patch's (`latent_rows`; `parallel.split`). Decoded rows leave the program
+  sharded; `to_local` gathers them once.
 - `tiles`: diffusers' `enable_tiling` rule: latent tiles of `tile / f` rows and columns at a
   stride of 3/4 of that, each decoded alone (its own GroupNorm statistics and attention: not
   exact), spread over every device (one tile at a time per device), then blended over a quarter
