@@ -1,6 +1,7 @@
 """Step caches (patchpar.sampling.cache) under patch parallelism: each cache with the exact
 strategies against the same cache on one device, what a predicted step exchanges, and what a
-stale site reads after a skipped step. Parity with diffusers' hooks: test_cache_parity.py; bad
+stale site reads after a skipped step, on even and uneven patches (a decision's sums over the
+image's rows alone, not the padding). Parity with diffusers' hooks: test_cache_parity.py; bad
 input: test_cache_inputs.py."""
 
 import sys
@@ -84,7 +85,7 @@ def test_the_cache_skips_some_steps_and_sync_patch_equals_one_device():
     _far_from_the_threshold(state)
     plain, _ = _run("single", 1, threshold=None)
     assert max_diff(one, plain) > 1e-3
-    for devices, cfg in ((2, 1), (4, 1), (4, 2)):
+    for devices, cfg in ((2, 1), (4, 1), (4, 2), (3, 1)):  # 3: uneven patches, padded
         out, st = _run("sync_patch", devices, cfg)
         assert _computed(st) == _computed(state), (devices, cfg)
         assert max_diff(out, one) <= 1e-4, (devices, cfg)
@@ -140,7 +141,7 @@ def test_taylorseer_under_sync_patch_equals_one_device(model):
     assert _computed(state) == 3  # steps 0, 2 and 4 of 6
     plain, _ = _run_with("single", 1, 1, None, model)
     assert max_diff(one, plain) > 1e-3
-    for devices, cfg in ((2, 1), (4, 1), (4, 2)):
+    for devices, cfg in ((2, 1), (4, 1), (4, 2), (3, 1)):  # 3: uneven patches, padded
         out, st = _run_with("sync_patch", devices, cfg, c, model)
         assert _computed(st) == 3, (devices, cfg)
         assert max_diff(out, one) <= 1e-4, (devices, cfg)
@@ -160,7 +161,7 @@ def test_teacache_under_sync_patch_equals_one_device():
     _far_from_the_threshold(state)
     plain, _ = _run_with("single", 1, 1, None, "flux")
     assert max_diff(one, plain) > 1e-3
-    for devices in (2, 4):
+    for devices in (2, 4, 3):  # 3: uneven patches, padded
         out, st = _run_with("sync_patch", devices, 1, c, "flux")
         assert _computed(st) == _computed(state), devices
         assert max_diff(out, one) <= 1e-4, devices

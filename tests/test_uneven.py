@@ -332,7 +332,6 @@ def test_naive_patches_of_uneven_rows_are_each_their_own_image():
     "flags, what",
     [
         (["--strategy", "compact"], "with strategy 'compact': a compressed exchange"),
-        (["--strategy", "distrifusion", "--cache", "taylorseer"], "with cache 'taylorseer'"),
     ],
 )
 def test_what_does_not_pad_yet_is_refused_before_any_work(flags, what, tmp_path, capsys):
@@ -341,6 +340,14 @@ def test_what_does_not_pad_yet_is_refused_before_any_work(flags, what, tmp_path,
     err = capsys.readouterr().err
     assert f"uneven patches (12, 12, 8 latent rows) {what}" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_naive_patches_of_uneven_rows_refuse_collectives_inside_the_call(tmp_path, capsys):
+    args = ["generate", "--model", "fmnist", "--devices", "4", "--height", "36", "--width",
+            "32", "--strategy", "naive_patch", "--fsdp", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "uneven patches (12, 8, 8, 8 latent rows) with strategy 'naive_patch': each" in err
 
 
 def test_bad_weights_from_the_command_line(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """How fast each device runs a patch (STADI's spatial half; docs/design.md "Uneven patches"):
 the denoiser's step on one patch's slab, timed on each device while every other device times
-its own, so that a device slowed by a shared core, a background job or slower silicon is seen
+its own (each compiles first; every timed step starts at a barrier), so that a device slowed by a shared core, a background job or slower silicon is seen
 as it is. A device's patch weight is its speed relative to the fastest, t_fastest / t.
 
 The program timed is the denoiser on the slab alone (`single` on the patch's rows), not the
@@ -17,10 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def patch_seconds(unet, params, slab_hw: tuple[int, int], device, repeats: int = 5) -> float:
+def patch_seconds(
+    unet, params, slab_hw: tuple[int, int], device, repeats: int = 5, together=None
+) -> float:
     """Median seconds of one denoiser step (both guidance halves: the denoiser's own
     `guidance_halves`) on a slab of `slab_hw` latent rows x columns, on `device` (`params` put
-    there), after one untimed call that compiles it."""
+    there), after one untimed call that compiles it. `together()` (optional) is called before
+    each timed step, outside the timing: a barrier, so that every device's steps run at once."""
     from patchpar.parallel.engine import Plan, abstract_inputs, make_step
     from patchpar.parallel.mesh import device_mesh
     from patchpar.parallel.strategies import make_strategy
@@ -38,6 +41,8 @@ def patch_seconds(unet, params, slab_hw: tuple[int, int], device, repeats: int =
     jax.block_until_ready(step(params, x, t, cond, None))
     times = []
     for _ in range(repeats):
+        if together is not None:
+            together()
         t0 = time.perf_counter()
         jax.block_until_ready(step(params, x, t, cond, None))
         times.append(time.perf_counter() - t0)
@@ -56,8 +61,11 @@ def devices_seconds(unet, params, slab_hw: tuple[int, int], devices: int, repeat
                 f"calibrating {devices} devices over {jax.process_count()} processes with "
                 f"{jax.local_device_count()} device(s) each: give one device per process"
             )
-        multihost_utils.sync_global_devices("patchpar calibrate: start together")
-        own = patch_seconds(unet, params, slab_hw, jax.local_devices()[0], repeats)
+
+        def together():  # every process's timed steps at once (its compile done apart)
+            multihost_utils.sync_global_devices("patchpar calibrate: step")
+
+        own = patch_seconds(unet, params, slab_hw, jax.local_devices()[0], repeats, together)
         got = multihost_utils.process_allgather(np.asarray([own], np.float64))
         return [float(s) for s in np.asarray(got).reshape(-1)]
     if devices > jax.local_device_count():

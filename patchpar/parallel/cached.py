@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import jax.numpy as jnp
+
 from patchpar.parallel.sites import STALE, shapes_only
 from patchpar.sampling.guidance import call_on_stack
 
@@ -58,6 +60,15 @@ class ModelParts:
         return self.module.teacache_coefficients
 
     quiet = staticmethod(shapes_only)  # a shape trace's site calls are not the program's
+
+    def own(self, a):
+        """`a` (B, rows or tokens, ...) with what is not this device's patch zeroed (uneven
+        patches' padding: a decision's sums are the image's, `parallel.split`)."""
+        mine = self.module.ops.own_rows(a.shape[1])
+        if mine is None:
+            return a
+        keep = jnp.arange(a.shape[1]) < mine
+        return jnp.where(keep.reshape((1, -1) + (1,) * (a.ndim - 2)), a, jnp.zeros_like(a))
 
     def whole(self):
         """(the model's output, the stale buffers after it)."""

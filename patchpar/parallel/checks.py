@@ -38,11 +38,6 @@ def uneven_supported(plan, rows: tuple[int, ...] | str) -> None:
     context-parallel; a ValueError names what does not run on them yet."""
     said = "uneven patches (" + (rows if isinstance(rows, str) else (
         f"{', '.join(map(str, rows))} latent rows")) + ")"  # fmt: skip
-    if plan.cache is not None:
-        raise ValueError(
-            f"{said} with cache {plan.cache.name!r}: a cache's decision over padded patches is "
-            f"not implemented; use a latent size that the patch devices divide, or no cache"
-        )
     for phase in PHASES:
         ops = plan.strategy.ops(phase, plan.patch)
         whole = not hasattr(ops, "with_rows")  # the identity's sites: a slab a whole image

@@ -41,7 +41,15 @@ class FirstBlockCache(StepCache):
 
     def call(self, model, state, reduce_sum, force=None):
         last, stale, new, carry = first_block_step(
-            self, state, model.head, model.tail, model.skip, reduce_sum, model.quiet, force
+            self,
+            state,
+            model.head,
+            model.tail,
+            model.skip,
+            reduce_sum,
+            model.quiet,
+            force,
+            getattr(model, "own", lambda a: a),
         )
         return model.epilogue(last, carry), stale, new
 
@@ -97,7 +105,8 @@ class TeaCache(StepCache):
                 CLOSEST: jnp.full((), jnp.inf, jnp.float32),
             }
         step, prev = state["step"], state["previous"]
-        sums = reduce_sum(jnp.stack([jnp.sum(jnp.abs(m - prev)), jnp.sum(jnp.abs(prev))]))
+        own = getattr(model, "own", lambda a: a)  # uneven patches: the image's values alone
+        sums = reduce_sum(jnp.stack([jnp.sum(own(jnp.abs(m - prev))), jnp.sum(own(jnp.abs(prev)))]))
         rel = sums[0] / jnp.where(sums[1] > 0, sums[1], 1.0)
         grown = state["distance"] + jnp.polyval(
             jnp.asarray(model.teacache_coefficients, jnp.float32), rel
@@ -155,6 +164,7 @@ def first_block_step(
     reduce_sum: Callable = lambda x: x,
     quiet: Callable = contextlib.nullcontext,
     force: bool | None = None,
+    own: Callable = lambda a: a,
 ):
     """One step of the first-block cache.
 
@@ -162,7 +172,8 @@ def first_block_step(
     the last block, extra); skip(carry) -> extra (what `tail` would give, from what is
     carried: the stale buffers); reduce_sum: the sum over every device (identity on one);
     quiet(): a context for shape traces (their site calls are not the program's); force: as
-    `StepCache.call`. `state` None: the first step. -> (hs after the last block, extra, new
+    `StepCache.call`; own(a): `a` with what is not this device's patch zeroed (uneven
+    patches' padding). `state` None: the first step. -> (hs after the last block, extra, new
     state, carry)."""
     h0, h1, carry = head()
 
@@ -182,7 +193,7 @@ def first_block_step(
         }
     r = (h1[0] - h0[0]).astype(jnp.float32)
     prev = state["residual"].astype(jnp.float32)
-    sums = reduce_sum(jnp.stack([jnp.sum(jnp.abs(r - prev)), jnp.sum(jnp.abs(prev))]))
+    sums = reduce_sum(jnp.stack([jnp.sum(own(jnp.abs(r - prev))), jnp.sum(own(jnp.abs(prev)))]))
     compute = jnp.logical_or(state["valid"] == 0, sums[0] / sums[1] > cache.threshold)
     taken = jnp.logical_and(state["valid"] != 0, force is None)  # decided by the data
     closest = update_closest(state, state["valid"] == 0, sums[0] / sums[1], cache.threshold, taken)
