@@ -369,7 +369,7 @@ def test_bad_weights_from_the_command_line(tmp_path, capsys):
     assert main([*base, "--uneven-compute", "some"]) == 2
     errors = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
     assert (
-        len(errors) == 1 and "uneven_compute='some'; known: ('auto', 'own', 'padded')" in errors[0]
+        len(errors) == 1 and "uneven_compute='some'; known: ['auto', 'own', 'padded']" in errors[0]
     )
 
 

@@ -1,7 +1,7 @@
 """The VAE on several devices (patchpar/parallel/vae.py): row patches equal the one-device
 decode and encode (<= 1e-4 of the output's scale, the engine's tolerance) on 2/4/8 fake devices,
-with data splitting images, on rows the devices do not divide (uneven patches, padded), on the tiny preset's VAE (SD's upsampling chain at small widths)
-and, slow, on the SD and SDXL VAE configs at full width; the tiled decode equals diffusers'
+with data splitting images, on rows the devices do not divide (uneven patches, padded), on the
+tiny preset's VAE (SD's upsampling chain at small widths) and, slow, on the SD and SDXL VAE configs at full width; the tiled decode equals diffusers'
 `tiled_decode`; bad input is refused naming what fits."""
 
 from __future__ import annotations

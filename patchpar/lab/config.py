@@ -1,4 +1,5 @@
 """Typed, frozen configs. Every knob an ablation varies is a field (with its paper reference).
+
 `RunConfig` is what `patchpar run` takes: read from YAML (`load_config`), changed by dotted
 overrides (`with_overrides(cfg, {"strategy.portion": 0.5})`, or `--strategy.portion 0.5` on the
 command line), checked by `validate()`. A sweep point is a new RunConfig, never a mutated one.

@@ -336,9 +336,11 @@ def cached_latency(cached, single, hw, config, computed, dcoll, p) -> dict:
     `single` with the same cache; the rest (encode, decode) as the uncached projection `p`."""
     from patchpar.measure.projection import project, warmup_phase_steps
 
-    def step_times(w, ref):
-        q = project(w, ref, hw, config.steps, config.overlap, None, config.mesh.vae_parallel, dcoll)
+    def step_times(w, ref, on=hw):
+        q = project(w, ref, on, config.steps, config.overlap, None, config.mesh.vae_parallel, dcoll)
         return {ph: v["step_s"] for ph, v in q.phases.items()}
+
+    one_hw = getattr(hw, "single", hw)  # a mixed node's one-device runs: its fastest chip
 
     comp = step_times(cached["plan", "computed"], single)
     skip = step_times(cached["plan", "skipped"], single)
@@ -347,10 +349,10 @@ def cached_latency(cached, single, hw, config, computed, dcoll, p) -> dict:
         (comp if ran else skip)["warmup" if s < n_warm else "steady"]
         for s, ran in enumerate(computed)
     )
-    one_c = step_times(cached["single", "computed"], single)["warmup"]
-    one_s = step_times(cached["single", "skipped"], single)["warmup"]
+    one_c = step_times(cached["single", "computed"], single, one_hw)["warmup"]
+    one_s = step_times(cached["single", "skipped"], single, one_hw)["warmup"]
     one = sum(one_c if ran else one_s for ran in computed)
-    single_other = p.single_latency_s - config.steps * hw.compute_s(
+    single_other = p.single_latency_s - config.steps * one_hw.compute_s(
         single.phases["warmup"]["flops_per_device"]
     )
     latency = denoise + p.other_s

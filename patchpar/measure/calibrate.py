@@ -1,7 +1,8 @@
 """How fast each device runs a patch (STADI's spatial half; docs/design.md "Uneven patches"):
 the denoiser's step on one patch's slab, timed on each device while every other device times
-its own (each compiles first; every timed step starts at a barrier), so that a device slowed by a shared core, a background job or slower silicon is seen
-as it is. A device's patch weight is its speed relative to the fastest, t_fastest / t.
+its own (each compiles first; every timed step starts at a barrier), so that a device slowed
+by a shared core, a background job or slower silicon is seen as it is. A device's patch weight
+is its speed relative to the fastest, t_fastest / t.
 
 The program timed is the denoiser on the slab alone (`single` on the patch's rows), not the
 strategy's per-device program: the same program on every device, so the ratios of the times
@@ -32,7 +33,10 @@ def patch_seconds(
         raise ValueError(f"repeats={repeats}: must be >= 1")
     x_abs, _, cond_abs = abstract_inputs(unet, slab_hw, 1)
     rng = np.random.RandomState(0)
-    put = lambda s: jax.device_put(rng.standard_normal(s.shape).astype(s.dtype), device)  # noqa: E731
+
+    def put(s):
+        return jax.device_put(rng.standard_normal(s.shape).astype(s.dtype), device)
+
     x, cond = put(x_abs), jax.tree.map(put, cond_abs)
     t = jax.device_put(jnp.asarray(500.0, jnp.float32), device)
     params = jax.device_put(params, device)
@@ -65,9 +69,11 @@ def devices_seconds(unet, params, slab_hw: tuple[int, int], devices: int, repeat
         def together():  # every process's timed steps at once (its compile done apart)
             multihost_utils.sync_global_devices("patchpar calibrate: step")
 
-        own = patch_seconds(unet, params, slab_hw, jax.local_devices()[0], repeats, together)
-        got = multihost_utils.process_allgather(np.asarray([own], np.float64))
-        return [float(s) for s in np.asarray(got).reshape(-1)]
+        mine = jax.local_devices()[0]
+        own = patch_seconds(unet, params, slab_hw, mine, repeats, together)
+        got = multihost_utils.process_allgather(np.asarray([mine.id, own], np.float64))
+        by_id = {int(i): float(s) for i, s in np.asarray(got).reshape(-1, 2)}
+        return [by_id[d.id] for d in jax.devices()[:devices]]  # the mesh's (patch) order
     if devices > jax.local_device_count():
         raise ValueError(
             f"devices={devices}: only {jax.local_device_count()} present in this process"

@@ -213,9 +213,10 @@ def count_lowered(
         "released": released_count(plan, log, local_out, out_itemsize).summary(),
         # of the received bytes, those of padding (uneven patches: `parallel.split`)
         "padding": _site_count(plan, log, "padding_bytes").summary(),
-        # uneven patches: each device computes its own rows (a branch per patch size,
-        # `parallel.step`), not the padded slab; the FLOPs are the largest branch's
-        "own_rows": "conditional(" in text,
+        # whether the program branches (`lax.cond`/`switch`): a cache's decision, or uneven
+        # patches' own rows (a branch per patch size, `parallel.step`; the FLOPs are then
+        # the largest branch's)
+        "branches": "conditional(" in text,
     }
     if flops:
         entry["flops_per_device"] = program_flops(lowered, outer_once=phase_loop, text=text)

@@ -153,7 +153,8 @@ def compute_workload(
     phases = {name: {k: r["phases"][name].get(k) for k in keys} for name in PHASES}
     rows = plan.patch_rows(latent, unet)
     for name in PHASES:  # uneven: whether each device computes its own rows or the padded slab
-        phases[name]["own_rows"] = not is_even(rows) and r["phases"][name]["own_rows"]
+        own = not is_even(rows) and plan.cache is None and r["phases"][name]["branches"]
+        phases[name]["own_rows"] = own
     if log is not None:
         log("lowering the text encoders and the VAE decoder (their FLOPs)")
     halves = unet.guidance_halves  # prompts encoded per image: with a negative one, or not

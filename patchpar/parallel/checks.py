@@ -41,11 +41,11 @@ def uneven_supported(plan, rows: tuple[int, ...] | str) -> None:
     for phase in PHASES:
         ops = plan.strategy.ops(phase, plan.patch)
         whole = not hasattr(ops, "with_rows")  # the identity's sites: a slab a whole image
-        if whole and (plan.fsdp_degree > 1 or plan.model > 1):  # own rows alone: `step.py`
-            raise ValueError(
+        if whole and (plan.fsdp_degree > 1 or plan.model > 1 or plan.cache is not None):
+            raise ValueError(  # own rows alone, in a branch of their own: `step.py`
                 f"{said} with strategy {plan.strategy.name!r}: each device denoises its own "
-                f"rows alone as a whole image, which the collectives of FSDP or tensor "
-                f"parallelism inside the model call do not allow; use even patches, or no fsdp"
+                f"rows alone as a whole image, which a step cache, FSDP or tensor parallelism "
+                f"inside the model call does not allow; use even patches, or none of those"
             )
         if whole:
             continue

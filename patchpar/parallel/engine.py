@@ -91,7 +91,8 @@ class Plan:
 
     def __post_init__(self):
         if self.uneven_compute not in UNEVEN_COMPUTE:
-            raise ValueError(f"uneven_compute={self.uneven_compute!r}; known: {UNEVEN_COMPUTE}")
+            known = list(UNEVEN_COMPUTE)
+            raise ValueError(f"uneven_compute={self.uneven_compute!r}; known: {known}")
         if self.patch_weights is not None:  # hashable: a plan is a static jit argument
             object.__setattr__(self, "patch_weights", tuple(self.patch_weights))
 
@@ -303,6 +304,7 @@ class StepProgram(Program):
         mesh = plan.mesh()
         axes = {plan.strategy.patch_axis(0), plan.strategy.patch_axis(1)}
         rows = plan.patch_rows(x.shape[1], unet) if axes == {"row"} else None
+        rows = None if is_even(rows) else rows  # the even split: as it always ran
         whole = x  # uneven: the latent (and the solver's history) padded through the loop
         x = x if is_even(rows) else pad_rows(x, rows)  # (no step pays to pad and join it)
         if loop is None:  # the first phase starts the solver history and the stale buffers
