@@ -29,6 +29,7 @@ def test_a_slow_device_keeps_one_unit():
         split_rows(64, 4, 4, (1, 0.01, 0.02, 1))
 
 
+@pytest.mark.slow
 def test_calibrate_prints_each_devices_time_and_the_weights(tmp_path, capsys):
     out = tmp_path / "c.json"
     args = ["calibrate", "--model", "fmnist", "--devices", "3", "--repeats", "2",

@@ -200,6 +200,7 @@ def test_every_process_of_a_launched_run_reads_back_its_programs(tmp_path):
     assert all(h >= 1 for h in _two_processes(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_second_run_reads_its_programs_back(tmp_path, micro_folder):
     """`patchpar run` twice on one point (DistriFusion: two phase programs), each a fresh
     process: the second reads its programs from the cache, records how many, and gives the

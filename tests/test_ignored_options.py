@@ -201,6 +201,7 @@ def test_generate_reports_each_stage_as_it_starts(tmp_path, micro_folder, capsys
         assert line in err, line
 
 
+@pytest.mark.slow
 def test_comm_and_project_report_what_they_lower(tmp_path, capsys):
     assert main(["comm", "--model", "fmnist", "--resolution", "32", "--devices", "2",
                  "--strategy", "sync_patch", "--no-memory"]) == 0  # fmt: skip

@@ -26,6 +26,7 @@ def copy_records(root: Path, *experiments: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (RESULTS / "comm" / "runs.jsonl").is_file(), reason="no comm records")
 def test_table2_communication_notebook(tmp_path, monkeypatch, run_notebook):
     copy_records(tmp_path, "comm")
@@ -35,6 +36,7 @@ def test_table2_communication_notebook(tmp_path, monkeypatch, run_notebook):
     assert (tmp_path / "comm" / "plots" / "table2_communication.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (RESULTS / "fmnist_quality" / "runs.jsonl").is_file(), reason="no fmnist_quality records"
 )
@@ -50,6 +52,7 @@ def test_table1_quality_notebook(tmp_path, monkeypatch, run_notebook):
             assert (tmp_path / "fmnist_dit_quality" / "plots" / f"{name}.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ablations_notebook(tmp_path, monkeypatch, run_notebook):
     found = copy_records(tmp_path, *ABLATIONS)
     monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))

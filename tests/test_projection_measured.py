@@ -14,6 +14,7 @@ from patchpar.measure.workload import WorkloadCache
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_device_script_in_miniature_feeds_the_projection(micro_folder, tmp_path, capsys):
     """experiments/device/shard_timing.py as a lent GPU would run it, on the micro model; its
     records then replace the fitted compute in `patchpar project --timings`."""

@@ -298,6 +298,7 @@ def test_a_quantized_checkpoint_loads_without_the_floats(micro_folder, tmp_path,
         load_pipeline("fmnist-dit", quant="w8").save_quantized()
 
 
+@pytest.mark.slow
 def test_a_quantized_checkpoint_is_bound_to_its_float_weights(micro_folder, tmp_path):
     """A quantized checkpoint keeps the digest of the float weights it was made from: after
     the floats change it is an error naming both (never a run on stale weights); its scales

@@ -90,7 +90,7 @@ def latent(model, hw, strategy, devices, weights=None, options=(), compute="own"
         ("fmnist", (32, 32), 3, (3, 2, 1), (16, 12, 4)),  # weighted rows
         pytest.param("tiny", (256, 256), 3, (3, 2, 1), (16, 12, 4), marks=SLOW),
         ("tiny-dit", (256, 256), 3, None, (12, 10, 10)),  # 2 x 2 patches
-        ("tiny-flux", (240, 256), 4, None, (8, 8, 8, 6)),  # the 1008² case in miniature
+        pytest.param("tiny-flux", (240, 256), 4, None, (8, 8, 8, 6), marks=SLOW),  # 1008² small
         pytest.param("tiny-sd3", (256, 256), 3, None, (12, 10, 10), marks=SLOW),
         pytest.param("tiny-xl", (256, 256), 3, None, (12, 12, 8), marks=SLOW),
     ],
