@@ -184,8 +184,8 @@ def make_step(
         if padded is None:
             rows = plan.patch_rows(x.shape[1], unet) if axis == "row" else None
         uneven = not is_even(rows)  # every slab padded to the largest patch's rows
-        local = program(ops, rows) if uneven and not hasattr(ops, "with_rows") else (
-            program(ops.with_rows(rows), rows) if uneven else program(ops))  # fmt: skip
+        sited = uneven and hasattr(ops, "with_rows")  # (identity sites: slabs whole images)
+        local = program(ops.with_rows(rows) if sited else ops, rows if uneven else None)
         if uneven and padded is None:
             x = pad_rows(x, rows)
         params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program
