@@ -220,7 +220,10 @@ def test_bad_input_names_what_would_fit():
     check(4, cfg=2)
 
 
-@pytest.mark.parametrize("family", ["flux", pytest.param("sd3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param("flux", marks=pytest.mark.slow), pytest.param("sd3", marks=pytest.mark.slow)],
+)
 def test_on_an_mmdit(family):
     """FLUX.1 (double- then single-stream blocks: the token pair (image, text) hops between
     components; the heavier double blocks balanced against the single ones by FLOPs) and SD3:

@@ -31,6 +31,7 @@ def dit_config(tmp_path, **overrides) -> RunConfig:
     return with_overrides(from_dict(RunConfig, base), overrides)
 
 
+@pytest.mark.slow
 def test_cached_runs_record_the_cache_against_uncached_single(tmp_path):
     """A cached `single` and a cached `sync_patch` on 2 devices skip the same steps, record the
     cache, its computed steps and block fraction, and are compared with uncached `single`'s

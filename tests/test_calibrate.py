@@ -59,7 +59,10 @@ def test_a_run_with_measured_weights_splits_by_them_and_stays_exact(tmp_path):
     "flags, message",
     [
         (["--cfg", "2", "--devices", "4"], "patch_weights=measured: 2 of the 4 devices"),
-        (["--strategy", "compact"], "uneven patches (rows by measured speed) with strategy"),
+        (
+            ["--strategy", "naive_patch", "--fsdp"],
+            "uneven patches (rows by measured speed) with strategy",
+        ),  # fmt: skip
         (["--strategy", "asyncdiff", "--model", "tiny-dit"], "does not split the rows"),
     ],
 )

@@ -171,6 +171,7 @@ def test_hlo_bytes_equal_analytic_bytes(kind, strategy, options, devices, cfg):
         assert r["stale_bytes_per_device"] > 0
 
 
+@pytest.mark.slow
 def test_released_code_pattern_relations():
     """The analytic count of the released code's traffic, tied to patchpar's measured HLO
     counts by exact relations (fp32 micro UNet, 4 devices, CFG pair in the batch):
@@ -208,6 +209,7 @@ def test_released_code_pattern_relations():
     )
 
 
+@pytest.mark.slow
 def test_pcpp_sends_less_than_distrifusion_and_band_less_than_full():
     unet, params = micro_unet("sd")
     steady = {}

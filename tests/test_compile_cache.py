@@ -193,6 +193,7 @@ def _two_processes(where) -> list[int]:
     return outs
 
 
+@pytest.mark.slow
 def test_every_process_of_a_launched_run_reads_back_its_programs(tmp_path):
     """A program's key differs per process (its devices are in it) and JAX writes from process
     0 alone: without each process writing its own entries, process 1 compiled every time."""

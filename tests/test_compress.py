@@ -139,6 +139,9 @@ def _assert_bases_identical(state, n):
     [
         pytest.param("distrifusion", {"codec": "kv=int2,halo=int8"}, 2, marks=SLOW),
         ("pcpp", {"codec": "kv=sign1,halo=int4", "send": "band", "portion": 0.3}, 4),
+        # uneven patches (8, 4, 4 rows): the band below the above patch's own tokens
+        ("pcpp", {"codec": "kv=int4,halo=int8", "send": "band", "portion": 0.3}, 3),
+        pytest.param("distrifusion", {"codec": "kv=lowrank-2,halo=int2"}, 3, marks=SLOW),
         pytest.param("compact", {"codec": "kv=int4,halo=sign1"}, 4, marks=SLOW),
         pytest.param("distrifusion", {"codec": "kv=lowrank-2,halo=int2"}, 4, marks=SLOW),
         pytest.param("pcpp", {"codec": "kv=int8,halo=int2", "send": "full"}, 2, marks=SLOW),
@@ -251,6 +254,7 @@ def test_compressed_packed_equals_per_site_bit_for_bit(strategy, options, patch,
         pytest.param("distrifusion", {"codec": "kv=fp8,halo=fp8-e5m2"}, 2, marks=SLOW),
         pytest.param("pcpp", {"codec": "kv=sign1,halo=int2", "send": "band"}, 2, marks=SLOW),
         ("compact", {"codec": "kv=lowrank-2,halo=sign1"}, 4),
+        ("compact", {"codec": "kv=int8,halo=int4"}, 3),  # uneven patches: 8, 4, 4 rows
         pytest.param("pcpp", {"codec": "kv=int2,halo=lowrank-1", "send": "full"}, 4, marks=SLOW),
         pytest.param("compact", {"codec": "kv=int4,halo=int8"}, 2, marks=SLOW),
         pytest.param("distrifusion", {"codec": "sign1", "extrapolate": 0.5}, 8, marks=SLOW),

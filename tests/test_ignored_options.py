@@ -190,6 +190,7 @@ def test_project_checks_a_cache_against_its_steps(capsys):
     assert "fbcache(threshold=0.05) with 1 steps: every step computes" in err
 
 
+@pytest.mark.slow
 def test_generate_reports_each_stage_as_it_starts(tmp_path, micro_folder, capsys):
     args = ["generate", "--model", str(micro_folder), "--strategy", "distrifusion", "--devices",
             "2", "--steps", "3", "--warmup-steps", "0", "--out", str(tmp_path)]  # fmt: skip

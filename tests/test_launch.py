@@ -29,6 +29,7 @@ def test_a_dead_worker_ends_the_launch_naming_its_rank():
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.slow
 def test_a_hung_launch_is_ended_at_its_timeout():
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed, match=r"timeout: worker rank\(s\) \[0, 1\] of 2"):
@@ -176,6 +177,7 @@ def test_generate_starts_its_fake_cpu_devices_before_checking_its_plan():
     assert "warmup_steps=5 must be < steps=2" in res.stderr and "present" not in res.stderr
 
 
+@pytest.mark.slow
 def test_devices_beyond_those_present_start_fake_cpu_devices_and_say_so():
     """`--devices N` on CPU without XLA_FLAGS: patchpar sets the device count itself."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

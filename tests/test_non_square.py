@@ -56,7 +56,7 @@ def test_every_strategy_is_covered():
 @pytest.mark.parametrize(
     "model, strategy, devices",
     [
-        ("tiny", "sync_patch", 2),
+        pytest.param("tiny", "sync_patch", 2, marks=SLOW),
         pytest.param("tiny", "ring", 2, marks=SLOW),
         pytest.param("tiny", "ulysses", 2, marks=SLOW),
         pytest.param("tiny", "tensor", 2, marks=SLOW),

@@ -73,8 +73,8 @@ def test_sync_patch_cli_latent_equals_single(micro_folder, tmp_path):
     "config, message",
     [
         (
-            dict(strategy="compact", devices=8, height=48, width=32),
-            r"uneven patches \(4, 4, 4, 4, 2, 2, 2, 2 latent rows\) with strategy 'compact'",
+            dict(strategy="naive_patch", devices=8, height=48, width=32, fsdp=True),
+            r"uneven patches \(4, 4, 4, 4, 2, 2, 2, 2 latent rows\) with strategy 'naive_patch'",
         ),
         (
             dict(strategy="naive_patch", split="col", devices=4, height=32, width=40),

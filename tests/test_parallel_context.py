@@ -189,6 +189,7 @@ def test_count_hlo_attributes_all_to_all_groups():
     assert list(c.by_site["kv"]) == [64, 64, 64, 64]  # 128 bytes x 1/2
 
 
+@pytest.mark.slow
 def test_ring_with_the_xla_kernel_is_exact_and_counts_every_flop():
     """With `xla` attention each ring hop is one whole-logits block, so the cost analysis (which
     counts a loop body once) sees all of the attention's FLOPs, as for sync_patch."""

@@ -114,6 +114,7 @@ def _sample(name: str, patch: int, kind: str = "dual", **options):
     return np.asarray(out), state
 
 
+@pytest.mark.slow
 def test_exact_and_stale_sampling_runs_on_sd3():
     """sync_patch's run equals single's; DistriFusion and PCPP with warm-up covering every step
     equal sync_patch, and their steady phases (stale image K/V of every joint attention and of

@@ -80,7 +80,7 @@ def test_warmup_covering_all_steps_equals_sync_patch(strategy, options, patch, c
 @pytest.mark.parametrize(
     "kind, gn",
     [
-        ("sd", "corrected"),
+        pytest.param("sd", "corrected", marks=pytest.mark.slow),
         pytest.param("sdxl", "corrected", marks=pytest.mark.slow),
         pytest.param("sdxl", "separate", marks=pytest.mark.slow),
         pytest.param("sdxl", "stale", marks=pytest.mark.slow),

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parallel_helpers import reordered
+from parallel_helpers import reordered, rounding
 from test_parallel_dit import GUIDANCE, MICRO, inputs, max_diff
 
 from patchpar.models.api import PixArtFn
@@ -95,10 +95,11 @@ def test_cfg_split_equals_the_same_pipeline_without():
 
 @dataclass(frozen=True)
 class SequentialKV(SiteOps):
-    """The reference's site: one device, one row patch `at` of `patches` at a time, every
-    layer's whole-image K/V kept in a Python dict by module path (eager, no tracing)."""
+    """The reference's site: one device, one row patch `at` at a time, of `rows` token rows
+    each (one: the whole image), every layer's whole-image K/V kept in a Python dict by
+    module path (eager, no tracing). Each patch is computed at its own size (no padding)."""
 
-    patches: int = 1
+    rows: tuple = (1,)
     at: int = 0
     buffers: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -106,52 +107,57 @@ class SequentialKV(SiteOps):
         """The layer's whole-image K/V with this patch's written in (what both a DiT's
         self-attention and an MMDiT's joint attention attend to)."""
         tokens, key = k.shape[1], mod.scope.path
-        if self.patches == 1:
+        if len(self.rows) == 1:
             self.buffers[key] = (k, v)
         else:
-            span = slice(self.at * tokens, (self.at + 1) * tokens)
+            start = sum(self.rows[: self.at]) * tokens // self.rows[self.at]
+            span = slice(start, start + tokens)
             kb, vb = self.buffers[key]
             self.buffers[key] = (kb.at[:, span].set(k), vb.at[:, span].set(v))
         return *self.buffers[key], None
 
     def positions(self, mod, table, rows, cols):
-        whole = np.asarray(table(rows * self.patches, cols))
-        return jnp.asarray(whole[self.at * rows * cols : (self.at + 1) * rows * cols])
+        whole = np.asarray(table(sum(self.rows), cols))
+        start = sum(self.rows[: self.at]) * cols
+        return jnp.asarray(whole[start : start + rows * cols])
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
-def _reference_call(fn, patches, at, params, x_in, t, cond, buffers):
+def _reference_call(fn, rows, at, params, x_in, t, cond, buffers):
     """One model call of the reference on patch `at` (or the whole image), K/V buffers in and
     out: the site mutates a dict made inside this trace."""
-    ops = SequentialKV(patches, at, dict(buffers))
+    ops = SequentialKV(rows, at, dict(buffers))
     eps = guided(unet_on_stack(fn.with_ops(ops), params, x_in, t, cond), GUIDANCE)
     return eps, ops.buffers
 
 
 @cache
-def displaced_reference(warmup: int, patches: int) -> np.ndarray:
+def displaced_reference(warmup: int, patches: int, split: tuple | None = None) -> np.ndarray:
     """PipeFusion's result without a pipeline: `warmup` exact steps, then each step's patches
-    in order through the whole model, each with its own sampler history."""
+    in order through the whole model, each with its own sampler history (`split`: each
+    patch's latent rows, where they differ)."""
     fn, params = micro_dit()
     x, _, cond = inputs()
     smp, sched = _schedule()
     x = x * sched.init_noise_sigma
-    rows = x.shape[1] // patches
-    parts = [x[:, m * rows : (m + 1) * rows] for m in range(patches)]
+    split = split or (x.shape[1] // patches,) * patches
+    starts = np.cumsum((0,) + split)
+    parts = [x[:, starts[m] : starts[m + 1]] for m in range(patches)]
+    tokens = tuple(r // 2 for r in split)  # token rows (2 x 2 patches)
     hist = [smp.init_carry(p) for p in parts]
     buffers: dict = {}
     for i in range(STEPS):
         t = sched.timesteps[i]
         if i < warmup:
             whole = smp.scale_input(sched, i, jnp.concatenate(parts, axis=1))
-            eps, buffers = _reference_call(fn, 1, 0, params, whole, t, cond, buffers)
-            eps = [eps[:, m * rows : (m + 1) * rows] for m in range(patches)]
+            eps, buffers = _reference_call(fn, (sum(tokens),), 0, params, whole, t, cond, buffers)
+            eps = [eps[:, starts[m] : starts[m + 1]] for m in range(patches)]
         else:
             eps = [None] * patches
         for m in range(patches):
             if i >= warmup:
                 x_in = smp.scale_input(sched, i, parts[m])
-                eps[m], buffers = _reference_call(fn, patches, m, params, x_in, t, cond, buffers)
+                eps[m], buffers = _reference_call(fn, tokens, m, params, x_in, t, cond, buffers)
             parts[m], hist[m] = smp.step(sched, i, parts[m], eps[m], hist[m])
     return np.asarray(jnp.concatenate(parts, axis=1))
 
@@ -173,6 +179,21 @@ def test_pipelined_steps_are_displaced_patch_attention(stages, patches):
     ref = displaced_reference(1, patches)
     assert max_diff(got, ref) <= 1e-4
     assert max_diff(got, sample("single", 1)) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "stages, patches, split",
+    [(2, 3, (6, 6, 4)), pytest.param(3, 5, (4, 4, 4, 2, 2), marks=pytest.mark.slow)],
+)
+def test_uneven_patches_are_displaced_patch_attention_on_their_own_rows(stages, patches, split):
+    """M patches that do not divide the 8 token rows: each computed padded to the largest,
+    its own rows' K/V written where its rows start; the same as the reference computing each
+    patch at its own size. Warm-up over every step is still `single`."""
+    got = sample("pipefusion", stages, warmup_steps=1, num_patches=patches)
+    want = displaced_reference(1, patches, split)  # latents of ~150: 1e-5 of their scale
+    assert max_diff(got, want) <= rounding(want)
+    exact = sample("pipefusion", stages, warmup_steps=STEPS, num_patches=patches)
+    assert max_diff(exact, sample("single", 1)) <= rounding(want)
 
 
 def test_placed_stages_hold_their_own_blocks_and_give_the_same_images():
@@ -225,6 +246,27 @@ def test_bytes_memory_and_weights_per_stage(devices, cfg, data, patches):
     assert rec["weight_bytes_per_device"] == weight_bytes(plan, fn, params) < whole
 
 
+def test_uneven_patches_count_their_padding_apart():
+    """3 patches of 6, 6, 4 latent rows, each sent padded to 6 rows: HLO equals the analytic
+    model, and a ninth of what the hops carry is padding (2 of 18 rows), counted apart; the
+    warm-up's whole-image pass sends no padding but the latent's, patch by patch."""
+    from patchpar.measure.cost import measure
+
+    fn, params = micro_dit()
+    x, _, _ = inputs()
+    plan = Plan(make_strategy("pipefusion", num_patches=3), 2)
+    rec = measure(fn, plan, x.shape[1:3], batch=x.shape[0], params=params, flops=False)
+    b, h, w, c = x.shape
+    hidden = 2 * b * (18 // 2) * (w // 2) * fn.config.inner_dim * 4  # 3 x 3 token rows
+    latent = b * 18 * w * c * 4  # 3 patches of 6 rows back to the first stage
+    for entry in rec["phases"].values():
+        assert entry["analytic_matches_hlo"]
+    steady, warm = rec["phases"]["steady"], rec["phases"]["warmup"]
+    assert steady["hlo"]["pipe"]["total"] == hidden + latent
+    assert steady["padding"]["pipe"]["total"] == (hidden + latent) // 9
+    assert warm["padding"]["pipe"]["total"] == latent // 9
+
+
 def test_bad_input_names_what_would_fit():
     from patchpar.models.presets import abstract_denoiser
 
@@ -239,10 +281,10 @@ def test_bad_input_names_what_would_fit():
         check(2, model=abstract_denoiser("tiny"), latent=(32, 32))
     with pytest.raises(ValueError, match=r"num_patches=2 must be an integer >= the 4 stage"):
         check(4, num_patches=2)
-    with pytest.raises(
-        ValueError, match=r"rows=16 do not split into num_patches=3 .* one of \[2, 4, 8\]"
-    ):
-        check(2, num_patches=3)
+    with pytest.raises(ValueError, match=r"rows=16 are 8 token rows .* fewer than num_patches=9"):
+        check(2, num_patches=9)
+    with pytest.raises(ValueError, match=r"rows=15 are not whole token rows .* a multiple of 2"):
+        check(2, latent=(15, 12))
     with pytest.raises(ValueError, match="5 blocks cannot fill 8 stages .* at most 5 devices"):
         check(8)
     with pytest.raises(ValueError, match=r"warmup_steps=0 must be an integer in \[1, steps=4\]"):

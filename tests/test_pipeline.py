@@ -108,6 +108,7 @@ def test_sd_final_latent_matches_diffusers(sd_folder, sampler):
     assert err <= 1e-3, f"max abs diff {err:.3g} (latent scale {np.abs(nhwc(theirs)).max():.3g})"
 
 
+@pytest.mark.slow
 def test_sdxl_embeddings_and_final_latent_match_diffusers(sdxl_folder):
     path, ref = sdxl_folder
     pipe = load_pipeline(path)

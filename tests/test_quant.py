@@ -71,7 +71,7 @@ def _mean_diff(a, b) -> float:
         pytest.param("pixart", "fp8", marks=SLOW),  # fp8: the UNet's; the DiT's int8
         pytest.param("unet", "w8", marks=SLOW),
         pytest.param("unet", "int8", marks=SLOW),
-        ("unet", "fp8"),
+        pytest.param("unet", "fp8", marks=SLOW),
     ],
 )
 def test_sync_patch_equals_one_device(family, mode):

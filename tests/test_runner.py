@@ -452,7 +452,14 @@ def test_run_counts_the_programs_it_timed(swept, micro_folder):
     assert st["flops_per_device"] <= m["flops_per_device_per_step"] <= 1.01 * st["flops_per_device"]
 
 
-@pytest.mark.parametrize("name", ["distrifusion", "pipefusion", "asyncdiff"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "distrifusion",
+        pytest.param("pipefusion", marks=pytest.mark.slow),
+        pytest.param("asyncdiff", marks=pytest.mark.slow),
+    ],  # fmt: skip
+)
 def test_a_runs_phases_compile_at_once_and_chain(name):
     """`compile_phases` compiles a stale run's phases together, the later one lowered on the
     earlier one's output shapes: the compiler places them as the earlier phase leaves them, so

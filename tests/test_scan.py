@@ -123,7 +123,9 @@ STRATEGIES = [
     ("pixart", "pcpp", 4, {"warmup_steps": 1, "send": "band"}),
     pytest.param("pixart", "ring", 4, {}, marks=pytest.mark.slow),
     pytest.param("pixart", "ulysses", 4, {}, marks=pytest.mark.slow),
-    ("flux", "distrifusion", 2, {"warmup_steps": 1, "text": "mean"}),
+    pytest.param(
+        "flux", "distrifusion", 2, {"warmup_steps": 1, "text": "mean"}, marks=pytest.mark.slow
+    ),
     ("pixart", "tensor", 2, {}),  # 3 heads padded to 4 over model=2: the local shapes stacked
     pytest.param("flux", "tensor", 3, {}, marks=pytest.mark.slow),  # proj_out's 5 parts
     ("pixart", "sync_patch", 4, {"fsdp": True}),  # every block's shares gathered in the loop

@@ -130,7 +130,7 @@ def test_coded_ring_attends_its_own_block_exactly_and_the_others_coded():
         pytest.param(
             "unet", "ulysses", 4, {"ring_degree": 2, "wire": "fp8"}, marks=pytest.mark.slow
         ),
-        ("pixart", "ring", 4, {"wire": "fp8"}),
+        pytest.param("pixart", "ring", 4, {"wire": "fp8"}, marks=pytest.mark.slow),
     ],
 )
 def test_coded_strategies_count_their_bytes(family, name, devices, options):

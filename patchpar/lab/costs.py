@@ -142,6 +142,9 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
         "warmup_bytes_total": wu["hlo"]["all"]["total"],
         "steady_by_site": {k: v for k, v in st["hlo"].items() if k != "all"},
         "warmup_by_site": {k: v for k, v in wu["hlo"].items() if k != "all"},
+        # of those, uneven patches' padding rows (by site kind and "all"; empty: none)
+        "steady_padding": st.get("padding", {}),
+        "warmup_padding": wu.get("padding", {}),
         "flops_per_device": st.get("flops_per_device"),
         "stale_bytes_per_device": r["stale_bytes_per_device"],
         "weight_bytes_per_device": r["weight_bytes_per_device"],
@@ -183,6 +186,11 @@ def format_comm(rec: dict) -> str:
         f"  {'all (busiest device)':26s} {mb(rec['warmup_bytes_per_device'])} {mb(rec['steady_bytes_per_device'])}",
         f"  {'all (mean over devices)':26s} {mb(rec['warmup_bytes_mean'])} {mb(rec['steady_bytes_mean'])}",
         f"  {'all (total over devices)':26s} {mb(rec['warmup_bytes_total'])} {mb(rec['steady_bytes_total'])}",
+    ]
+    pw, ps = (rec.get(k, {}).get("all", zero) for k in ("warmup_padding", "steady_padding"))
+    if pw["max"] or ps["max"]:  # uneven patches: what of the busiest device's is padding
+        lines.append(f"  {'padding rows (most on one)':26s} {mb(pw['max'])} {mb(ps['max'])}")
+    lines += [
         "",
         "The released code's pattern for the same call (analytic, not measured: halos and",
         "statistics all-gathered from every device, the model output all-gathered every step):",

@@ -34,8 +34,9 @@ def check_scan_plan(plan, unet) -> None:
 
 def uneven_supported(plan, rows: tuple[int, ...] | str) -> None:
     """Uneven patches (`rows` latent rows each, or how they will be split; `plan`: an
-    `engine.Plan`) run with halos, GroupNorm statistics and K/V gathered, stale, banded or
-    context-parallel; a ValueError names what does not run on them yet."""
+    `engine.Plan`) run with halos, GroupNorm statistics and K/V gathered, stale, banded,
+    compressed or context-parallel; a ValueError names what does not run on them: naive
+    patches (each slab a whole image) with a step cache, FSDP or tensor parallelism."""
     said = "uneven patches (" + (rows if isinstance(rows, str) else (
         f"{', '.join(map(str, rows))} latent rows")) + ")"  # fmt: skip
     for phase in PHASES:
@@ -46,14 +47,6 @@ def uneven_supported(plan, rows: tuple[int, ...] | str) -> None:
                 f"{said} with strategy {plan.strategy.name!r}: each device denoises its own "
                 f"rows alone as a whole image, which a step cache, FSDP or tensor parallelism "
                 f"inside the model call does not allow; use even patches, or none of those"
-            )
-        if whole:
-            continue
-        if any(getattr(op, "link", None) is not None for op in ops.sites()):
-            raise ValueError(
-                f"{said} with strategy {plan.strategy.name!r}: a compressed exchange on uneven "
-                f"patches is not implemented; use a latent size that the patch devices divide "
-                f"(even patches), or sync_patch, distrifusion, pcpp, ring, ulysses"
             )
 
 

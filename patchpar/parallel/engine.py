@@ -41,7 +41,6 @@ from patchpar.parallel.sites import (
 )
 from patchpar.parallel.split import (
     UNEVEN_COMPUTE,
-    describe,
     fmt,
     is_even,
     pad_rows,
@@ -119,8 +118,7 @@ class Plan:
 
     def split_note(self, rows: int, unet: Denoiser) -> str | None:
         """One line saying how an uneven split of a latent of `rows` rows falls (None: even)."""
-        got = self.patch_rows(rows, unet)
-        return None if is_even(got) else describe(rows, got, unet, self.patch_weights is not None)
+        return self.program.split_note(self, unet, rows)
 
     @property
     def own_rows(self) -> bool:

@@ -18,7 +18,8 @@ patch's K/V written into its slot of the buffers, and passes each segment's toke
 segment's next stage (one collective-permute per segment and slot; FLUX's tokens are the
 pair (image, text): each patch carries its own text stream). The device of the last
 segment's last stage applies the output layers, guidance (with cfg=2 the halves meet by an
-all-gather over `cfg`) and the sampler step of the patch; the new latent patch goes back to
+all-gather over `cfg`) and the sampler step of the patch (uneven patches, where M does not
+divide the rows: each padded to the largest, `PipeKV` writing its own rows); the new latent patch goes back to
 device 0 (unless it is that device: an even number of segments), which needs it M slots
 after it left, so M >= segments x (S - 1) + 1 (M >= S for one segment; `PipeFusion.patches`
 picks the default). The sampler's history is kept per patch.
@@ -38,15 +39,11 @@ S > 1 (the drain: its slots compute only where a stage still has an item, its ho
 
 from __future__ import annotations
 
-import math
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from patchpar.parallel.mesh import CFG, DATA, PATCH, STATE_SPEC
@@ -57,15 +54,10 @@ from patchpar.parallel.program import (
     with_device_axes,
 )
 from patchpar.parallel.sites import STALE
-from patchpar.parallel.sites.common import bits
 from patchpar.parallel.sites.pipe import SLOT, Hop, PipeKV
+from patchpar.parallel.split import pad_rows, split_rows, unpad_rows
+from patchpar.parallel.stages import Staged, block_bytes_per_device, stacked, staged
 from patchpar.sampling.loop import guided
-
-
-def layer_counts(layers: int, stages: int) -> list[int]:
-    """Blocks per stage: as even as they go, the first stages one more."""
-    q, r = divmod(layers, stages)
-    return [q + (s < r) for s in range(stages)]
 
 
 def device_stage(segment: int, device: int, stages: int) -> int:
@@ -80,84 +72,6 @@ def slot_offset(segment: int, stage, stages: int):
     return segment * (stages - 1) + stage
 
 
-def _stack_segment(blocks: list, stages: int, reverse: bool):
-    """One segment's blocks stacked in device order (S x per, ...), zero blocks padding short
-    stages, and (S x per,) bool: a real block."""
-    counts = layer_counts(len(blocks), stages)
-    per, starts = max(counts), np.cumsum([0] + counts[:-1])
-    xp = np if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(blocks)) else jnp
-    pad = jax.tree.map(xp.zeros_like, blocks[0]) if min(counts) < per else None
-    order, real = [], []
-    for d in range(stages):
-        t = stages - 1 - d if reverse else d  # the stage device d runs
-        order += [blocks[starts[t] + j] if j < counts[t] else pad for j in range(per)]
-        real += [j < counts[t] for j in range(per)]
-    return jax.tree.map(lambda *ls: xp.stack(ls), *order), xp.asarray(real)
-
-
-def stacked(stack, params, stages: int):
-    """(outer parameters, per segment its blocks stacked in device order (S x per, ...),
-    per segment (S x per,) bool: a real block); per = the most blocks of a stage."""
-    segs = [
-        _stack_segment(b, stages, k % 2 == 1) for k, b in enumerate(stack.segment_blocks(params))
-    ]
-    return stack.outer(params), tuple(b for b, _ in segs), tuple(r for _, r in segs)
-
-
-class Staged(NamedTuple):
-    """A DiT's parameters laid out for the pipeline (`stacked`), placed once: the blocks
-    sharded over `patch` (each device holds its stages'), the rest on every device. Passed
-    in place of the parameters, the phase programs take each device's blocks as they are;
-    plain parameters are stacked inside the program instead (every device then holds them
-    all, and the stacked copy too)."""
-
-    outer: dict
-    blocks: tuple
-    real: tuple
-
-
-def staged(stack, params, plan) -> Staged:
-    """`params` stacked and placed on `plan`'s mesh (abstract parameters give abstract,
-    sharded shapes: for lowering without weights)."""
-    mesh = plan.mesh()
-    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params)):
-        parts = jax.eval_shape(lambda p: stacked(stack, p, plan.patch), params)
-
-        def put(spec):
-            sharding = NamedSharding(mesh, spec)
-            return lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-    else:
-        parts = stacked(stack, jax.tree.map(np.asarray, params), plan.patch)
-
-        def put(spec):
-            sharding = NamedSharding(mesh, spec)
-
-            def place(a):  # every process places its own devices' parts
-                host = np.asarray(a)
-                return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
-
-            return place
-
-    outer, blocks, real = parts
-    return Staged(
-        jax.tree.map(put(P()), outer),
-        jax.tree.map(put(P(PATCH)), blocks),
-        jax.tree.map(put(P(PATCH)), real),
-    )
-
-
-def block_bytes_per_device(stack, params, stages: int) -> int:
-    """Parameter bytes one device holds: the outer parameters whole, its (padded) share of
-    each segment's blocks."""
-    size = lambda tree: sum(  # noqa: E731 (int4: half a byte)
-        math.ceil(math.prod(a.shape) * bits(a.dtype) / 8) for a in jax.tree.leaves(tree)
-    )
-    share = sum(
-        max(layer_counts(len(b), stages)) * size(b[0]) for b in stack.segment_blocks(params)
-    )
-    return size(stack.outer(params)) + share
-
-
 def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale):
     """Steps span = [start, stop) of one phase of PipeFusion, as `engine.denoise_phase`:
     (x, loop) -> (x, loop), where loop = ((latent patches, sampler history), K/V buffers),
@@ -165,12 +79,13 @@ def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
     latent, starts it)."""
     start, stop = span
     stages = plan.patch
+    rows = patch_rows(plan, unet, x.shape[1])  # uneven patches' latent rows (None: even)
     if isinstance(params, Staged):
         outer, blocks, real = params
     else:
         outer, blocks, real = stacked(unet.stack, params, stages)
     body = partial(
-        _local, unet, plan, sampler, phase, start, stop, float(guidance_scale), loop is None
+        _local, unet, plan, sampler, phase, start, stop, float(guidance_scale), loop is None, rows
     )
     g = CFG if plan.cfg == 2 else None
     first = loop is None
@@ -192,7 +107,15 @@ def run_phase(unet, plan, sampler, phase, span, params, cond, schedule, x, loop,
     patches = carried[0][:, 0, 0, 0]  # stage 0's latent: (data, M, b, h, W, C)
     d, m, b, h, w, c = patches.shape
     x = jnp.moveaxis(patches, 1, 2).reshape(d * b, m * h, w, c)
-    return x, (carried, state)
+    return (x if rows is None else unpad_rows(x, rows)), (carried, state)
+
+
+def patch_rows(plan, unet, rows: int) -> tuple[int, ...] | None:
+    """The latent rows of each of the M patches of a latent of `rows` rows, where M does not
+    divide them (the most even split of whole token rows); None where it does."""
+    p, segments = unet.row_multiple, len(unet.stack.segment_layers)
+    m = plan.strategy.patches(plan.patch, segments, rows // p)
+    return None if rows % (m * p) == 0 else split_rows(rows, m, p)
 
 
 def _where(pred, a, b):
@@ -200,10 +123,12 @@ def _where(pred, a, b):
 
 
 def _local(
-    unet, plan, sampler, phase, start, stop, gs, first, outer, blocks, real, cond, schedule, x
-):
+    unet, plan, sampler, phase, start, stop, gs, first, rows, outer, blocks, real, cond, schedule,
+    x,
+):  # fmt: skip
     """Inside shard_map: one device (a stage of every segment) of one phase."""
     dev = _Device(unet, plan, sampler, schedule, gs, outer, blocks, real, cond)
+    dev.split = rows
     lat, hist, kv = dev.carried(x, first)
     if phase == "warmup":
         lat, hist, kv = lax.fori_loop(start, stop, dev.full_pass, (lat, hist, kv))
@@ -252,6 +177,8 @@ class _Device:
             patches = self.plan.strategy.patches(
                 self.stages, self.segments, hh // self.unet.row_multiple
             )
+            if self.split is not None:  # each patch padded to the largest's rows
+                x, hh = pad_rows(x, self.split), patches * max(self.split)
             lat = jnp.moveaxis(x.reshape(bb, patches, hh // patches, ww, cc), 1, 0)
             hist = jax.vmap(self.sampler.init_carry)(lat)
             kv = None
@@ -262,13 +189,33 @@ class _Device:
         p = stack.patch_size
         self.row = self.width // p  # tokens per image row
         self.tokens = (self.rows * patches // p) * self.row  # the whole image's
+        tail, self.pad = 0, None  # uneven: the buffer's rows after the image's (the last
+        if self.split is not None:  # patch's padding), and the padding's share of a hop
+            self.tokens = sum(self.split) // p * self.row
+            tail = (self.rows - min(self.split)) // p * self.row
+            self.pad = (patches * self.rows - sum(self.split), patches * self.rows)
         if kv is None:  # per attention, per block: updated in place in the loop
             dt, d = jnp.dtype(stack.dtype), stack.width
             kv = []
             for k, r in enumerate(self.real):
-                zeros = [jnp.zeros((g * b, self.tokens, d), dt) for _ in range(r.shape[0])]
+                zeros = [jnp.zeros((g * b, self.tokens + tail, d), dt) for _ in range(r.shape[0])]
                 kv.append({n: {"k": list(zeros), "v": list(zeros)} for n in self.names[k]})
         return lat, hist, list(kv)
+
+    def kv_ops(self, n_patch: int) -> PipeKV:
+        """The site ops of a pass over one of `n_patch` patches (1: the whole image)."""
+        if self.split is None:
+            return PipeKV(patches=n_patch)
+        p = self.stack.patch_size  # token rows: of each patch, or of the whole image
+        return PipeKV(n_patch, tuple(r // p for r in self.split) if n_patch > 1 else (
+            sum(self.split) // p,))  # fmt: skip
+
+    def own(self, m, x):
+        """Uneven patches: patch m's (b, h, W, C) x with its padding rows zero."""
+        if self.split is None:
+            return x
+        keep = jnp.arange(x.shape[1]) < jnp.asarray(self.split, jnp.int32)[m]
+        return jnp.where(keep[None, :, None, None], x, jnp.zeros_like(x))
 
     def temb_at(self, i):
         ts = jnp.broadcast_to(self.schedule.timesteps[i], (self.g * self.b,))
@@ -281,7 +228,7 @@ class _Device:
         nothing it computes is kept: its K/V writes are masked (`live`), its tokens are
         never read."""
         names, real = self.names[k], self.real[k]
-        ops = PipeKV(patches=n_patch)
+        ops = self.kv_ops(n_patch)
         at = jnp.asarray(m, jnp.int32)
         new = {n: {"k": [], "v": []} for n in names}
         for l in range(real.shape[0]):
@@ -327,10 +274,10 @@ class _Device:
         device active; the final device's sampler step, its new latent back to device 0."""
         lat, hist, kv = loop
         s, stages, last, stack = self.s, self.stages, self.last, self.stack
-        whole = _whole(lat)
+        whole = _whole(lat, self.split)
         temb = self.temb_at(i)
         at = {SLOT: {"at": jnp.int32(0)}}
-        h = stack.embed(self.outer, PipeKV(patches=1), self.scaled(i, whole), at, ctx=self.ctx)
+        h = stack.embed(self.outer, self.kv_ops(1), self.scaled(i, whole), at, ctx=self.ctx)
         h = _where(s == 0, h, stack.zeros(self.g * self.b, self.tokens, self.ctx))
         for k in range(self.segments):  # every stage of every segment in turn
             for t in range(stages):
@@ -339,11 +286,13 @@ class _Device:
                 if t < last:  # to the next stage's device (a segment's turn stays put)
                     h = self.hop.send(h, ((dev, device_stage(k, t + 1, stages)),))
         eps = self.predict(h, temb, whole)  # the final device's
+        if self.split is not None:
+            eps = pad_rows(eps, self.split)
         eps = jnp.moveaxis(eps.reshape(self.b, self.patches, self.rows, self.width, -1), 1, 0)
         new, hist = jax.vmap(partial(self.sampler.step, self.schedule, i))(lat, eps, hist)
         lat = jnp.where(s == self.final, new, lat)  # the middle stages keep none
         if self.final != 0:  # the new latent back to the first stage
-            lat = jnp.where(s == 0, self.hop.send(new, ((self.final, 0),)), lat)
+            lat = jnp.where(s == 0, self.hop.send(new, ((self.final, 0),), self.pad), lat)
         return lat, hist, kv
 
     def stream(self, start, stop, lat, hist, kv):
@@ -384,7 +333,7 @@ class _Device:
             temb = self.temb_at(i)
             if k == 0:
                 first_stage = self.stack.embed(
-                    self.outer, PipeKV(patches=self.patches), self.scaled(i, lat[m]),
+                    self.outer, self.kv_ops(self.patches), self.scaled(i, lat[m]),
                     {SLOT: {"at": jnp.asarray(m, jnp.int32)}}, ctx=self.ctx,
                 )  # fmt: skip
                 h_in = _where(s == 0, first_stage, inbox[0])
@@ -398,7 +347,7 @@ class _Device:
         hm = jax.tree.map(lambda a: a[m], hist)
         new, hm_new = self.sampler.step(self.schedule, i, x_in, eps, hm)
         mine = jnp.logical_and(active, s == self.final)
-        new = jnp.where(mine, new, x_in)
+        new = jnp.where(mine, self.own(m, new), x_in)
         hm_new = jax.tree.map(partial(jnp.where, mine), hm_new, hm)
         lat = lax.dynamic_update_index_in_dim(lat, new, m, 0)
         hist = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, m, 0), hist, hm_new)
@@ -408,7 +357,7 @@ class _Device:
                     (device_stage(k, t, stages), device_stage(k, t + 1, stages))
                     for t in range(self.last)
                 )
-                inbox[k] = self.hop.send(outs[k], pairs)
+                inbox[k] = self.hop.send(outs[k], pairs, self.pad)
             if self.final != 0:  # the new latent back to the first stage
                 lat = self.latent_back(n, k_slot, lat, new)
         return lat, hist, kv, inbox
@@ -416,17 +365,18 @@ class _Device:
     def latent_back(self, n, k_slot, lat, new):
         """The final stage's new latent of this slot sent to device 0, which stores it where
         its item's patch is (M slots after it left)."""
-        back = self.hop.send(new, ((self.final, 0),))
+        back = self.hop.send(new, ((self.final, 0),), self.pad)
         jl = n * self.patches + k_slot - slot_offset(self.segments - 1, self.last, self.stages)
         got = jnp.logical_and(self.s == 0, jnp.logical_and(jl >= 0, jl < self.items))
         ml = jnp.clip(jl, 0, self.items - 1) % self.patches
         return lax.dynamic_update_index_in_dim(lat, jnp.where(got, back, lat[ml]), ml, 0)
 
 
-def _whole(lat: jax.Array) -> jax.Array:
-    """(M, b, h, W, C) patches -> (b, M*h, W, C)."""
+def _whole(lat: jax.Array, rows=None) -> jax.Array:
+    """(M, b, h, W, C) patches -> (b, M*h, W, C) (uneven patches of `rows`: their own rows)."""
     m, b, h, w, c = lat.shape
-    return jnp.moveaxis(lat, 0, 1).reshape(b, m * h, w, c)
+    x = jnp.moveaxis(lat, 0, 1).reshape(b, m * h, w, c)
+    return x if rows is None else unpad_rows(x, rows)
 
 
 class PipelineProgram(LoopProgram):
@@ -458,6 +408,16 @@ class PipelineProgram(LoopProgram):
         s.validate_layers(stack.segment_layers, latent_hw[0], unet.row_multiple,
                           unet.row_multiple_reason, plan.patch)  # fmt: skip
 
+    def split_note(self, plan, unet, rows: int) -> str | None:
+        got = patch_rows(plan, unet, rows)
+        if got is None:
+            return None
+        return (
+            f"pipefusion: latent rows={rows} into {len(got)} patches of {', '.join(map(str, got))}"
+            f" rows (the most even split in units of {unet.row_multiple} rows, "
+            f"{unet.row_multiple_reason}); each is computed padded to {max(got)} rows"
+        )
+
     def place(self, plan, unet, params):
         return staged(unet.stack, params, plan)
 
@@ -467,12 +427,4 @@ class PipelineProgram(LoopProgram):
 
 PIPELINE = PipelineProgram()
 
-__all__ = [
-    "PIPELINE",
-    "Staged",
-    "block_bytes_per_device",
-    "layer_counts",
-    "run_phase",
-    "stacked",
-    "staged",
-]
+__all__ = ["PIPELINE", "patch_rows", "run_phase"]

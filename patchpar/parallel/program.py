@@ -13,6 +13,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from patchpar.parallel.split import describe, is_even
+
 
 class Program:
     """What the engine asks of a program. Subclasses implement the methods."""
@@ -38,6 +40,12 @@ class Program:
         program (ValueError naming the numbers and what would fit); `build_mesh=False`: the
         devices are elsewhere (launched processes)."""
         raise NotImplementedError
+
+    def split_note(self, plan, unet, rows: int) -> str | None:
+        """One line saying how an uneven split of a latent of `rows` rows falls (None: even,
+        or no rows split): the plan's row patches by default."""
+        got = plan.patch_rows(rows, unet)
+        return None if is_even(got) else describe(rows, got, unet, plan.patch_weights is not None)
 
     def place(self, plan, unet, params):
         """The parameters as the phase programs take them best, placed once outside them."""

@@ -105,6 +105,9 @@ class KV(PatchSite):
         if self.mode == "local" or self.n == 1:
             return k, v, None if self.split is None else self.split.own_mask(k.shape[1])
         kv = jnp.stack([k, v])  # (2, B, L, D): one payload for both
+        if self.split is not None and self.link is not None:  # a codec codes no padding
+            own = self.split.own_mask(kv.shape[2])[None, None, :, None]
+            kv = jnp.where(own, kv, jnp.zeros_like(kv))
         if self.warmup or self.mode == "all":
             sends = self._others(kv)
             if self.mode == "band":  # its link starts from the bands, cut below
@@ -208,9 +211,10 @@ class KV(PatchSite):
             self.send(mod, self._band_sends(kv, band, row))
         return keys[0], keys[1], mask
 
-    def _band_sends(self, kv, band: int, row) -> dict:
+    def _band_sends(self, kv, band: int, row, end=None) -> dict:
         """What a device sends its neighbours for their bands: down to the patch below, up to
-        the patch above."""
+        the patch above (`end`: uneven patches, the own tokens of the patch whose `kv` this is;
+        None: this device's)."""
         if self.sends == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
             # whole rows travel as (2, B, rows, row, D): the receiver crops rows
             whole = kv if row is None else kv.reshape(kv.shape[:2] + (-1, row, kv.shape[3]))
@@ -218,7 +222,7 @@ class KV(PatchSite):
         length = kv.shape[2]  # only the rows used
         if self.split is None:
             return {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
-        end = self.split.mine(length)  # uneven: the last of the patch's own
+        end = self.split.mine(length) if end is None else end  # uneven: its last own token
         return {"down": lax.dynamic_slice_in_dim(kv, end - band, band, 2), "up": kv[:, :, :band]}
 
     def _start_band(self, mod, kv, full, row) -> None:
@@ -232,8 +236,11 @@ class KV(PatchSite):
             got = lax.dynamic_slice_in_dim(full, jnp.clip(i, 0, n - 1) * length, length, axis=2)
             return jnp.where(present, got, jnp.zeros_like(got))
 
+        above = None  # uneven: the patch above's own tokens end before its padding
+        if self.split is not None:
+            above = jnp.asarray(self.split.counts(length), jnp.int32)[self._neighbour(-1)]
         got = {
-            "down": self._band_sends(patch(idx - 1, idx > 0), band, row)["down"],
+            "down": self._band_sends(patch(idx - 1, idx > 0), band, row, above)["down"],
             "up": self._band_sends(patch(idx + 1, idx < n - 1), band, row)["up"],
         }
         self.link.start(mod, self.kind, self._band_sends(kv, band, row), got)

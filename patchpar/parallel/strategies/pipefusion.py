@@ -73,7 +73,8 @@ class PipeFusion(Strategy):
         self, layers: tuple[int, ...], rows: int, p: int, why: str, patch: int
     ) -> None:
         """Segments of `layers` blocks each on `patch` stages, latent `rows` into num_patches
-        patches of whole tokens (rows a multiple of p, for `why`)."""
+        patches of whole tokens (rows a multiple of p, for `why`; as evenly as they go where
+        num_patches does not divide them)."""
         if min(layers) < patch:
             raise ValueError(
                 f"pipefusion: {min(layers)} blocks cannot fill {patch} stages (every device "
@@ -89,14 +90,14 @@ class PipeFusion(Strategy):
                 f"kinds of blocks: a patch comes back to the first stage {least - 1} slots "
                 f"after it left and is needed M slots after; use num_patches >= {least}"
             )
-        if rows % (m * p):
-            fits = [k for k in range(least, rows // p + 1) if rows % (k * p) == 0]
+        if rows % p:
             raise ValueError(
-                f"pipefusion: latent rows={rows} do not split into num_patches={m} patches of "
-                f"whole tokens ({why}: {m} x {p} = {m * p} rows); "
-                + (
-                    f"num_patches can be one of {fits} on {patch} stages"
-                    if fits
-                    else f"fewer stages, or a latent height that is a multiple of {m * p}"
-                )
+                f"pipefusion: latent rows={rows} are not whole token rows ({why}: a multiple "
+                f"of {p}); use a latent height that is a multiple of {p}"
+            )
+        if rows // p < m:  # uneven patches where M does not divide them, each a token row
+            raise ValueError(
+                f"pipefusion: latent rows={rows} are {rows // p} token rows ({why}), fewer "
+                f"than num_patches={m}, each of which needs at least one; use a latent of at "
+                f"least {m * p} rows, or fewer patches"
             )
