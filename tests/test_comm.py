@@ -225,6 +225,7 @@ def test_pcpp_sends_less_than_distrifusion_and_band_less_than_full():
     assert steady["pcppband"] < steady["pcppfull"] < steady["distrifusion"]
 
 
+@pytest.mark.slow
 def test_comm_cli_json_record(capsys):
     assert (
         main(

@@ -138,7 +138,9 @@ def _assert_bases_identical(state, n):
     "strategy, options, patch",
     [
         pytest.param("distrifusion", {"codec": "kv=int2,halo=int8"}, 2, marks=SLOW),
-        ("pcpp", {"codec": "kv=sign1,halo=int4", "send": "band", "portion": 0.3}, 4),
+        pytest.param(
+            "pcpp", {"codec": "kv=sign1,halo=int4", "send": "band", "portion": 0.3}, 4, marks=SLOW
+        ),
         # uneven patches (8, 4, 4 rows): the band below the above patch's own tokens
         ("pcpp", {"codec": "kv=int4,halo=int8", "send": "band", "portion": 0.3}, 3),
         pytest.param("distrifusion", {"codec": "kv=lowrank-2,halo=int2"}, 3, marks=SLOW),

@@ -190,6 +190,7 @@ def test_a_copied_tree_names_its_commit(monkeypatch):
         results.git_dirty.cache_clear()
 
 
+@pytest.mark.slow
 def test_family_timing_records_time_flops_and_mfu(tmp_path):
     env = {**os.environ, "PATCHPAR_COMPILE_CACHE": "off"}
     env.pop("XLA_FLAGS", None)

@@ -51,7 +51,11 @@ def test_loops_count_as_often_as_they_run():
 
 @pytest.mark.parametrize(
     "model, strategy, latent",
-    [("tiny", "sync_patch", 32), ("tiny-dit", "distrifusion", 32), ("tiny-dit", "pipefusion", 32)],
+    [
+        pytest.param("tiny", "sync_patch", 32, marks=pytest.mark.slow),
+        ("tiny-dit", "distrifusion", 32),
+        ("tiny-dit", "pipefusion", 32),
+    ],  # fmt: skip
 )
 def test_chunked_attention_flops_equal_xla(model, strategy, latent):
     """Blocks of 64 queries and keys: the chunked kernel loops 4 x 4 times at the tiny UNet's

@@ -52,6 +52,7 @@ def test_classifier_round_trip(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_pixel_space_pipeline_runs_patch_parallel():
     """fmnist-random: no VAE, 1 channel; the image is the final sample, grey as RGB, and the
     8-device row split works at 32x32."""

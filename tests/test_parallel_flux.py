@@ -261,7 +261,9 @@ def test_the_flux_stack_composes_to_the_model():
     assert stack.segment_layers == (2, 2) and max_diff(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("stages", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize(
+    "stages", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_pipefusion_on_an_mmdit(stages):
     """PipeFusion over the double- and single-stream blocks as two segments (the second run
     back from the last stage to the first, so each device holds 1/S of each kind; a token

@@ -96,7 +96,10 @@ def _layers(params) -> int:
 
 @pytest.mark.parametrize(
     "kind, name, devices, cfg, data, options",
-    [("sdxl", "sync_patch", 8, 1, 2, {}), ("sd", "distrifusion", 4, 2, 1, {"warmup_steps": 1})],
+    [
+        pytest.param("sdxl", "sync_patch", 8, 1, 2, {}, marks=pytest.mark.slow),
+        ("sd", "distrifusion", 4, 2, 1, {"warmup_steps": 1}),
+    ],  # fmt: skip
 )
 def test_one_gather_per_layer_and_hlo_bytes_equal_the_analytic_model(
     kind, name, devices, cfg, data, options

@@ -96,6 +96,7 @@ def test_xdit_check_rederived_from_its_workloads(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.skipif(not (LATENCY / "paper.jsonl").is_file(), reason="no paper check committed")
+@pytest.mark.slow
 def test_latency_notebook_executes(tmp_path, monkeypatch, run_notebook):
     """experiments/notebooks/latency.ipynb reads the committed records only and draws its plots
     (into a copy of the records folder here, so the committed figures stay as they are)."""

@@ -125,7 +125,9 @@ def test_coded_ring_attends_its_own_block_exactly_and_the_others_coded():
     "family, name, devices, options",
     [
         pytest.param("pixart", "sync_patch", 4, {"wire": "fp8"}, marks=pytest.mark.slow),
-        ("unet", "sync_patch", 2, {"wire": "kv=fp8-e5m2,halo=int8"}),
+        pytest.param(
+            "unet", "sync_patch", 2, {"wire": "kv=fp8-e5m2,halo=int8"}, marks=pytest.mark.slow
+        ),
         ("pixart", "ulysses", 4, {"wire": "q=fp8,v=fp8,o=fp8"}),
         pytest.param(
             "unet", "ulysses", 4, {"ring_degree": 2, "wire": "fp8"}, marks=pytest.mark.slow
