@@ -265,16 +265,18 @@ def as_list(value, n: int, what: str) -> list:
 
 
 class GeluFeedForward(nn.Module):
-    """diffusers FeedForward with `gelu-approximate`: net.0.proj -> tanh GELU -> net.2.
-    Tensor parallel: net.0's outputs and net.2's inputs split over the model axis."""
+    """diffusers FeedForward with `gelu-approximate`: net.0.proj -> tanh GELU -> net.2, of
+    `inner` hidden units (None: 4 x dim). Tensor parallel: net.0's outputs and net.2's inputs
+    split over the model axis."""
 
     dim: int
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    inner: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        inner = 4 * self.dim // self.ops.model_degree()
+        inner = (self.inner or 4 * self.dim) // self.ops.model_degree()
         h = _Proj(inner, self.dtype, name="net_0")(x)
         return dense(self.dim, "net_2", self.dtype, ops=self.ops)(nn.gelu(h, approximate=True))
 

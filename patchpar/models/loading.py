@@ -85,6 +85,8 @@ _BUFFERS = ("position_ids",)
 
 
 def _to_flax(arr: np.ndarray, leaf: str) -> np.ndarray:
+    if leaf == "kernel" and arr.ndim == 5:
+        return arr.transpose(2, 3, 4, 1, 0)  # (O, I, kt, kh, kw) -> (kt, kh, kw, I, O)
     if leaf == "kernel" and arr.ndim == 4:
         return arr.transpose(2, 3, 1, 0)  # (O, I, kh, kw) -> (kh, kw, I, O)
     if leaf == "kernel" and arr.ndim == 2:
@@ -93,6 +95,8 @@ def _to_flax(arr: np.ndarray, leaf: str) -> np.ndarray:
 
 
 def _to_torch(arr: np.ndarray, leaf: str) -> np.ndarray:
+    if leaf == "kernel" and arr.ndim == 5:
+        return arr.transpose(4, 3, 0, 1, 2)
     if leaf == "kernel" and arr.ndim == 4:
         return arr.transpose(3, 2, 0, 1)
     if leaf == "kernel" and arr.ndim == 2:
