@@ -130,6 +130,37 @@ def test_bad_wan_configs_are_named(change, message):
         WanConfig.from_diffusers({**TINY, **change})
 
 
+def test_umt5_encoder_matches_transformers(tmp_path):
+    """umT5 (Wan's text encoder): a relative position bias table in every block; 40 tokens,
+    beyond the buckets' max distance, each prompt its own padding."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from patchpar.models.components import load_t5_encoder
+
+    torch.manual_seed(0)
+    cfg = UMT5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=48, num_layers=3, num_heads=4,
+                     relative_attention_num_buckets=8, relative_attention_max_distance=12,
+                     feed_forward_proj="gated-gelu", dropout_rate=0.0)  # fmt: skip
+    ref = UMT5EncoderModel(cfg).eval()
+    with torch.no_grad():  # each block's own table, not the first's copied
+        for name, p in ref.named_parameters():
+            if "relative_attention_bias" in name:
+                p.normal_(0, 1.0)
+    ref.save_pretrained(tmp_path)
+    fn, params = load_t5_encoder(tmp_path)
+    assert fn.config.bias_per_layer
+    rng = np.random.RandomState(0)
+    ids = rng.randint(3, 99, (2, 40)).astype(np.int32)
+    mask = np.ones((2, 40), np.int32)
+    mask[1, 9:] = 0
+    ids[mask == 0] = 0
+    ours = jax.jit(fn)(params, ids, mask)["last_hidden_state"]
+    with torch.no_grad():
+        theirs = ref(input_ids=torch.tensor(ids, dtype=torch.long),
+                     attention_mask=torch.tensor(mask)).last_hidden_state.numpy()  # fmt: skip
+    close(ours, theirs)
+
+
 def test_bad_layouts_are_named():
     with pytest.raises(ValueError, match=r"layout='diagonal'; known: \['frames', 'rows'\] or FxR"):
         Video(3, "diagonal")

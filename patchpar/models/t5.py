@@ -1,10 +1,12 @@
-"""Flax T5 encoder (transformers' `T5EncoderModel` layout): the text encoder of PixArt-α/Σ.
+"""Flax T5 encoder (transformers' `T5EncoderModel` layout): the text encoder of PixArt-α/Σ,
+FLUX.1 and SD3; with a relative position bias in every block, umT5's (`UMT5EncoderModel`, Wan's).
 
 transformers 5 has no Flax T5, so it is written here from the architecture: token embedding
 (`shared`), blocks of RMS-normed self-attention and feed-forward with residuals, a final RMS
 norm. T5's attention does not scale q·k by 1/sqrt(d) and adds a learned *relative position
 bias* instead of position embeddings: one (buckets, heads) table owned by the first block's
-attention, computed once per call and added in every block. Relative distances go to buckets
+attention, computed once per call and added in every block (umT5: each block its own table,
+`bias_per_layer`). Relative distances go to buckets
 exactly up to half the bucket range and logarithmically beyond, up to `max_distance`, where
 they saturate; the encoder's buckets are bidirectional (the sign takes half of them).
 Feed-forward: `relu` (wi, wo) or gated (`gated-gelu`: gelu_new(wi_0 x) * wi_1 x, then wo).
@@ -27,6 +29,7 @@ _ACTS = {
     "silu": jax.nn.silu,
 }
 ARCHITECTURES = ("T5EncoderModel", "T5ForConditionalGeneration", "T5Model")
+UMT5_ARCHITECTURES = ("UMT5EncoderModel", "UMT5ForConditionalGeneration", "UMT5Model")
 
 
 @dataclass(frozen=True)
@@ -44,19 +47,18 @@ class T5Config:
     is_gated_act: bool = True
     pad_token_id: int = 0
     eos_token_id: int = 1
+    bias_per_layer: bool = False  # umT5: every block its own relative position bias table
 
     @classmethod
     def from_transformers(cls, cfg: dict, where: str = "text_encoder/config.json") -> T5Config:
         """A transformers T5 config.json (the encoder's part); unsupported values raise."""
-        arch = (cfg.get("architectures") or ["T5EncoderModel"])[0]
-        if arch not in ARCHITECTURES or cfg.get("model_type", "t5") not in ("t5", "umt5"):
+        umt5 = cfg.get("model_type") == "umt5"
+        known = UMT5_ARCHITECTURES if umt5 else ARCHITECTURES
+        arch = (cfg.get("architectures") or [known[0]])[0]
+        if arch not in known or cfg.get("model_type", "t5") not in ("t5", "umt5"):
             raise ValueError(
                 f"{where}: architecture {arch!r} (model_type {cfg.get('model_type')!r}) is not "
-                f"a T5 encoder (supported: {list(ARCHITECTURES)})"
-            )
-        if cfg.get("model_type") == "umt5":
-            raise ValueError(
-                f"{where}: UMT5 (a relative position bias per block) is not supported; T5 is"
+                f"a T5 encoder (nor a umT5 one; supported: {list(ARCHITECTURES + UMT5_ARCHITECTURES)})"
             )
         proj = cfg.get("feed_forward_proj", "relu")
         parts = proj.split("-")
@@ -86,6 +88,7 @@ class T5Config:
             is_gated_act=gated,
             pad_token_id=cfg.get("pad_token_id", 0),
             eos_token_id=cfg.get("eos_token_id", 1),
+            bias_per_layer=umt5,
         )
 
 
@@ -229,9 +232,10 @@ class _Encoder(nn.Module):
 
     @nn.compact
     def __call__(self, x, keep):
-        bias = None  # the first block computes it; every block adds the same
+        bias = None  # the first block computes it; every block adds the same (umT5: its own)
         for i in range(self.config.num_layers):
-            x, bias = _Block(self.config, i == 0, self.dtype, name=f"block_{i}")(x, keep, bias)
+            own = i == 0 or self.config.bias_per_layer
+            x, bias = _Block(self.config, own, self.dtype, name=f"block_{i}")(x, keep, bias)
         return RMSNorm(self.config.layer_norm_epsilon, self.dtype, name="final_layer_norm")(x)
 
 
