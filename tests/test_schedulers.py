@@ -72,7 +72,7 @@ def test_ddim_clip_sample_matches_diffusers():
 def test_unknown_sampler_lists_known():
     with pytest.raises(
         ValueError,
-        match=r"unknown sampler 'plms'; known: \['ddim', 'dpmpp_2m', 'euler', 'flow_euler'\]",
+        match=r"unknown sampler 'plms'; known: \['ddim', 'dpmpp_2m', 'euler', 'flow_euler', 'unipc'\]",
     ):
         get_sampler("plms")
 
@@ -94,3 +94,38 @@ def test_bad_step_count(steps):
 def test_unsupported_scheduler_config(key, value):
     with pytest.raises(ValueError, match=key):
         SchedulerConfig.from_diffusers({**SD, key: value})
+
+
+# Wan's scheduler: UniPC on flow sigmas (its scheduler_config.json's settings)
+WAN = dict(
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    flow_shift=3.0,
+    solver_order=2,
+    predict_x0=True,
+    solver_type="bh2",
+    lower_order_final=True,
+    final_sigmas_type="zero",
+    beta_schedule="linear",
+    beta_start=0.0001,
+    beta_end=0.02,
+)
+
+
+@pytest.mark.parametrize("steps, shift", [(10, 3.0), (4, 5.0), (2, 1.0), (1, 3.0)])
+def test_flow_unipc_matches_diffusers(steps, shift):
+    """Predictor and corrector of every step, first order at both ends, the integer timestep
+    inputs; fed the same random velocities (shift 1: the first sigma is 1 - 1e-6)."""
+    ref = diffusers.UniPCMultistepScheduler(**{**WAN, "flow_shift": shift})
+    for ours, theirs in run_both("unipc", ref, steps):
+        assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, float(np.abs(theirs).max()))
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("solver_order", 3), ("solver_type", "bh1"), ("predict_x0", False), ("flow_shift", -1.0)],
+)
+def test_unsupported_flow_unipc_settings_are_named(key, value):
+    cfg = {"_class_name": "UniPCMultistepScheduler", **WAN, key: value}
+    with pytest.raises(ValueError, match=f"{key}={value!r}"):
+        SchedulerConfig.from_diffusers(cfg)

@@ -77,6 +77,9 @@ class SchedulerConfig:
     def from_diffusers(
         cls, cfg: dict, where: str = "scheduler/scheduler_config.json"
     ) -> SchedulerConfig:
+        unipc = cfg.get("_class_name", "UniPCMultistepScheduler") == "UniPCMultistepScheduler"
+        if unipc and cfg.get("use_flow_sigmas"):  # (an in-memory config has no class name)
+            return cls._unipc_flow(cfg, where)
         checks = {
             "beta_schedule": ("linear", "scaled_linear"),
             "prediction_type": ("epsilon", "v_prediction"),
@@ -114,6 +117,40 @@ class SchedulerConfig:
         fields = set(cls.__dataclass_fields__) - {"flow", "image_seq_len", "flow_sigmas"}
         return cls(**{k: v for k, v in cfg.items() if k in fields and k not in unset}, flow=flow)
 
+    @classmethod
+    def _unipc_flow(cls, cfg: dict, where: str) -> SchedulerConfig:
+        """A flow-matching UniPCMultistepScheduler (Wan's): the settings `unipc` implements,
+        checked (ValueError naming the value and what is supported)."""
+        want = {
+            "prediction_type": "flow_prediction",
+            "solver_order": 2,
+            "solver_type": "bh2",
+            "predict_x0": True,
+            "lower_order_final": True,
+            "final_sigmas_type": "zero",
+            "thresholding": False,
+            "use_dynamic_shifting": False,
+            "shift_terminal": None,
+            "disable_corrector": [],
+            "solver_p": None,
+            "timestep_spacing": "linspace",
+        }
+        for key, value in want.items():
+            if (
+                key in cfg
+                and cfg[key] != value
+                and not (key == "disable_corrector" and not cfg[key])
+            ):
+                raise ValueError(
+                    f"{where}: {key}={cfg[key]!r} is not supported by the flow UniPC sampler "
+                    f"({value!r})"
+                )
+        shift = cfg.get("flow_shift", 1.0)
+        if not isinstance(shift, (int, float)) or shift <= 0:
+            raise ValueError(f"{where}: flow_shift={shift!r} must be a positive number")
+        big = cfg.get("num_train_timesteps", 1000)
+        return cls(num_train_timesteps=big, flow=True, shift=float(shift))
+
     def alphas_cumprod(
         self,
     ) -> np.ndarray:  # (T,) float64; schedules are cast to float32 at the end
@@ -139,6 +176,7 @@ class Schedule:
     init_noise_sigma: jax.Array  # () scale of the initial Gaussian latent
     clip_x0: jax.Array  # () DDIM: clip range of the x0 prediction, 0 = off
     v_prediction: bool = struct.field(pytree_node=False)
+    coef: jax.Array | None = None  # (n, k) a multistep solver's per-step coefficients (UniPC)
 
 
 def _spaced_timesteps(
@@ -348,6 +386,106 @@ def flow_euler_step(s: Schedule, i, x, out, carry):
     return (x.astype(jnp.float32) + dt * out.astype(jnp.float32)).astype(out.dtype), carry
 
 
+# ---------------------------------------------------------------- UniPC (flow matching)
+
+
+def unipc_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
+    """diffusers' UniPCMultistepScheduler with `use_flow_sigmas` (Wan's): sigmas linspace(1,
+    1/1000, n + 1) without the last, shifted by `shift` (its flow_shift) in float64, the first
+    lowered by 1e-6 where it is 1, then 0; the model's timestep input is sigma x 1000 truncated
+    to an integer, as the scheduler's int64 timesteps. Order 2 (bh2, x0 prediction), first
+    order at the first and the last step, the corrector after every step but the first. Each
+    step's scalars are computed here in float32 as the scheduler computes them (`coef`):
+    predictor (a, m0, d), corrector (a, m0, d, t) and whether it runs."""
+    _check_steps(cfg, n)
+    if not cfg.flow:
+        raise ValueError(
+            "sampler 'unipc' is the flow-matching UniPC (use_flow_sigmas); this model's scheduler "
+            "is DDPM-style: use ddim, euler or dpmpp_2m"
+        )
+    big = cfg.num_train_timesteps
+    sig = np.linspace(1, 1 / big, n + 1)[:-1]
+    sig = cfg.shift * sig / (1 + (cfg.shift - 1) * sig)
+    if abs(sig[0] - 1) < 1e-6:
+        sig[0] -= 1e-6
+    t = np.trunc(sig * big).astype(np.float32)
+    sigmas = np.concatenate([sig, [0.0]]).astype(np.float32)
+    f32 = np.float32
+    with np.errstate(divide="ignore"):
+        alpha = (f32(1) - sigmas).astype(f32)
+        lam = (np.log(alpha) - np.log(sigmas)).astype(f32)  # +inf at sigma 0
+    order = [min(2, n - i, i + 1) for i in range(n)]  # lower_order_final, multistep warm-up
+    coef = np.zeros((n, 8), f32)
+    for i in range(n):
+        coef[i, :3] = _unipc_predictor(sigmas, alpha, lam, i, order[i])
+        if i > 0:  # the corrector of step i - 1's prediction, at step i
+            coef[i, 3:7] = _unipc_corrector(sigmas, alpha, lam, i, order[i - 1])
+            coef[i, 7] = 1
+    z = jnp.zeros(n, jnp.float32)
+    return Schedule(
+        jnp.asarray(t), jnp.asarray(sigmas), z, z, jnp.asarray(1.0, jnp.float32),
+        jnp.asarray(0.0, jnp.float32), False, jnp.asarray(coef),
+    )  # fmt: skip
+
+
+def _unipc_h(alpha, lam, sigmas, s: int, t: int):
+    """(hh = -h, h phi_1 = expm1(hh), B(h) = expm1(hh) (bh2)) from step s to t, float32."""
+    f32 = np.float32
+    with np.errstate(invalid="ignore"):
+        hh = f32(-(lam[t] - lam[s]))
+        phi1 = f32(np.expm1(hh))
+    return hh, phi1, phi1
+
+
+def _unipc_predictor(sigmas, alpha, lam, i: int, order: int):
+    """x_next = a x + m0 m_i + d (m_{i-1} - m_i): UniP-`order` from sigma_i to sigma_{i+1}."""
+    f32 = np.float32
+    hh, phi1, bh = _unipc_h(alpha, lam, sigmas, i, i + 1)
+    a = f32(sigmas[i + 1] / sigmas[i])
+    m0 = f32(-alpha[i + 1] * phi1)
+    d = f32(0)
+    if order == 2:  # rhos_p = 0.5; D1 = (m_{i-1} - m_i) / r1
+        r1 = f32((lam[i - 1] - lam[i]) / -hh)
+        d = f32(-alpha[i + 1] * bh * f32(0.5) / r1)
+    return a, m0, d
+
+
+def _unipc_corrector(sigmas, alpha, lam, i: int, order: int):
+    """At step i: x_i = a x_last + m0 m_{i-1} + d (m_{i-2} - m_{i-1}) + t (m_i - m_{i-1}), the
+    UniC-`order` correction of the prediction from sigma_{i-1}."""
+    f32 = np.float32
+    hh, phi1, bh = _unipc_h(alpha, lam, sigmas, i - 1, i)
+    a = f32(sigmas[i] / sigmas[i - 1])
+    m0 = f32(-alpha[i] * phi1)
+    if order == 1:
+        return a, m0, f32(0), f32(-alpha[i] * bh * f32(0.5))
+    r1 = f32((lam[i - 2] - lam[i - 1]) / -hh)
+    phik = f32(phi1 / hh - 1)  # h phi_k(h) / h^k, k = 1, 2
+    b1 = f32(phik / bh)
+    phik = f32(phik / hh - f32(0.5))
+    b2 = f32(phik * 2 / bh)
+    rho = np.linalg.solve(np.array([[1, 1], [r1, 1]], f32), np.array([b1, b2], f32)).astype(f32)
+    return a, m0, f32(-alpha[i] * bh * rho[0] / r1), f32(-alpha[i] * bh * rho[1])
+
+
+def unipc_step(s: Schedule, i, x, out, carry):
+    """One UniPC step on a velocity `out`: x0 = x - sigma v; the corrector (from step 1) moves
+    the sample the last predictor made, then the predictor steps from it; float32 inside."""
+    last, m1, m2 = carry  # the sample before the last predictor, m_{i-1}, m_{i-2}
+    c = s.coef[i]
+    xf = x.astype(jnp.float32)
+    m = xf - s.sigmas[i] * out.astype(jnp.float32)
+    corrected = c[3] * last + c[4] * m1 + c[5] * (m2 - m1) + c[6] * (m - m1)
+    xf = jnp.where(c[7] > 0, corrected, xf)
+    x_next = c[0] * xf + c[1] * m + c[2] * (m1 - m)
+    return x_next.astype(x.dtype), (xf, m, m1)
+
+
+def _unipc_carry(x: jax.Array):
+    z = jnp.zeros(x.shape, jnp.float32)
+    return (z, z, z)
+
+
 # ---------------------------------------------------------------- registry
 
 
@@ -358,8 +496,11 @@ class Sampler:
     step: Callable
     scale_input: Callable
     multistep: bool = False
+    carry: Callable | None = None  # a solver's own carry (UniPC's): x -> its zeros
 
     def init_carry(self, x: jax.Array):
+        if self.carry is not None:
+            return self.carry(x)
         if self.multistep:
             return (jnp.zeros(x.shape, jnp.float32), jnp.asarray(False))
         return ()
@@ -376,6 +517,9 @@ SAMPLERS: dict[str, Sampler] = {
         "dpmpp_2m", dpmpp_2m_schedule, dpmpp_2m_step, _identity_scale, multistep=True
     ),
     "flow_euler": Sampler("flow_euler", flow_euler_schedule, flow_euler_step, _identity_scale),
+    "unipc": Sampler(
+        "unipc", unipc_schedule, unipc_step, _identity_scale, multistep=True, carry=_unipc_carry
+    ),
 }
 # samplers of DDPM-style (noise / v prediction) models; flow-matching models take flow_euler
 DDPM_SAMPLERS = ("ddim", "euler", "dpmpp_2m")
