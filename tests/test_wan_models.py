@@ -164,3 +164,47 @@ def test_umt5_encoder_matches_transformers(tmp_path):
 def test_bad_layouts_are_named():
     with pytest.raises(ValueError, match=r"layout='diagonal'; known: \['frames', 'rows'\] or FxR"):
         Video(3, "diagonal")
+
+
+# ---------------------------------------------------------------------------- the VAE decoder
+
+TINY_VAE = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                temperal_downsample=[False, True, True])  # fmt: skip
+
+
+def flax_wan_vae(ref):
+    from patchpar.models.wan.vae import WanVAEConfig, WanVAEDecoder
+
+    module = WanVAEDecoder(WanVAEConfig.from_diffusers(dict(ref.config)))
+    abstract = jax.eval_shape(
+        lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, 4, 6, 4)))
+    )["params"]
+    state = {k: v.numpy() for k, v in ref.state_dict().items()
+             if k.startswith(("decoder.", "post_quant_conv."))}  # fmt: skip
+    return module, state_dict_to_params(state, abstract, "test")
+
+
+@pytest.mark.parametrize("frames", [1, 3])
+def test_wan_vae_decode_matches_diffusers(frames):
+    """Chunk by chunk with causal caches (the first latent frame one frame, each later one 4),
+    two temporal and three spatial upsamplings, the middle block's per-frame attention."""
+    from diffusers import AutoencoderKLWan
+
+    from patchpar.models.wan.vae import decode
+
+    torch.manual_seed(0)
+    ref = AutoencoderKLWan(**TINY_VAE).eval()
+    with torch.no_grad():  # norm scales and biases away from their plain init
+        for name, p in ref.named_parameters():
+            if name.endswith("gamma"):
+                p.normal_(1, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    z = np.random.RandomState(0).randn(2, frames, 4, 6, 4).astype(np.float32)
+    with torch.no_grad():
+        want = ref.decode(torch.tensor(z.transpose(0, 4, 1, 2, 3))).sample.numpy()
+    want = want.transpose(0, 2, 3, 4, 1)  # (B, F', H, W, 3)
+    module, params = flax_wan_vae(ref)
+    got = jax.jit(lambda p, z: decode(module, p, z))(params, jnp.asarray(z))
+    assert got.shape == want.shape == (2, 1 + 4 * (frames - 1), 32, 48, 3)
+    close(got, want)

@@ -1,0 +1,300 @@
+"""Flax decoder of Wan 2.1's video VAE (diffusers' `AutoencoderKLWan`, `is_residual=False`):
+latents (B, F, h, w, z_dim) -> frames (B, 1 + 4 (F - 1), 8h, 8w, 3) in [-1, 1].
+
+Its convolutions are causal in time: a 3 x 3 x 3 convolution sees its frame and the two before
+it (zeros before the first). diffusers decodes one latent frame at a time, each convolution
+keeping the last two frames of its input as a cache for the next chunk (`feat_cache`); here the
+same, as a Flax collection `cache` carried through a `lax.scan` over the latent frames after the
+first: the arithmetic is diffusers' chunk for chunk, and only one latent frame's activations
+live at a time. A temporal upsampling (`upsample3d`) passes the first latent frame on without
+its time convolution (diffusers' "Rep"): frame 0 decodes to one frame, every later latent frame
+to 4. Spatial padding goes through the site `ops.halo` (the rows of a row patch's neighbours;
+zeros on one device); the attention of the middle block is per frame, over the frame's pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from patchpar.models.sites import IDENTITY, SiteOps
+
+CACHE = "cache"  # Flax collection: each causal convolution's last frames of its input
+CLASS_NAMES = ("AutoencoderKLWan",)
+
+
+@dataclass(frozen=True)
+class WanVAEConfig:
+    """The decoder's part of a diffusers AutoencoderKLWan config.json."""
+
+    base_dim: int = 96
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    temperal_downsample: tuple[bool, ...] = (False, True, True)
+    out_channels: int = 3
+    latents_mean: tuple[float, ...] = ()
+    latents_std: tuple[float, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def temperal_upsample(self) -> tuple[bool, ...]:
+        return tuple(self.temperal_downsample[::-1])
+
+    @property
+    def spatial_factor(self) -> int:
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_factor(self) -> int:
+        return 2 ** sum(self.temperal_downsample)
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict, where: str = "vae/config.json") -> WanVAEConfig:
+        name = cfg.get("_class_name", CLASS_NAMES[0])
+        if name not in CLASS_NAMES:
+            raise ValueError(f"{where}: _class_name={name!r} is not a Wan VAE {list(CLASS_NAMES)}")
+        for key, want in (("is_residual", False), ("patch_size", None), ("attn_scales", [])):
+            if cfg.get(key, want) not in (want, () if want == [] else want):
+                raise ValueError(
+                    f"{where}: {key}={cfg[key]!r} is not supported yet (Wan 2.1's VAE has "
+                    f"{want!r}; Wan 2.2's residual VAE is not ported)"
+                )
+        dec = cfg.get("decoder_base_dim")
+        return cls(
+            base_dim=dec if dec is not None else cfg.get("base_dim", 96),
+            z_dim=cfg.get("z_dim", 16),
+            dim_mult=tuple(cfg.get("dim_mult", (1, 2, 4, 4))),
+            num_res_blocks=cfg.get("num_res_blocks", 2),
+            temperal_downsample=tuple(cfg.get("temperal_downsample", (False, True, True))),
+            out_channels=cfg.get("out_channels", 3),
+            latents_mean=tuple(cfg.get("latents_mean", ())),
+            latents_std=tuple(cfg.get("latents_std", ())),
+            extra=dict(cfg),
+        )
+
+
+def _conv(x, kernel, bias, strides=None):
+    """NDHWC (or NHWC) convolution, VALID, of a DHWIO (HWIO) kernel, plus bias."""
+    nd = kernel.ndim - 2
+    dims = ("NDHWC", "DHWIO", "NDHWC") if nd == 3 else ("NHWC", "HWIO", "NHWC")
+    y = lax.conv_general_dilated(x, kernel.astype(x.dtype), strides or (1,) * nd, "VALID",
+                                 dimension_numbers=dims)  # fmt: skip
+    return y + bias.astype(x.dtype)
+
+
+class CausalConv3d(nn.Module):
+    """WanCausalConv3d: a (kt, k, k) convolution, causal in time (its input's last kt - 1
+    frames kept in the `cache` collection for the next chunk; zeros before the first), its
+    spatial padding through the halo site."""
+
+    features: int
+    kernel: tuple[int, int, int] = (3, 3, 3)
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, t, h, W, C) -> (B, t, h, W, F)
+        kt, kh, kw = self.kernel
+        c = x.shape[-1]
+        init = nn.initializers.lecun_normal()
+        kernel = self.param("kernel", init, (kt, kh, kw, c, self.features), self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        if kt > 1:  # the last frames of the input before this chunk's
+            shape = (x.shape[0], kt - 1) + x.shape[2:]
+            cache = self.variable(CACHE, "frames", jnp.zeros, shape, x.dtype)
+            x = jnp.concatenate([cache.value.astype(x.dtype), x], axis=1)
+            if not self.is_initializing():
+                cache.value = x[:, -(kt - 1) :]
+        if kh > 1:  # rows through the site (folded over frames), columns zero
+            b, t, h, w, _ = x.shape
+            p = kh // 2
+            x = self.ops.halo(self, x.reshape(b * t, h, w, c), p, p)
+            x = jnp.pad(x, ((0, 0), (0, 0), (kw // 2, kw // 2), (0, 0)))
+            x = x.reshape(b, t, *x.shape[1:])
+        return _conv(x, kernel, bias)
+
+
+class RMSNorm(nn.Module):
+    """WanRMS_norm: x / ||x|| over channels x sqrt(C) x gamma (gamma kept in the checkpoint's
+    shape, (C, 1, 1[, 1])); float32 inside."""
+
+    images: bool = False  # gamma (C, 1, 1) (per frame) rather than (C, 1, 1, 1)
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = x.shape[-1]
+        shape = (c, 1, 1) if self.images else (c, 1, 1, 1)
+        gamma = self.param("gamma", nn.initializers.ones, shape, self.dtype)
+        xf = x.astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True))
+        y = xf / jnp.maximum(norm, 1e-12) * (c**0.5) * gamma.reshape(c).astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class ResidualBlock(nn.Module):
+    """WanResidualBlock: norm, SiLU, causal conv, twice, plus the (1x1x1) shortcut."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt, ops = self.dtype, self.ops
+        h = x
+        if x.shape[-1] != self.features:
+            h = CausalConv3d(self.features, (1, 1, 1), dt, ops, name="conv_shortcut")(x)
+        x = nn.silu(RMSNorm(False, dt, name="norm1")(x))
+        x = CausalConv3d(self.features, (3, 3, 3), dt, ops, name="conv1")(x)
+        x = nn.silu(RMSNorm(False, dt, name="norm2")(x))
+        x = CausalConv3d(self.features, (3, 3, 3), dt, ops, name="conv2")(x)
+        return x + h
+
+
+class AttentionBlock(nn.Module):
+    """WanAttentionBlock: one head over each frame's pixels (per frame, not across time)."""
+
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, h, w, c = x.shape
+        y = RMSNorm(True, self.dtype, name="norm")(x).reshape(b * t, h, w, c)
+        qkv = nn.Conv(3 * c, (1, 1), dtype=self.dtype, param_dtype=self.dtype, name="to_qkv")(y)
+        q, k, v = (a.reshape(b * t, h * w, c) for a in jnp.split(qkv, 3, axis=-1))
+        k, v, mask = self.ops.self_attn_kv(self, k, v, w)
+        logits = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32) / c**0.5
+        if mask is not None:
+            logits = jnp.where(mask[None, None], logits, jnp.finfo(jnp.float32).min)
+        out = jnp.einsum("bqk,bkc->bqc", jax.nn.softmax(logits, -1).astype(v.dtype), v)
+        out = nn.Conv(c, (1, 1), dtype=self.dtype, param_dtype=self.dtype, name="proj")(
+            out.reshape(b * t, h, w, c)
+        )
+        return x + out.reshape(b, t, h, w, c)
+
+
+class Resample(nn.Module):
+    """WanResample, upsampling: `upsample3d` first doubles the frames by its causal time
+    convolution (channels to 2C, split into two frames in turn; not on the first chunk), then
+    every frame is upsampled 2x (nearest) and convolved (3 x 3) to C / 2 channels."""
+
+    mode: str  # upsample2d | upsample3d
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first: bool) -> jax.Array:
+        b, t, h, w, c = x.shape
+        if self.mode == "upsample3d":
+            conv = CausalConv3d(2 * c, (3, 1, 1), self.dtype, self.ops, name="time_conv")
+            if first:  # diffusers' "Rep": no time convolution; its cache starts at zeros
+                conv(jnp.zeros((b, 0, h, w, c), x.dtype))  # (its parameters and zero cache)
+            else:
+                y = conv(x).reshape(b, t, h, w, 2, c)
+                x = jnp.moveaxis(y, 4, 2).reshape(b, 2 * t, h, w, c)
+                t = 2 * t
+        x = jnp.repeat(jnp.repeat(x.reshape(b * t, h, w, c), 2, axis=1), 2, axis=2)
+        x = self.ops.halo(self, x, 1, 1)
+        x = jnp.pad(x, ((0, 0), (0, 0), (1, 1), (0, 0)))
+        conv = nn.Conv(c // 2, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=self.dtype,
+                       name="resample_1")  # fmt: skip
+        y = conv(x)
+        return y.reshape(b, t, *y.shape[1:])
+
+
+class MidBlock(nn.Module):
+    """WanMidBlock: a residual block, the per-frame attention, a residual block."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt, ops = self.dtype, self.ops
+        x = ResidualBlock(self.features, dt, ops, name="resnets_0")(x)
+        x = AttentionBlock(dt, ops, name="attentions_0")(x)
+        return ResidualBlock(self.features, dt, ops, name="resnets_1")(x)
+
+
+class UpBlock(nn.Module):
+    features: int
+    num_res_blocks: int
+    mode: str | None
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first: bool) -> jax.Array:
+        for i in range(self.num_res_blocks + 1):
+            x = ResidualBlock(self.features, self.dtype, self.ops, name=f"resnets_{i}")(x)
+        if self.mode is not None:
+            x = Resample(self.mode, self.dtype, self.ops, name="upsamplers_0")(x, first)
+        return x
+
+
+class WanDecoder3d(nn.Module):
+    """diffusers WanDecoder3d on one chunk (B, t, h, w, z_dim); `first`: the first chunk."""
+
+    config: WanVAEConfig
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first: bool) -> jax.Array:
+        cfg, dt, ops = self.config, self.dtype, self.ops
+        mult = cfg.dim_mult
+        dims = [cfg.base_dim * u for u in [mult[-1], *mult[::-1]]]
+        x = CausalConv3d(dims[0], (3, 3, 3), dt, ops, name="conv_in")(x)
+        x = MidBlock(dims[0], dt, ops, name="mid_block")(x)
+        for i, out_dim in enumerate(dims[1:]):
+            up = i != len(mult) - 1
+            mode = None if not up else ("upsample3d" if cfg.temperal_upsample[i] else "upsample2d")
+            x = UpBlock(out_dim, cfg.num_res_blocks, mode, dt, ops, name=f"up_blocks_{i}")(x, first)
+        x = nn.silu(RMSNorm(False, dt, name="norm_out")(x))
+        return CausalConv3d(cfg.out_channels, (3, 3, 3), dt, ops, name="conv_out")(x)
+
+
+class WanVAEDecoder(nn.Module):
+    """`post_quant_conv` and the decoder, chunk by chunk (module docstring)."""
+
+    config: WanVAEConfig
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    def setup(self):
+        self.post_quant_conv = CausalConv3d(self.config.z_dim, (1, 1, 1), self.dtype, self.ops)
+        self.decoder = WanDecoder3d(self.config, self.dtype, self.ops)
+
+    def chunk(self, z: jax.Array, first: bool) -> jax.Array:
+        return self.decoder(self.post_quant_conv(z), first)
+
+    def __call__(self, z: jax.Array) -> jax.Array:  # (B, F, h, w, z) -> (B, F', H, W, 3)
+        return self.chunk(z[:, :1], True)
+
+
+def decode(module: WanVAEDecoder, params, z: jax.Array) -> jax.Array:
+    """Latents (B, F, h, w, z_dim), already un-normalised (z / std + mean) -> frames
+    (B, 1 + 4 (F - 1), 8h, 8w, 3) clipped to [-1, 1]: the first latent frame, then a scan over
+    the others carrying the causal caches."""
+    variables = {"params": params}
+    first, state = module.apply(variables, z[:, :1], True, method="chunk", mutable=[CACHE])
+    if z.shape[1] == 1:
+        return jnp.clip(first, -1.0, 1.0)
+
+    def one(cache, zt):
+        out, new = module.apply({**variables, **cache}, zt[:, None], False, method="chunk",
+                                mutable=[CACHE])  # fmt: skip
+        return new, out
+
+    _, rest = lax.scan(one, state, jnp.moveaxis(z[:, 1:], 1, 0))  # (F-1, B, 4, H, W, 3)
+    rest = jnp.moveaxis(rest, 0, 1)
+    rest = rest.reshape(rest.shape[0], -1, *rest.shape[3:])
+    return jnp.clip(jnp.concatenate([first, rest], axis=1), -1.0, 1.0)
