@@ -317,6 +317,7 @@ def test_on_a_unet(kind, devices, stride):
     assert steady["total"] == total and steady["max"] == max(*sizes, stride * latent)
 
 
+@pytest.mark.slow
 def test_project_stride_two(tmp_path):
     """`patchpar project` of stride 2 prices a round on the odd steady steps only (2 exact
     steps of 8, then rounds at steps 3, 5 and 7); a latent whose rows the 3 devices do not

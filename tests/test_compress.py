@@ -255,7 +255,7 @@ def test_compressed_packed_equals_per_site_bit_for_bit(strategy, options, patch,
         ("distrifusion", {"codec": "kv=int8,halo=int4"}, 4),
         pytest.param("distrifusion", {"codec": "kv=fp8,halo=fp8-e5m2"}, 2, marks=SLOW),
         pytest.param("pcpp", {"codec": "kv=sign1,halo=int2", "send": "band"}, 2, marks=SLOW),
-        ("compact", {"codec": "kv=lowrank-2,halo=sign1"}, 4),
+        pytest.param("compact", {"codec": "kv=lowrank-2,halo=sign1"}, 4, marks=SLOW),
         ("compact", {"codec": "kv=int8,halo=int4"}, 3),  # uneven patches: 8, 4, 4 rows
         pytest.param("pcpp", {"codec": "kv=int2,halo=lowrank-1", "send": "full"}, 4, marks=SLOW),
         pytest.param("compact", {"codec": "kv=int4,halo=int8"}, 2, marks=SLOW),

@@ -22,6 +22,7 @@ from patchpar.lab.launch import WorkerFailed
 pytestmark = pytest.mark.skipif(not can_bind_localhost(), reason="localhost cannot be bound")
 
 
+@pytest.mark.slow
 def test_a_dead_worker_ends_the_launch_naming_its_rank():
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed, match=r"worker rank 1 of 2 exited with code 7"):

@@ -108,6 +108,7 @@ def test_pipefusion_on_a_non_square_dit_image():
     assert out.shape == ref.shape and np.isfinite(out).all()
 
 
+@pytest.mark.slow
 def test_asyncdiff_on_a_non_square_dit_image():
     """tiny-dit on 2 components (one block each): warm-up over every step equals single; one
     exact step, then the asynchronous one, gives a finite latent of the right shape."""

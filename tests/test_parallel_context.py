@@ -34,7 +34,9 @@ FORWARD_CASES = [
     ("sd", "ring", {}, 8, 1, 1),
     pytest.param("sd", "ulysses", {}, 2, 1, 1, marks=SLOW),
     ("sd", "ulysses", {}, 8, 1, 1),  # 2 heads padded to 8
-    ("sdxl", "ulysses", {"ring_degree": 2}, 8, 1, 1),  # all-to-alls in 2 groups of 4, ring of 2
+    pytest.param(
+        "sdxl", "ulysses", {"ring_degree": 2}, 8, 1, 1, marks=SLOW
+    ),  # all-to-alls in 2 groups of 4, ring of 2
     pytest.param("sdxl", "ring", {}, 8, 2, 2, marks=SLOW),
     pytest.param("sd", "ring", {"ulysses_degree": 2}, 8, 1, 1, marks=SLOW),
     pytest.param("sd", "ulysses", {}, 4, 2, 1, marks=SLOW),
@@ -116,7 +118,7 @@ def test_data_axis_leaves_every_image_as_without_it(name, options):
     [
         ("sdxl", "ring", {}, 8, 1, 1),
         ("sd", "ulysses", {}, 8, 1, 1),  # padded heads travel too
-        ("sdxl", "ulysses", {"ring_degree": 2}, 8, 1, 1),
+        pytest.param("sdxl", "ulysses", {"ring_degree": 2}, 8, 1, 1, marks=SLOW),
         ("sd", "pcpp", {}, 8, 2, 2),
         pytest.param("sdxl", "ring", {"ulysses_degree": 4}, 8, 1, 1, marks=SLOW),
         pytest.param("sd", "distrifusion", {}, 8, 1, 4, marks=SLOW),
@@ -155,6 +157,7 @@ def test_hlo_ring_permutes_around_the_ring_and_ulysses_only_all_to_alls():
     assert {len(g) for c in a2a for g in c.groups} == {4}  # groups of 4 consecutive devices
 
 
+@pytest.mark.slow
 def test_ring_and_ulysses_move_what_xdit_says():
     """xDiT's cost table: Ring moves 2 O(p hs) per layer (its K/V once around), Ulysses 4/N
     of it (Q, K, V and the output, each (N-1)/N of a device's share)."""

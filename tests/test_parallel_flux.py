@@ -198,7 +198,7 @@ def test_columns_and_odd_rows_are_refused():
         Plan(make_strategy("sync_patch"), 4).validate(fn, (6, 12), 4, GUIDANCE)
 
 
-@pytest.mark.parametrize("text", ["mean", "first"])
+@pytest.mark.parametrize("text", ["mean", pytest.param("first", marks=pytest.mark.slow)])
 def test_text_stream_policies(text):
     """How the steady phase keeps the text stream: with warm-up over every step each policy
     equals sync_patch (the copies are equal then, nothing is sent); after warm-up `mean` and
@@ -338,8 +338,9 @@ def _displaced_reference(warmup: int, patches: int, split=None) -> np.ndarray:
 @pytest.mark.parametrize(
     "stages, patches, split",
     [
-        (2, 3, (6, 6, 4)),  # uneven: 3 patches of 8 token rows, each its own rows
-        pytest.param(2, 4, None, marks=pytest.mark.slow),
+        (2, 4, None),
+        # uneven: 3 patches of 8 token rows, each its own rows
+        pytest.param(2, 3, (6, 6, 4), marks=pytest.mark.slow),
         pytest.param(2, 8, None, marks=pytest.mark.slow),
     ],
 )

@@ -81,9 +81,9 @@ def one_call(name, devices, **options):
         ("sync_patch", 2, {}),
         pytest.param("sync_patch", 4, {}, marks=pytest.mark.slow),
         ("sync_patch", 4, {"cfg": 2}),
-        ("ring", 4, {}),
+        pytest.param("ring", 4, {}, marks=pytest.mark.slow),
         ("ulysses", 4, {}),  # 3 heads padded to 4
-        ("tensor", 3, {}),
+        pytest.param("tensor", 3, {}, marks=pytest.mark.slow),
         ("compact", 2, {"strategy": {"codec": "none"}}),  # the codec off: exact
         pytest.param("tensor", 4, {}, marks=pytest.mark.slow),  # 3 heads padded to 4
         pytest.param("sync_patch", 2, {"fsdp": True}, marks=pytest.mark.slow),

@@ -97,6 +97,7 @@ def test_two_processes_equal_one_device(launched, tmp_path):
     assert _rel(got["distrifusion"], got["sync_patch"]) > 1e-5
 
 
+@pytest.mark.slow
 def test_vae_rows_and_tiles_over_two_processes_equal_one_device(launched):
     """The VAE's row patches over 2 gloo processes (halo permutes, GroupNorm all-reduces, ring
     hops) decode and encode as one device does; the tiles spread over them decode as on one."""

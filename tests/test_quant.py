@@ -263,6 +263,7 @@ def test_sd3s_layer_split_refuses_a_quantized_module():
         Plan(make_strategy("pipefusion"), 2).validate(qf, x.shape[1:3], 10, m.GUIDANCE)
 
 
+@pytest.mark.slow
 def test_a_quantized_checkpoint_loads_without_the_floats(micro_folder, tmp_path, monkeypatch):
     """`save_quantized` writes a quantized denoiser beside its float checkpoint; loading the
     folder with that mode reads it (no float weights read) and gives the same parameters; a

@@ -406,6 +406,7 @@ def test_plot_skips_what_the_records_lack(tmp_path, capsys):
     assert "no records at" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_notebook_executes(swept, monkeypatch, run_notebook):
     _, folder, _ = swept
     monkeypatch.setenv("PATCHPAR_RESULTS", str(folder))

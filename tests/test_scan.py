@@ -120,7 +120,7 @@ def _plan(name: str, devices: int, options: dict) -> Plan:
 STRATEGIES = [
     pytest.param("pixart", "sync_patch", 2, {}, marks=pytest.mark.slow),
     ("pixart", "distrifusion", 2, {"warmup_steps": 1}),
-    ("pixart", "pcpp", 4, {"warmup_steps": 1, "send": "band"}),
+    pytest.param("pixart", "pcpp", 4, {"warmup_steps": 1, "send": "band"}, marks=pytest.mark.slow),
     pytest.param("pixart", "ring", 4, {}, marks=pytest.mark.slow),
     pytest.param("pixart", "ulysses", 4, {}, marks=pytest.mark.slow),
     pytest.param(

@@ -112,7 +112,15 @@ WAN = dict(
 )
 
 
-@pytest.mark.parametrize("steps, shift", [(10, 3.0), (4, 5.0), (2, 1.0), (1, 3.0)])
+@pytest.mark.parametrize(
+    "steps, shift",
+    [
+        (10, 3.0),
+        pytest.param(4, 5.0, marks=pytest.mark.slow),
+        (2, 1.0),
+        pytest.param(1, 3.0, marks=pytest.mark.slow),
+    ],  # fmt: skip
+)
 def test_flow_unipc_matches_diffusers(steps, shift):
     """Predictor and corrector of every step, first order at both ends, the integer timestep
     inputs; fed the same random velocities (shift 1: the first sigma is 1 - 1e-6)."""

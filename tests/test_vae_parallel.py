@@ -90,6 +90,7 @@ def test_tiled_decode_equals_diffusers_tiled_decode(tmp_path):
         close(decode(vae, params, z, VAEPlan("tiles", devices)), want)
 
 
+@pytest.mark.slow
 def test_tiles_differ_from_the_exact_decode(tiny):
     """Tiles normalise and attend within themselves: not the whole image's decode."""
     vae, params = tiny

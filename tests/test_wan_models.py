@@ -81,7 +81,7 @@ def reference(ref, x, t, ctx):
     return out.transpose(0, 2, 3, 4, 1)  # (B, F, H, W, C)
 
 
-@pytest.mark.parametrize("layout", ["frames", "rows", "3x2"])
+@pytest.mark.parametrize("layout", ["frames", "rows", pytest.param("3x2", marks=pytest.mark.slow)])
 def test_wan_matches_diffusers_in_every_layout(layout):
     ref = make_wan(TINY)
     x, t, ctx = inputs()
@@ -184,7 +184,7 @@ def flax_wan_vae(ref):
     return module, state_dict_to_params(state, abstract, "test")
 
 
-@pytest.mark.parametrize("frames", [1, 3])
+@pytest.mark.parametrize("frames", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_wan_vae_decode_matches_diffusers(frames):
     """Chunk by chunk with causal caches (the first latent frame one frame, each later one 4),
     two temporal and three spatial upsamplings, the middle block's per-frame attention."""
