@@ -188,7 +188,7 @@ def format_comm(rec: dict) -> str:
         f"  {'all (total over devices)':26s} {mb(rec['warmup_bytes_total'])} {mb(rec['steady_bytes_total'])}",
     ]
     pw, ps = (rec.get(k, {}).get("all", zero) for k in ("warmup_padding", "steady_padding"))
-    if pw["max"] or ps["max"]:  # uneven patches: what of the busiest device's is padding
+    if pw["max"] or ps["max"]:  # uneven patches: the most padding one device receives
         lines.append(f"  {'padding rows (most on one)':26s} {mb(pw['max'])} {mb(ps['max'])}")
     lines += [
         "",

@@ -127,8 +127,7 @@ def _local(
     x,
 ):  # fmt: skip
     """Inside shard_map: one device (a stage of every segment) of one phase."""
-    dev = _Device(unet, plan, sampler, schedule, gs, outer, blocks, real, cond)
-    dev.split = rows
+    dev = _Device(unet, plan, sampler, schedule, gs, outer, blocks, real, cond, rows)
     lat, hist, kv = dev.carried(x, first)
     if phase == "warmup":
         lat, hist, kv = lax.fori_loop(start, stop, dev.full_pass, (lat, hist, kv))
@@ -144,7 +143,8 @@ class _Device:
     from), `full_pass` (a warm-up step), `stream` (the steady steps, slot by slot), and
     `run_segment`, `predict` and `guide` that they call."""
 
-    def __init__(self, unet, plan, sampler, schedule, gs, outer, blocks, real, cond):
+    def __init__(self, unet, plan, sampler, schedule, gs, outer, blocks, real, cond, split=None):
+        self.split = split  # uneven patches' latent rows (None: even)
         self.unet, self.plan, self.sampler, self.schedule, self.gs = (
             unet,
             plan,
@@ -290,6 +290,8 @@ class _Device:
             eps = pad_rows(eps, self.split)
         eps = jnp.moveaxis(eps.reshape(self.b, self.patches, self.rows, self.width, -1), 1, 0)
         new, hist = jax.vmap(partial(self.sampler.step, self.schedule, i))(lat, eps, hist)
+        if self.split is not None:  # the padding rows stay zero
+            new = jax.vmap(self.own)(jnp.arange(self.patches), new)
         lat = jnp.where(s == self.final, new, lat)  # the middle stages keep none
         if self.final != 0:  # the new latent back to the first stage
             lat = jnp.where(s == 0, self.hop.send(new, ((self.final, 0),), self.pad), lat)

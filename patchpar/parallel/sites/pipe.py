@@ -57,7 +57,9 @@ class PipeKV(SiteOps):
     def self_attn_kv(self, mod, k: jax.Array, v: jax.Array, row: int | None = None):
         """The patch's fresh (B, T/M, D) keys/values written into its slot of the layer's
         whole-image buffers (B, T, D), which the queries then attend to (the default
-        `self_attention`)."""
+        `self_attention`). Uneven patches: (B, t, D) of the largest patch's t tokens, of which
+        the patch's own are written where its rows start; the buffers (B, T + tail, D), of
+        which the image's T are attended to."""
         del row  # patches are whole image rows
         b, tokens, d = k.shape
         whole = (b, tokens * self.patches, d)
@@ -85,7 +87,8 @@ class PipeKV(SiteOps):
         return jnp.asarray(starts)[self._at(mod)]
 
     def positions(self, mod, table, rows: int, cols: int) -> jax.Array:
-        if self.rows is not None:  # uneven: its own rows' positions, then padding's (zeros)
+        if self.rows is not None:  # uneven: its own rows' positions, then the next rows'
+            # (the last patch's padding: zeros), never read: the padding tokens are dropped
             whole = jnp.pad(jnp.asarray(table(sum(self.rows), cols)), ((0, rows * cols), (0, 0)))
             return lax.dynamic_slice_in_dim(whole, self._start(mod) * cols, rows * cols, axis=0)
         whole = jnp.asarray(table(rows * self.patches, cols))
@@ -119,7 +122,8 @@ class Hop(Site):
 
     def padding_bytes(self, info: dict, p: int) -> int:
         """A slot carries one (traced) patch; over a step's slots every patch passes once, so
-        the padding is that share of the bytes."""
+        the padding is that share of the bytes (each slot's rounded down: a step's total may
+        be short by a byte per slot)."""
         if info.get("pad") is None:
             return 0
         padding, rows = info["pad"]

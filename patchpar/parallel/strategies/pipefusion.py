@@ -28,7 +28,9 @@ class PipeFusion(Strategy):
         "M, the row patches streamed through the S stages (xDiT's num_pipeline_patch; default "
         "M = S, the devices on the patch axis); M >= S. A model of two kinds of blocks (FLUX.1: "
         "double-, then single-stream) runs them as two segments, the second back from stage "
-        "S-1 to 0, so M >= 2(S-1)+1 (default: the least such M that splits the token rows).",
+        "S-1 to 0, so M >= 2(S-1)+1 (default: the least such M that splits the token rows, "
+        "else the least M). Where M does not divide the token rows, the patches are as even "
+        "as the rows allow, each computed padded to the largest.",
     )
 
     def program(self):
