@@ -144,6 +144,7 @@ def test_stride_two_equals_the_reference(devices, warmup):
                     sample("single", 1)) <= 1e-4  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cfg_split_equals_the_same_components_without():
     one = sample("asyncdiff", 2, warmup_steps=2)
     assert max_diff(sample("asyncdiff", 4, 2, warmup_steps=2), one) <= reordered(one)

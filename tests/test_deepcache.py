@@ -152,6 +152,7 @@ def test_a_reused_step_keeps_the_deep_blocks_stale_buffers():
         assert not reuses or (changed and all(changed)), changed
 
 
+@pytest.mark.slow
 def test_bytes_of_a_reused_step_are_the_shallow_branchs():
     """sync_patch with DeepCache forced to each branch: HLO bytes equal the analytic model,
     and a reused step's are its shallow blocks' sites only (fewer, not none)."""

@@ -77,6 +77,7 @@ def test_pixel_space_pipeline_runs_patch_parallel():
     assert np.abs(sync.images.astype(int) - single.images).max() <= 1
 
 
+@pytest.mark.slow
 def test_fmnist_preset_one_image_per_class_deterministic():
     from patchpar.pipelines import load_pipeline
 

@@ -180,6 +180,7 @@ def test_max_sequence_length_above_the_models_is_refused(sd3_folder, tmp_path):
         load_pipeline(tmp_path / "pipe")
 
 
+@pytest.mark.slow
 def test_tiny_sd3_generates_on_row_patches(tmp_path):
     """`patchpar generate` on the tiny-sd3 preset (flow_euler, CFG): sync_patch on 2 devices
     gives single's latent."""

@@ -71,6 +71,7 @@ def test_row_decode_bytes_from_hlo_equal_the_sites_analytic_models(tiny, devices
     np.testing.assert_array_equal(hlo.per_device, analytic)
 
 
+@pytest.mark.slow
 def test_tiled_decode_equals_diffusers_tiled_decode(tmp_path):
     """diffusers' enable_tiling rule: same tiles, blends and crops, to float precision, on one
     device and spread over four (edge tiles of three shapes)."""

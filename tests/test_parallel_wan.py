@@ -1,0 +1,94 @@
+"""Strategies on a video: the micro Wan transformer on a 3-frame latent laid out as a tall image
+by frames, by rows and as a 3 x 2 grid of blocks, 4 UniPC steps with guidance. Each layout's
+`single` is the same video; exact strategies equal it (<= float32 rounding of the latents'
+scale); DistriFusion with warm-up over every step equals sync_patch; a stale run is not exact;
+HLO bytes equal the analytic model."""
+
+from functools import cache
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from parallel_helpers import rounding
+
+from patchpar.models.wan import Video, wan_denoiser
+from patchpar.parallel.engine import Plan, denoise
+from patchpar.parallel.strategies import make_strategy
+from patchpar.sampling.guidance import Conditioning
+from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
+
+TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=32, ffn_dim=40, num_layers=2)  # fmt: skip
+STEPS, GUIDANCE = 4, 5.0
+
+
+@cache
+def micro(layout: str):
+    fn = wan_denoiser(TINY, Video(3, layout))
+    return fn, fn.init(seed=1)
+
+
+def inputs():
+    rng = np.random.RandomState(0)
+    x = rng.randn(2, 3, 8, 6, 4).astype(np.float32)  # (B, F, H, W, C)
+    ctx = rng.randn(2, 2, 5, 16).astype(np.float32)  # (guidance halves, B, S, D)
+    return jnp.asarray(x), Conditioning(jnp.asarray(ctx), {})
+
+
+@cache
+def sample(layout: str, name: str, devices: int, **options) -> np.ndarray:
+    """The denoised video (B, F, H, W, C), whatever the layout."""
+    fn, params = micro(layout)
+    x, cond = inputs()
+    tall = fn.video.to_tall(x, 2)
+    smp = get_sampler("unipc")
+    sched = smp.schedule(SchedulerConfig(flow=True, shift=3.0), STEPS)
+    plan = Plan(make_strategy(name, **options), devices, 1)
+    plan.validate(fn, tall.shape[1:3], STEPS, GUIDANCE)
+    out, _ = denoise(fn, plan, smp, params, cond, sched, tall, GUIDANCE)
+    return np.asarray(fn.video.from_tall(out, 2))
+
+
+def test_every_layout_is_the_same_video_on_one_device():
+    want = sample("frames", "single", 1)
+    for layout in ("rows", "3x2"):
+        assert np.abs(sample(layout, "single", 1) - want).max() <= rounding(want)
+
+
+@pytest.mark.parametrize(
+    "layout, name, devices",
+    [
+        ("frames", "sync_patch", 3),  # a frame per device
+        ("rows", "sync_patch", 2),  # half of every frame's rows per device
+        ("3x2", "sync_patch", 6),  # a block of one frame x two token rows per device
+        ("frames", "ring", 4),  # 3 token rows per device: frames cut between their rows
+        pytest.param("rows", "ulysses", 2, marks=pytest.mark.slow),
+        pytest.param("frames", "sync_patch", 5, marks=pytest.mark.slow),  # uneven: 3,3,2,2,2
+    ],
+)
+def test_exact_strategies_on_a_video_equal_single(layout, name, devices):
+    want = sample(layout, "single", 1)
+    assert np.abs(sample(layout, name, devices) - want).max() <= rounding(want)
+
+
+@pytest.mark.parametrize("layout", ["frames", "rows"])
+def test_distrifusion_on_a_video(layout):
+    exact = sample(layout, "sync_patch", 3 if layout == "frames" else 2)
+    devices = 3 if layout == "frames" else 2
+    warm = sample(layout, "distrifusion", devices, warmup_steps=STEPS - 1)
+    assert np.abs(warm - exact).max() <= rounding(exact)
+    stale = sample(layout, "distrifusion", devices, warmup_steps=1)
+    assert np.abs(stale - exact).max() > 1e-3 * np.abs(exact).max()  # stale: not exact
+
+
+def test_hlo_bytes_equal_the_analytic_model_on_a_video():
+    from patchpar.measure.cost import measure
+
+    fn, params = micro("rows")
+    plan = Plan(make_strategy("distrifusion", warmup_steps=1), 2)
+    rec = measure(fn, plan, (24, 6), batch=2, params=params, flops=False)
+    for entry in rec["phases"].values():
+        assert entry["analytic_matches_hlo"], entry
+    # every device receives the other's K/V: 2 layers x (K and V) x 2 images x 2 guidance
+    # halves x 18 tokens x 24 wide x 4 bytes
+    assert rec["phases"]["steady"]["hlo"]["kv"]["max"] == 2 * 2 * 2 * 2 * 18 * 24 * 4
