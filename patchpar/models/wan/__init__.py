@@ -97,9 +97,10 @@ class WanFn(TokenDenoiser):
         return abstract_init(self.module.clone(scan=False), *args, **added)
 
 
-def wan_denoiser(config: dict, video: Video = Video(), dtype=jnp.float32, where="config.json"):
-    """The denoiser of a diffusers Wan transformer config.json, on `video`."""
-    return WanFn(WanTransformer3DModel(WanConfig.from_diffusers(config, where), video, dtype))
+def wan_denoiser(config: dict, video: Video | None = None, dtype=jnp.float32, where="config.json"):
+    """The denoiser of a diffusers Wan transformer config.json, on `video` (None: one frame)."""
+    cfg = WanConfig.from_diffusers(config, where)
+    return WanFn(WanTransformer3DModel(cfg, video or Video(), dtype))
 
 
 __all__ = ["Video", "WanConfig", "WanFn", "WanTransformer3DModel", "wan_denoiser"]
