@@ -248,6 +248,7 @@ def test_max_sequence_length_is_checked_before_any_weight_is_read(dev_folder, tm
             load_pipeline(tmp_path / "pipe")
 
 
+@pytest.mark.slow
 def test_tiny_flux_generates_on_row_patches(tmp_path):
     """`patchpar generate` on the tiny-flux preset (flow_euler and dev's guidance input by
     default): sync_patch on 2 devices gives single's latent; a split that does not fit says so

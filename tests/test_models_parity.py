@@ -13,7 +13,14 @@ from torch_refs import SDXL_POOLED, close, make_text_encoder, make_unet, make_va
 from patchpar.models import load_text_encoder, load_unet, load_vae  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["sd1", pytest.param("sd2", marks=pytest.mark.slow), "sdxl"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "sd1",
+        pytest.param("sd2", marks=pytest.mark.slow),
+        pytest.param("sdxl", marks=pytest.mark.slow),
+    ],
+)
 def test_unet_matches_diffusers(kind, tmp_path):
     ref = make_unet(kind)
     ref.save_pretrained(tmp_path)

@@ -59,9 +59,9 @@ def test_every_layout_is_the_same_video_on_one_device():
     "layout, name, devices",
     [
         ("frames", "sync_patch", 3),  # a frame per device
-        ("rows", "sync_patch", 2),  # half of every frame's rows per device
+        pytest.param("rows", "sync_patch", 2, marks=pytest.mark.slow),  # half of every frame's rows
         ("3x2", "sync_patch", 6),  # a block of one frame x two token rows per device
-        ("frames", "ring", 4),  # 3 token rows per device: frames cut between their rows
+        pytest.param("frames", "ring", 4, marks=pytest.mark.slow),  # 3 token rows each: frames cut
         pytest.param("rows", "ulysses", 2, marks=pytest.mark.slow),
         pytest.param("frames", "sync_patch", 5, marks=pytest.mark.slow),  # uneven: 3,3,2,2,2
     ],
@@ -71,7 +71,7 @@ def test_exact_strategies_on_a_video_equal_single(layout, name, devices):
     assert np.abs(sample(layout, name, devices) - want).max() <= rounding(want)
 
 
-@pytest.mark.parametrize("layout", ["frames", "rows"])
+@pytest.mark.parametrize("layout", ["frames", pytest.param("rows", marks=pytest.mark.slow)])
 def test_distrifusion_on_a_video(layout):
     exact = sample(layout, "sync_patch", 3 if layout == "frames" else 2)
     devices = 3 if layout == "frames" else 2

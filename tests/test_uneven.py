@@ -109,7 +109,7 @@ def test_sync_patch_on_uneven_patches_equals_single(model, hw, devices, weights,
     "model, hw, devices, strategy, options",
     [
         ("tiny-dit", (256, 256), 3, "ring", ()),
-        ("tiny-flux", (240, 256), 4, "ulysses", ()),
+        pytest.param("tiny-flux", (240, 256), 4, "ulysses", (), marks=SLOW),
         ("tiny-flux", (240, 256), 4, "ring", (("ulysses_degree", 2),)),  # 2 x 2 hybrid
         pytest.param("tiny", (256, 256), 3, "ring", (), marks=SLOW),  # a UNet's attention
         pytest.param("tiny-dit", (256, 256), 3, "ulysses", (), marks=SLOW),
