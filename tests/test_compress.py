@@ -196,6 +196,7 @@ def _err(strategy, patch, **options):
     return float(np.abs(out - ref).max())
 
 
+@SLOW
 def test_compact_without_a_codec_is_sync_patch():
     assert _err("compact", 4, codec="kv=none,halo=none") <= 1e-4
 

@@ -165,7 +165,7 @@ def displaced_reference(warmup: int, patches: int, split: tuple | None = None) -
 @pytest.mark.parametrize(
     "stages, patches",
     [
-        (2, 4),
+        pytest.param(2, 4, marks=pytest.mark.slow),  # the default tier: uneven (2, 5) below
         pytest.param(4, 4, marks=pytest.mark.slow),
         pytest.param(2, 2, marks=pytest.mark.slow),
         pytest.param(4, 8, marks=pytest.mark.slow),

@@ -128,7 +128,9 @@ STRATEGIES = [
     ),
     ("pixart", "tensor", 2, {}),  # 3 heads padded to 4 over model=2: the local shapes stacked
     pytest.param("flux", "tensor", 3, {}, marks=pytest.mark.slow),  # proj_out's 5 parts
-    ("pixart", "sync_patch", 4, {"fsdp": True}),  # every block's shares gathered in the loop
+    pytest.param(
+        "pixart", "sync_patch", 4, {"fsdp": True}, marks=pytest.mark.slow
+    ),  # every block's shares gathered in the loop
     pytest.param(
         "sd3", "distrifusion", 2, {"warmup_steps": 1, "text": "first"}, marks=pytest.mark.slow
     ),  # fmt: skip
