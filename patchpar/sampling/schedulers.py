@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from patchpar.sampling import unipc
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -77,8 +79,8 @@ class SchedulerConfig:
     def from_diffusers(
         cls, cfg: dict, where: str = "scheduler/scheduler_config.json"
     ) -> SchedulerConfig:
-        unipc = cfg.get("_class_name", "UniPCMultistepScheduler") == "UniPCMultistepScheduler"
-        if unipc and cfg.get("use_flow_sigmas"):  # (an in-memory config has no class name)
+        is_unipc = cfg.get("_class_name", "UniPCMultistepScheduler") == "UniPCMultistepScheduler"
+        if is_unipc and cfg.get("use_flow_sigmas"):  # (an in-memory config has no class name)
             return cls._unipc_flow(cfg, where)
         checks = {
             "beta_schedule": ("linear", "scaled_linear"),
@@ -410,80 +412,12 @@ def unipc_schedule(cfg: SchedulerConfig, n: int) -> Schedule:
         sig[0] -= 1e-6
     t = np.trunc(sig * big).astype(np.float32)
     sigmas = np.concatenate([sig, [0.0]]).astype(np.float32)
-    f32 = np.float32
-    with np.errstate(divide="ignore"):
-        alpha = (f32(1) - sigmas).astype(f32)
-        lam = (np.log(alpha) - np.log(sigmas)).astype(f32)  # +inf at sigma 0
-    order = [min(2, n - i, i + 1) for i in range(n)]  # lower_order_final, multistep warm-up
-    coef = np.zeros((n, 8), f32)
-    for i in range(n):
-        coef[i, :3] = _unipc_predictor(sigmas, alpha, lam, i, order[i])
-        if i > 0:  # the corrector of step i - 1's prediction, at step i
-            coef[i, 3:7] = _unipc_corrector(sigmas, alpha, lam, i, order[i - 1])
-            coef[i, 7] = 1
+    coef = unipc.coefficients(sigmas)
     z = jnp.zeros(n, jnp.float32)
     return Schedule(
         jnp.asarray(t), jnp.asarray(sigmas), z, z, jnp.asarray(1.0, jnp.float32),
         jnp.asarray(0.0, jnp.float32), False, jnp.asarray(coef),
     )  # fmt: skip
-
-
-def _unipc_h(alpha, lam, sigmas, s: int, t: int):
-    """(hh = -h, h phi_1 = expm1(hh), B(h) = expm1(hh) (bh2)) from step s to t, float32."""
-    f32 = np.float32
-    with np.errstate(invalid="ignore"):
-        hh = f32(-(lam[t] - lam[s]))
-        phi1 = f32(np.expm1(hh))
-    return hh, phi1, phi1
-
-
-def _unipc_predictor(sigmas, alpha, lam, i: int, order: int):
-    """x_next = a x + m0 m_i + d (m_{i-1} - m_i): UniP-`order` from sigma_i to sigma_{i+1}."""
-    f32 = np.float32
-    hh, phi1, bh = _unipc_h(alpha, lam, sigmas, i, i + 1)
-    a = f32(sigmas[i + 1] / sigmas[i])
-    m0 = f32(-alpha[i + 1] * phi1)
-    d = f32(0)
-    if order == 2:  # rhos_p = 0.5; D1 = (m_{i-1} - m_i) / r1
-        r1 = f32((lam[i - 1] - lam[i]) / -hh)
-        d = f32(-alpha[i + 1] * bh * f32(0.5) / r1)
-    return a, m0, d
-
-
-def _unipc_corrector(sigmas, alpha, lam, i: int, order: int):
-    """At step i: x_i = a x_last + m0 m_{i-1} + d (m_{i-2} - m_{i-1}) + t (m_i - m_{i-1}), the
-    UniC-`order` correction of the prediction from sigma_{i-1}."""
-    f32 = np.float32
-    hh, phi1, bh = _unipc_h(alpha, lam, sigmas, i - 1, i)
-    a = f32(sigmas[i] / sigmas[i - 1])
-    m0 = f32(-alpha[i] * phi1)
-    if order == 1:
-        return a, m0, f32(0), f32(-alpha[i] * bh * f32(0.5))
-    r1 = f32((lam[i - 2] - lam[i - 1]) / -hh)
-    phik = f32(phi1 / hh - 1)  # h phi_k(h) / h^k, k = 1, 2
-    b1 = f32(phik / bh)
-    phik = f32(phik / hh - f32(0.5))
-    b2 = f32(phik * 2 / bh)
-    rho = np.linalg.solve(np.array([[1, 1], [r1, 1]], f32), np.array([b1, b2], f32)).astype(f32)
-    return a, m0, f32(-alpha[i] * bh * rho[0] / r1), f32(-alpha[i] * bh * rho[1])
-
-
-def unipc_step(s: Schedule, i, x, out, carry):
-    """One UniPC step on a velocity `out`: x0 = x - sigma v; the corrector (from step 1) moves
-    the sample the last predictor made, then the predictor steps from it; float32 inside."""
-    last, m1, m2 = carry  # the sample before the last predictor, m_{i-1}, m_{i-2}
-    c = s.coef[i]
-    xf = x.astype(jnp.float32)
-    m = xf - s.sigmas[i] * out.astype(jnp.float32)
-    corrected = c[3] * last + c[4] * m1 + c[5] * (m2 - m1) + c[6] * (m - m1)
-    xf = jnp.where(c[7] > 0, corrected, xf)
-    x_next = c[0] * xf + c[1] * m + c[2] * (m1 - m)
-    return x_next.astype(x.dtype), (xf, m, m1)
-
-
-def _unipc_carry(x: jax.Array):
-    z = jnp.zeros(x.shape, jnp.float32)
-    return (z, z, z)
 
 
 # ---------------------------------------------------------------- registry
@@ -518,7 +452,7 @@ SAMPLERS: dict[str, Sampler] = {
     ),
     "flow_euler": Sampler("flow_euler", flow_euler_schedule, flow_euler_step, _identity_scale),
     "unipc": Sampler(
-        "unipc", unipc_schedule, unipc_step, _identity_scale, multistep=True, carry=_unipc_carry
+        "unipc", unipc_schedule, unipc.step, _identity_scale, multistep=True, carry=unipc.carry
     ),
 }
 # samplers of DDPM-style (noise / v prediction) models; flow-matching models take flow_euler
