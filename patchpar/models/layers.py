@@ -353,3 +353,14 @@ class AdaNormContinuous(nn.Module):
         m = dense(2 * self.dim, "linear", self.dtype)(nn.silu(temb))
         scale, shift = m[:, None, : self.dim], m[:, None, self.dim :]
         return layer_norm(x) * (1 + scale) + shift
+
+
+def apply_rope(x: jax.Array, rope: jax.Array) -> jax.Array:
+    """x (B, T, H, D) rotated by rope (T, 2D) [cos | sin]: pairs (x_2k, x_2k+1) turn by their
+    angle (diffusers' apply_rotary_emb, unbind dim -1), in float32."""
+    d = x.shape[-1]
+    cos, sin = rope[None, :, None, :d], rope[None, :, None, d:]
+    xf = x.astype(jnp.float32)
+    pairs = xf.reshape(*x.shape[:-1], d // 2, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    return (xf * cos + rotated * sin).astype(x.dtype)

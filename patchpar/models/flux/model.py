@@ -39,6 +39,7 @@ from patchpar.models.layers import (
     RMSNorm,
     SiluProjection,
     TimestepEmbedding,
+    apply_rope,
     dense,
     layer_norm,
     timestep_embedding,
@@ -161,17 +162,6 @@ def rope_table(config: FluxConfig, rows: int, cols: int, theta: float = 10000.0)
         cos.append(np.repeat(np.cos(angle), 2, axis=1))
         sin.append(np.repeat(np.sin(angle), 2, axis=1))
     return np.concatenate([*cos, *sin], axis=1).astype(np.float32)
-
-
-def apply_rope(x: jax.Array, rope: jax.Array) -> jax.Array:
-    """x (B, T, H, D) rotated by rope (T, 2D) [cos | sin]: pairs (x_2k, x_2k+1) turn by their
-    angle (diffusers' apply_rotary_emb, unbind dim -1), in float32."""
-    d = x.shape[-1]
-    cos, sin = rope[None, :, None, :d], rope[None, :, None, d:]
-    xf = x.astype(jnp.float32)
-    pairs = xf.reshape(*x.shape[:-1], d // 2, 2)
-    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    return (xf * cos + rotated * sin).astype(x.dtype)
 
 
 class JointAttention(nn.Module):

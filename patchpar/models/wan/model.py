@@ -29,7 +29,14 @@ import numpy as np
 
 from patchpar.models import scan
 from patchpar.models.attention import AUTO, AttentionSpec, attend
-from patchpar.models.layers import GeluFeedForward, TimestepEmbedding, dense, timestep_embedding
+from patchpar.models.layers import (
+    GeluFeedForward,
+    TimestepEmbedding,
+    apply_rope,
+    dense,
+    layer_norm,
+    timestep_embedding,
+)
 from patchpar.models.sites import IDENTITY, SiteOps
 
 CLASS_NAMES = ("WanTransformer3DModel",)
@@ -202,25 +209,6 @@ def rope_table(config: WanConfig, video: Video, rows: int, cols: int) -> np.ndar
     return np.concatenate([*cos, *sin], axis=1).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, rope: jax.Array) -> jax.Array:
-    """x (B, T, H, D) rotated by rope (T, 2D) [cos | sin]: pairs (x_2k, x_2k+1) turn by their
-    angle, in float32."""
-    d = x.shape[-1]
-    cos, sin = rope[None, :, None, :d], rope[None, :, None, d:]
-    xf = x.astype(jnp.float32)
-    pairs = xf.reshape(*x.shape[:-1], d // 2, 2)
-    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    return (xf * cos + rotated * sin).astype(x.dtype)
-
-
-def _layer_norm(x: jax.Array, eps: float) -> jax.Array:
-    """FP32LayerNorm without affine: float32 statistics and result."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    return (xf - mean) * jax.lax.rsqrt(var + eps)
-
-
 class HeadsRMSNorm(nn.Module):
     """torch.nn.RMSNorm over every head's dims (`rms_norm_across_heads`); under tensor
     parallelism this device holds `share` of them: the mean square is summed over the model
@@ -290,7 +278,7 @@ class WanBlock(nn.Module):
         mods = table.astype(jnp.float32) + t6.astype(jnp.float32)  # (B, 6, D)
         shift, scale, gate, c_shift, c_scale, c_gate = (mods[:, i : i + 1] for i in range(6))
         attention = lambda name: WanAttention(cfg, dt, self.ops, self.attn, name=name)  # noqa: E731
-        h = (_layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(dt)
+        h = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(dt)
         if modulated_only:
             return h
         a = attention("attn1")(h, rope=rope, row=row)
@@ -301,7 +289,7 @@ class WanBlock(nn.Module):
         else:
             h = x
         x = x + attention("attn2")(h, context)
-        h = (_layer_norm(x, cfg.eps) * (1 + c_scale) + c_shift).astype(dt)
+        h = (layer_norm(x, cfg.eps) * (1 + c_scale) + c_shift).astype(dt)
         ff = GeluFeedForward(d, dt, self.ops, inner=cfg.ffn_dim, name="ffn")(h)
         return (x.astype(jnp.float32) + ff.astype(jnp.float32) * c_gate).astype(dt)
 
@@ -442,7 +430,7 @@ class WanTransformer3DModel(nn.Module):
         p, b = cfg.spatial_patch, x.shape[0]
         mods = self.scale_shift_table.astype(jnp.float32) + temb.astype(jnp.float32)[:, None]
         shift, scale = mods[:, :1], mods[:, 1:]
-        x = (_layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(self.dtype)
+        x = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(self.dtype)
         x = self.proj_out(x).reshape(b, h // p, w // p, p, p, cfg.out_channels)
         return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, cfg.out_channels)
 
