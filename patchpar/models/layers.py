@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from patchpar.models.attention import AUTO, AttentionSpec, attend
 from patchpar.models.sites import IDENTITY, SiteOps
@@ -364,3 +365,16 @@ def apply_rope(x: jax.Array, rope: jax.Array) -> jax.Array:
     pairs = xf.reshape(*x.shape[:-1], d // 2, 2)
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
     return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def rope_of_ids(ids: np.ndarray, dims, theta: float = 10000.0) -> np.ndarray:
+    """(N, 2 x sum(dims)) float32 [cos | sin] of N tokens' integer ids (N, len(dims)): id axis i
+    turns dims[i] of each head (float64 angles, each frequency's cos and sin repeated for its
+    pair of dims), as diffusers' 1-D rotary embeddings with `repeat_interleave_real`."""
+    cos, sin = [], []
+    for i, d in enumerate(dims):
+        freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+        angle = np.outer(ids[:, i].astype(np.float64), freqs)
+        cos.append(np.repeat(np.cos(angle), 2, axis=1))
+        sin.append(np.repeat(np.sin(angle), 2, axis=1))
+    return np.concatenate([*cos, *sin], axis=1).astype(np.float32)

@@ -42,6 +42,7 @@ from patchpar.models.layers import (
     apply_rope,
     dense,
     layer_norm,
+    rope_of_ids,
     timestep_embedding,
 )
 from patchpar.models.sites import IDENTITY, SiteOps
@@ -155,13 +156,7 @@ def rope_table(config: FluxConfig, rows: int, cols: int, theta: float = 10000.0)
     bit-identical to one device."""
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     ids = np.stack([np.zeros(r.size), r.reshape(-1), c.reshape(-1)], axis=1).astype(np.float32)
-    cos, sin = [], []
-    for i, d in enumerate(config.axes_dims_rope):
-        freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-        angle = np.outer(ids[:, i].astype(np.float64), freqs)
-        cos.append(np.repeat(np.cos(angle), 2, axis=1))
-        sin.append(np.repeat(np.sin(angle), 2, axis=1))
-    return np.concatenate([*cos, *sin], axis=1).astype(np.float32)
+    return rope_of_ids(ids, config.axes_dims_rope, theta)
 
 
 class JointAttention(nn.Module):

@@ -35,6 +35,7 @@ from patchpar.models.layers import (
     apply_rope,
     dense,
     layer_norm,
+    rope_of_ids,
     timestep_embedding,
 )
 from patchpar.models.sites import IDENTITY, SiteOps
@@ -197,16 +198,9 @@ def rope_table(config: WanConfig, video: Video, rows: int, cols: int) -> np.ndar
     hw = 2 * (d // 6)
     dims = (d - 2 * hw, hw, hw)
     order = video.units(rows * config.spatial_patch, config.spatial_patch)  # (rows, 2)
-    f = np.repeat(order[:, 0], cols)
-    r = np.repeat(order[:, 1], cols)
-    c = np.tile(np.arange(cols), rows)
-    cos, sin = [], []
-    for ids, dim in zip((f, r, c), dims, strict=True):
-        freqs = 1.0 / 10000.0 ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        angle = np.outer(ids.astype(np.float64), freqs)
-        cos.append(np.repeat(np.cos(angle), 2, axis=1))
-        sin.append(np.repeat(np.sin(angle), 2, axis=1))
-    return np.concatenate([*cos, *sin], axis=1).astype(np.float32)
+    ids = np.stack([np.repeat(order[:, 0], cols), np.repeat(order[:, 1], cols),
+                    np.tile(np.arange(cols), rows)], axis=1)  # fmt: skip
+    return rope_of_ids(ids, dims)
 
 
 class HeadsRMSNorm(nn.Module):

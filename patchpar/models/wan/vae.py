@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from patchpar.models.attention import AUTO
 from patchpar.models.sites import IDENTITY, SiteOps
 
 CACHE = "cache"  # Flax collection: each causal convolution's last frames of its input
@@ -87,6 +88,13 @@ def _conv(x, kernel, bias, strides=None):
     return y + bias.astype(x.dtype)
 
 
+def _padded(mod, x: jax.Array, p: int) -> jax.Array:
+    """(N, h, W, C) frames with `p` rows of the neighbours above and below (the halo site; zeros
+    on one device) and `p` zero columns each side."""
+    x = mod.ops.halo(mod, x, p, p)
+    return jnp.pad(x, ((0, 0), (0, 0), (p, p), (0, 0)))
+
+
 class CausalConv3d(nn.Module):
     """WanCausalConv3d: a (kt, k, k) convolution, causal in time (its input's last kt - 1
     frames kept in the `cache` collection for the next chunk; zeros before the first), its
@@ -111,10 +119,8 @@ class CausalConv3d(nn.Module):
             if not self.is_initializing():
                 cache.value = x[:, -(kt - 1) :]
         if kh > 1:  # rows through the site (folded over frames), columns zero
-            b, t, h, w, _ = x.shape
-            p = kh // 2
-            x = self.ops.halo(self, x.reshape(b * t, h, w, c), p, p)
-            x = jnp.pad(x, ((0, 0), (0, 0), (kw // 2, kw // 2), (0, 0)))
+            b, t = x.shape[:2]
+            x = _padded(self, x.reshape(b * t, *x.shape[2:]), kh // 2)
             x = x.reshape(b, t, *x.shape[1:])
         return _conv(x, kernel, bias)
 
@@ -169,11 +175,7 @@ class AttentionBlock(nn.Module):
         y = RMSNorm(True, self.dtype, name="norm")(x).reshape(b * t, h, w, c)
         qkv = nn.Conv(3 * c, (1, 1), dtype=self.dtype, param_dtype=self.dtype, name="to_qkv")(y)
         q, k, v = (a.reshape(b * t, h * w, c) for a in jnp.split(qkv, 3, axis=-1))
-        k, v, mask = self.ops.self_attn_kv(self, k, v, w)
-        logits = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32) / c**0.5
-        if mask is not None:
-            logits = jnp.where(mask[None, None], logits, jnp.finfo(jnp.float32).min)
-        out = jnp.einsum("bqk,bkc->bqc", jax.nn.softmax(logits, -1).astype(v.dtype), v)
+        out = self.ops.self_attention(self, q, k, v, 1, AUTO, w)  # one head
         out = nn.Conv(c, (1, 1), dtype=self.dtype, param_dtype=self.dtype, name="proj")(
             out.reshape(b * t, h, w, c)
         )
@@ -201,8 +203,7 @@ class Resample(nn.Module):
                 x = jnp.moveaxis(y, 4, 2).reshape(b, 2 * t, h, w, c)
                 t = 2 * t
         x = jnp.repeat(jnp.repeat(x.reshape(b * t, h, w, c), 2, axis=1), 2, axis=2)
-        x = self.ops.halo(self, x, 1, 1)
-        x = jnp.pad(x, ((0, 0), (0, 0), (1, 1), (0, 0)))
+        x = _padded(self, x, 1)
         conv = nn.Conv(c // 2, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=self.dtype,
                        name="resample_1")  # fmt: skip
         y = conv(x)
