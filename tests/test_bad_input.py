@@ -70,7 +70,7 @@ def test_unet_config_missing_keys_and_inpainting():
     [
         ("SanaPipeline", "unsupported: SanaPipeline is Sana"),
         ("QwenImagePipeline", "unsupported: QwenImagePipeline is Qwen-Image"),
-        ("WanPipeline", "unsupported: WanPipeline is Wan"),
+        ("WanImageToVideoPipeline", "unsupported: WanImageToVideoPipeline is Wan image-to-video"),
         ("StableDiffusionInpaintPipeline", "is inpainting"),
     ],
 )

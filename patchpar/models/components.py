@@ -115,6 +115,9 @@ def abstract_init(module, *args, **kwargs):
     return jax.eval_shape(init, *args, **kwargs)
 
 
+SCALES = ("scale", "gamma")  # norm scales' leaf names (gamma: the Wan VAE's RMS norms)
+
+
 def random_params(abstract, seed: int):
     """Deterministic random weights for an abstract parameter tree, drawn with NumPy (compiling a
     Flax init of a UNet takes tens of seconds on CPU): LeCun-normal kernels, unit-normal
@@ -129,7 +132,7 @@ def random_params(abstract, seed: int):
             value = rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
         elif path[-1] == "embedding":
             value = rng.standard_normal(leaf.shape)
-        elif path[-1] == "scale":
+        elif path[-1] in SCALES:
             value = np.ones(leaf.shape)
         else:
             value = np.zeros(leaf.shape)
@@ -148,7 +151,8 @@ def random_params_on_device(abstract, seed: int):
     groups: dict[tuple, list] = {}
     for path in sorted(flat):
         leaf = flat[path]
-        kind = path[-1] if path[-1] in ("kernel", "embedding", "scale") else "zero"
+        kind = path[-1] if path[-1] in ("kernel", "embedding") else "zero"
+        kind = "scale" if path[-1] in SCALES else kind
         groups.setdefault((kind, tuple(leaf.shape), jnp.dtype(leaf.dtype).name), []).append(path)
     order = sorted(groups.items())
 

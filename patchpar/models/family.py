@@ -32,13 +32,15 @@ if TYPE_CHECKING:
     from patchpar.sampling.guidance import Conditioning
 
 # The family packages under patchpar/models/, in the order folders are matched.
-PACKAGES = ("unet", "pixart", "flux", "sd3")
+PACKAGES = ("unet", "pixart", "flux", "sd3", "wan")
 
 # What people point patchpar at that no family runs: a pipeline's or a denoiser's
 # `_class_name` (a substring of it) -> what it is.
 UNSUPPORTED = {
     "QwenImage": "Qwen-Image (an MMDiT transformer, not supported yet)",
-    "Wan": "Wan (a video DiT, not supported yet)",
+    "WanImageToVideo": "Wan image-to-video (not supported yet; patchpar runs Wan text-to-video)",
+    "WanVideoToVideo": "Wan video-to-video (not supported yet; patchpar runs Wan text-to-video)",
+    "WanVACE": "Wan VACE (not supported yet; patchpar runs Wan text-to-video)",
     "HunyuanVideo": "HunyuanVideo (a video DiT, not supported yet)",
     "Sana": "Sana (a linear-attention DiT, not supported yet)",
     "HunyuanDiT": "HunyuanDiT (not supported yet)",
@@ -164,6 +166,7 @@ class Family:
     default_sampler: ClassVar[str] = "ddim"  # the sampler a run takes unless told
     # a flow-matching pipeline's sigmas before the shift (`SchedulerConfig.flow_sigmas`)
     flow_sigmas: ClassVar[str] = "linspace"
+    video: ClassVar[bool] = False  # its pipelines make video (`pipelines.text2video`)
 
     # ---------------------------------------------------------------- the denoiser
 
@@ -182,6 +185,20 @@ class Family:
     def is_large(self, config: dict) -> bool:
         """Whether a denoiser config is of a full-size model (bfloat16 by default)."""
         raise NotImplementedError
+
+    # ---------------------------------------------------------------- the VAE
+
+    def vae_factor(self, config: dict) -> int:
+        """Image pixels per latent pixel of a vae/config.json."""
+        from patchpar.models.vae import VAEConfig
+
+        return VAEConfig.from_diffusers(config).downsample_factor
+
+    def load_vae(self, path: Path, dtype, attention: AttentionSpec):
+        """(fn, params) of the vae/ folder `path`."""
+        from patchpar.models.components import load_vae
+
+        return load_vae(path, dtype, attention)
 
     # ---------------------------------------------------------------- the text
 

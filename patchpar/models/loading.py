@@ -194,12 +194,14 @@ _LIST_NAMES = {
     "layers",
     "block",  # T5
     "layer",
+    "resample",  # the Wan VAE's upsamplers (nn.Sequential)
 }
 
 
-def write_component(folder: Path, config: dict, params) -> None:
+def write_component(folder: Path, config: dict, params, rename=None) -> None:
     """Write config.json and diffusion_pytorch_model.safetensors (or model.safetensors for
-    transformers components, when config has `architectures`)."""
+    transformers components, when config has `architectures`); `rename` maps the state dict's
+    keys to the checkpoint's where a module names a layer otherwise (Wan's blocks)."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
@@ -208,7 +210,9 @@ def write_component(folder: Path, config: dict, params) -> None:
     fname = (
         "model.safetensors" if "architectures" in config else "diffusion_pytorch_model.safetensors"
     )
-    save_file(params_to_state_dict(params), str(folder / fname), metadata={"format": "pt"})
+    state = params_to_state_dict(params)
+    save_file(state if rename is None else rename(state), str(folder / fname),
+              metadata={"format": "pt"})  # fmt: skip
 
 
 DERIVED = "quantized-*"  # files patchpar writes beside the weights (`quant.save_quantized`)

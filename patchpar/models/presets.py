@@ -134,10 +134,8 @@ def resolve_dtype(dtype: str, model: str | Path) -> str:
 
 def latent_factor(model: str | Path) -> int:
     """Image pixels per latent pixel of a preset or diffusers folder (1: pixel space, no VAE)."""
-    from patchpar.models.vae import VAEConfig
-
     vae = component_config(model, "vae")
-    return 1 if vae is None else VAEConfig.from_diffusers(vae).downsample_factor
+    return 1 if vae is None else model_family(model).vae_factor(vae)
 
 
 def square_latent(model: str | Path, resolution: int) -> int:

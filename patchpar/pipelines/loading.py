@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 
 from patchpar.models.attention import AUTO, AttentionSpec
-from patchpar.models.components import load_vae
 from patchpar.models.loading import read_config
 from patchpar.models.presets import PRESETS, SHIPPED, check_model, model_family, preset_folder
 from patchpar.pipelines.text2img import Pipeline
@@ -62,12 +61,16 @@ def load_pipeline(
         stamp = _float_stamp(sub)
         denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
     text = fam.load_text(folder, index, dtype)
-    vae = load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
+    vae = fam.load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )
     sched = replace(sched, flow_sigmas=fam.flow_sigmas)
-    pipe = Pipeline(*denoiser, *vae, text, sched, name, fam.default_sampler, read, stamp)
+    if fam.video:
+        from patchpar.pipelines.text2video import VideoPipeline as cls
+    else:
+        cls = Pipeline
+    pipe = cls(*denoiser, *vae, text, sched, name, fam.default_sampler, read, stamp)
     return pipe if pipe.quant == quant else pipe.quantized(quant)
 
 

@@ -381,8 +381,8 @@ class Pipeline:
         if not prompts:
             raise ValueError("no prompts given")
         sampler = self.default_sampler if sampler is None else sampler
-        size = self.unet.config.sample_size * self.latent_factor
-        height = size if height is None else height  # 0 is an error (check_size), not "default"
+        if height is None:  # 0 is an error (check_size), not "default"
+            height = self.unet.config.sample_size * self.latent_factor
         width = height if width is None else width
         hw = self.check_size(height, width)
         check_seed(seed)

@@ -1,18 +1,34 @@
 """The Wan family (Wan 2.1 / 2.2 text-to-video): `WanTransformer3DModel` in Flax (`model`), on a
-video laid out as a tall image (`model.Video`), its VAE's decoder (`vae`), and the denoiser
-`WanFn` the engine runs. Not yet a registered family (`patchpar.models.family.PACKAGES`): its
-folders, presets, text conditioning and video pipeline come next."""
+video laid out as a tall image (`model.Video`), its VAE's decoder (`vae`), its presets
+(`presets`), the denoiser `WanFn` the engine runs, the umT5 conditioning of WanPipeline, and
+`FAMILY`, what the rest of patchpar asks of it (`patchpar.models.family`). Its pipelines make
+video (`patchpar.pipelines.text2video`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import html
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from patchpar.models.components import abstract_init
-from patchpar.models.wan.model import LOGICAL, Video, WanConfig, WanTransformer3DModel
+from patchpar.models.attention import AUTO, AttentionSpec, resolve
+from patchpar.models.components import abstract_init, encode_text, random_params
+from patchpar.models.family import Family, max_sequence_length
+from patchpar.models.loading import CheckpointError, read_config
+from patchpar.models.wan import presets as _presets
+from patchpar.models.wan.model import (
+    CLASS_NAMES,
+    LOGICAL,
+    Video,
+    WanConfig,
+    WanTransformer3DModel,
+)
+from patchpar.models.wan.vae import WanVAEConfig, WanVAEDecoder, decode
 from patchpar.models.wrapper import TokenDenoiser
 
 
@@ -41,6 +57,18 @@ class WanFn(TokenDenoiser):
     @property
     def row_multiple_reason(self) -> str:
         return f"patch size {self.config.spatial_patch}"
+
+    @property
+    def default_size(self) -> tuple[int, int]:
+        """The frame size (pixels) a pipeline makes unless told: the config's `sample_height`
+        and `sample_width`, else WanPipeline's 480 x 832."""
+        extra = self.config.extra
+        return extra.get("sample_height", 480), extra.get("sample_width", 832)
+
+    @property
+    def default_frames(self) -> int:
+        """The frames a pipeline makes unless told: `sample_frames`, else WanPipeline's 81."""
+        return self.config.extra.get("sample_frames", 81)
 
     @property
     def video(self) -> Video:
@@ -97,10 +125,212 @@ class WanFn(TokenDenoiser):
         return abstract_init(self.module.clone(scan=False), *args, **added)
 
 
-def wan_denoiser(config: dict, video: Video | None = None, dtype=jnp.float32, where="config.json"):
+def wan_denoiser(config: dict, video: Video | None = None, dtype=jnp.float32, where="config.json",
+                 attention: AttentionSpec = AUTO) -> WanFn:  # fmt: skip
     """The denoiser of a diffusers Wan transformer config.json, on `video` (None: one frame)."""
     cfg = WanConfig.from_diffusers(config, where)
-    return WanFn(WanTransformer3DModel(cfg, video or Video(), dtype))
+    return WanFn(WanTransformer3DModel(cfg, video or Video(), dtype, attn=attention))
 
 
-__all__ = ["Video", "WanConfig", "WanFn", "WanTransformer3DModel", "wan_denoiser"]
+# ---------------------------------------------------------------------------- the VAE
+
+
+@dataclass(frozen=True)
+class WanVAEFn:
+    """Wan's video VAE, its decoder alone (`vae.decode`): latents (B, F, h, w, z), already
+    un-normalised, -> frames (B, 1 + 4 (F - 1), 8h, 8w, 3) in [-1, 1]."""
+
+    module: WanVAEDecoder
+
+    @property
+    def config(self) -> WanVAEConfig:
+        return self.module.config
+
+    def decode(self, params, z: jax.Array) -> jax.Array:
+        return decode(self.module, params, z)
+
+    def unnormalise(self, latents: jax.Array) -> jax.Array:
+        """The sampler's latent (B, F, h, w, z) as the decoder takes it: x std + mean per channel
+        (diffusers' `latents / (1 / std) + mean`)."""
+        cfg = self.config
+        if not cfg.latents_mean:
+            return latents
+        mean = jnp.asarray(cfg.latents_mean, jnp.float32)
+        inv = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
+        return (latents.astype(jnp.float32) / inv + mean).astype(latents.dtype)
+
+    def abstract_params(self):
+        z = jax.ShapeDtypeStruct((1, 1, 2, 2, self.config.z_dim), self.module.dtype)
+        return abstract_init(self.module, z)
+
+    def init(self, seed: int = 0):
+        return random_params(self.abstract_params(), seed)
+
+
+def load_wan_vae(path: Path, dtype=jnp.float32) -> tuple[WanVAEFn, dict]:
+    """The decoder of an AutoencoderKLWan folder (its encoder's weights are not read)."""
+    from patchpar.models.loading import read_state_dict, state_dict_to_params
+
+    cfg = WanVAEConfig.from_diffusers(read_config(path), f"{path}/config.json")
+    fn = WanVAEFn(WanVAEDecoder(cfg, dtype))
+    state = {k: v for k, v in read_state_dict(path).items()
+             if k.startswith(("decoder.", "post_quant_conv."))}  # fmt: skip
+    return fn, state_dict_to_params(state, fn.abstract_params(), str(path), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------- the text
+
+
+def prompt_clean(text: str) -> str:
+    """WanPipeline's prompt cleaning: HTML entities undone (twice), runs of white space one
+    space, stripped (diffusers also runs ftfy's text fixes where ftfy is installed; patchpar
+    does not depend on it)."""
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
+
+
+@dataclass
+class UMT5Conditioning:
+    """WanPipeline's text: each prompt cleaned, umT5's last hidden states over its own tokens
+    (the mask given to the encoder), zero beyond them up to `tokens` (no mask reaches the
+    transformer); the negative prompt encoded the same way ("" by default)."""
+
+    encoders: list
+    tokenizers: list
+    tokens: int = 512  # the umT5 tokens read (WanPipeline's max_sequence_length)
+
+    def loop_scale(self, guidance_scale: float) -> float:
+        return guidance_scale  # classifier-free guidance
+
+    def __call__(self, denoiser, prompts, negative, guidance_scale, height, width, empty_negative):
+        from patchpar.sampling.guidance import Conditioning
+
+        del height, width, empty_negative
+        cfg = guidance_scale > 1.0
+        (fn, params), tok = self.encoders[0], self.tokenizers[0]
+        texts = [prompt_clean(t) for t in ([*negative, *prompts] if cfg else prompts)]
+        ids, mask = tok(texts, self.tokens)
+        mask = jnp.asarray(mask)
+        ctx = encode_text(fn, params, jnp.asarray(ids), mask)["last_hidden_state"]
+        ctx = ctx * mask[..., None].astype(ctx.dtype)
+        g, b = 1 + cfg, len(prompts)
+        return Conditioning(ctx.reshape((g, b) + ctx.shape[1:]), {})
+
+
+# ---------------------------------------------------------------------------- the family
+
+BLOCK_PREFIX = ("blocks.", "transformer_blocks.")  # diffusers' block keys -> the module's
+
+
+def _renamed(state: dict, to_module: bool = True) -> dict:
+    """A state dict with diffusers' `blocks.<i>` keys as the module's `transformer_blocks.<i>`
+    (`to_module`), or back."""
+    old, new = BLOCK_PREFIX if to_module else BLOCK_PREFIX[::-1]
+    return {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
+
+
+class WanFamily(Family):
+    name = "wan"
+    denoiser_folder = "transformer"
+    denoiser_classes = CLASS_NAMES
+    pipeline_classes = ("WanPipeline",)
+    presets = _presets.PRESETS
+    full_size = _presets.FULL_SIZE
+    weighted = _presets.WEIGHTED
+    default_guidance = 5.0  # diffusers' WanPipeline
+    default_sampler = "unipc"  # Wan's flow UniPC (UniPCMultistepScheduler, use_flow_sigmas)
+    video = True
+
+    def denoiser(self, config, where, dtype=jnp.float32, attention=None) -> WanFn:
+        return wan_denoiser(config, None, dtype, where, attention or AttentionSpec())
+
+    def load_denoiser(self, path: Path, dtype, attention: AttentionSpec):
+        """(fn, params): the checkpoint's `blocks.<i>` are the module's `transformer_blocks`."""
+        from patchpar.models.loading import read_state_dict, state_dict_to_params
+
+        fn = self.denoiser(read_config(path), f"{path}/config.json", dtype, attention)
+        state = _renamed(read_state_dict(path))
+        return fn, state_dict_to_params(state, fn.abstract_params(), str(path), dtype=dtype)
+
+    def is_large(self, config: dict) -> bool:
+        return config.get("num_attention_heads", 40) * config.get("attention_head_dim", 128) >= 1024
+
+    def vae_factor(self, config: dict) -> int:
+        return WanVAEConfig.from_diffusers(config).spatial_factor
+
+    def load_vae(self, path: Path, dtype, attention: AttentionSpec):
+        del attention  # the middle block's per-frame attention runs the site's default
+        return load_wan_vae(path, dtype)
+
+    def check_index(self, index: dict) -> None:
+        max_sequence_length(index, 512, "WanPipeline")
+        second = index.get("transformer_2")  # [library, class], or [null, null]: none
+        if index.get("boundary_ratio") is not None or (second and any(second)):
+            raise ValueError(
+                f"boundary_ratio={index.get('boundary_ratio')!r} in model_index.json: a Wan 2.2 "
+                f"pipeline of two experts (transformer_2) is not supported yet; patchpar runs "
+                f"one transformer (Wan 2.1, Wan 2.2 TI2V 5B)"
+            )
+
+    def load_text(self, folder: Path, index: dict, dtype) -> UMT5Conditioning:
+        from patchpar.models.components import load_t5_encoder
+        from patchpar.models.tokenizer import T5Tokenizer
+
+        tokens = max_sequence_length(index, 512, "WanPipeline")
+        for sub in ("text_encoder", "tokenizer"):
+            if not (folder / sub).is_dir():
+                raise CheckpointError(
+                    f"{str(folder)!r}: a Wan pipeline needs {sub}/ (umT5); it is missing"
+                )
+        encoder = load_t5_encoder(folder / "text_encoder", dtype)
+        return UMT5Conditioning([encoder], [T5Tokenizer(folder / "tokenizer", lower=False)],
+                                tokens)  # fmt: skip
+
+    def text_programs(self, component, batch: int, dtype):
+        from patchpar.models.t5 import T5Config, T5EncoderModel
+
+        cfg = component("text_encoder")
+        if cfg is None:
+            return []
+        module = T5EncoderModel(T5Config.from_transformers(cfg, "text_encoder"), dtype)
+        tokens = (component("pipeline") or {}).get("max_sequence_length", 512)
+        return [(module, jax.ShapeDtypeStruct((batch, tokens), jnp.int32))]
+
+    def write_random_folder(self, folder: Path, preset: dict, seed: int) -> None:
+        """A Wan pipeline folder: transformer/ (diffusers' key names), vae/ (the decoder's
+        weights: patchpar decodes only), a umT5 text_encoder/ and its sentencepiece tokenizer/
+        (trained here on a few captions), scheduler/, model_index.json."""
+        from patchpar.models.components import T5EncoderFn
+        from patchpar.models.configs import TOKENIZER_TEXT
+        from patchpar.models.loading import write_component, write_scheduler
+        from patchpar.models.t5 import T5Config, T5EncoderModel
+        from patchpar.models.tokenizer import write_t5_tokenizer
+
+        folder = Path(folder)
+        fn = self.denoiser(preset["transformer"], "transformer")
+        write_component(folder / "transformer", preset["transformer"], fn.init(seed),
+                        lambda state: _renamed(state, to_module=False))  # fmt: skip
+        vae = WanVAEFn(WanVAEDecoder(WanVAEConfig.from_diffusers(preset["vae"])))
+        write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
+        t5_cfg = preset["text_encoder"]
+        t5 = T5EncoderFn(T5EncoderModel(T5Config.from_transformers(t5_cfg)))
+        write_component(folder / "text_encoder", t5_cfg, t5.init(seed + 2))
+        write_t5_tokenizer(folder / "tokenizer", TOKENIZER_TEXT, vocab_size=t5_cfg["vocab_size"])
+        write_scheduler(folder, preset["scheduler"])
+        index = {
+            "_class_name": preset["pipeline"]["_class_name"],
+            "transformer": ["diffusers", "WanTransformer3DModel"],
+            "vae": ["diffusers", "AutoencoderKLWan"],
+            "text_encoder": ["transformers", "UMT5EncoderModel"],
+            "tokenizer": ["transformers", "T5TokenizerFast"],
+            "scheduler": ["diffusers", preset["scheduler"]["_class_name"]],
+        }
+        extra = {k: v for k, v in preset["pipeline"].items() if k != "_class_name"}
+        (folder / "model_index.json").write_text(json.dumps({**index, **extra}, indent=2))
+
+
+FAMILY = WanFamily()
+
+__all__ = [
+    "FAMILY", "UMT5Conditioning", "Video", "WanConfig", "WanFn", "WanTransformer3DModel",
+    "WanVAEFn", "load_wan_vae", "prompt_clean", "wan_denoiser",
+]  # fmt: skip

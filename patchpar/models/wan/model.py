@@ -145,6 +145,35 @@ class Video:
     def __post_init__(self):
         grid(self.layout)  # validates
 
+    def check(self, token_rows: int, patches: int | None = None) -> None:
+        """ValueError, naming the values and what fits, where this layout cannot cut a video of
+        `token_rows` token rows per frame into `patches` patches (None: one device, only the
+        grid's blocks checked): a frame split needs a latent frame per patch at least, and a
+        grid's factors multiply to the patches and divide the frames and the token rows."""
+        f = self.frames
+        fb, rb = grid(self.layout)
+        if patches is not None and patches > 1 and self.layout == "frames" and f < patches:
+            raise ValueError(
+                f"layout='frames' over {patches} patch devices: the video has {f} latent "
+                f"frame(s), fewer than the devices; give at least {patches} latent frames "
+                f"(frames >= {4 * (patches - 1) + 1} with Wan's VAE), or layout 'rows' or a grid"
+            )
+        if self.layout in LAYOUTS:
+            return
+        if patches is not None and fb * rb != patches:
+            fits = [f"{a}x{patches // a}" for a in range(1, patches + 1) if patches % a == 0]
+            raise ValueError(
+                f"layout={self.layout!r}: {fb} x {rb} = {fb * rb} blocks for {patches} patch "
+                f"devices; the factors must multiply to the devices: {fits}"
+            )
+        for what, n, blocks in (("latent frames", f, fb), ("token rows per frame", token_rows, rb)):
+            if n % blocks:
+                fits = [d for d in range(1, n + 1) if n % d == 0]
+                raise ValueError(
+                    f"layout={self.layout!r}: {blocks} blocks do not divide the video's {n} "
+                    f"{what}; divisors that fit: {fits}"
+                )
+
     def units(self, rows: int, p: int) -> np.ndarray:
         """(rows / p,) the (frame, token row) of each token row of a tall image of `rows`
         latent rows (p latent rows per token row), in the layout's order: (n, 2) int."""

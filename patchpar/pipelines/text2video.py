@@ -1,0 +1,165 @@
+"""Text-to-video (Wan): prompts -> umT5 states -> the denoising loop over a video latent laid out
+as a tall image (`patchpar.models.wan.model.Video`: patches over frames, rows or a frame x row
+grid) -> the video VAE's decode -> uint8 frames, as diffusers' WanPipeline makes them. The
+denoising is the image pipeline's (`text2img.Pipeline`) on the tall latent: every strategy and
+step cache runs on it unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from patchpar.models.wan.model import Video
+from patchpar.parallel.engine import Plan
+from patchpar.parallel.vae import VAEPlan
+from patchpar.pipelines.checks import NonFiniteError, check_image_size, check_seed
+from patchpar.pipelines.text2img import Pipeline
+
+
+@dataclass
+class VideoOutput:
+    frames: np.ndarray  # (B, T, H, W, 3) uint8
+    latents: np.ndarray  # (B, F, h, w, C) the final latent, float32
+    stale_bytes_per_device: int = 0  # the strategy's stale buffers per device (0: none)
+    cache: dict | None = None  # a step cache's report (None: none)
+
+    @property
+    def images(self) -> np.ndarray:
+        """Every frame as an image, (B x T, H, W, 3)."""
+        return self.frames.reshape(-1, *self.frames.shape[2:])
+
+
+def latent_frames(frames, temporal: int = 4) -> int:
+    """Latent frames of a video of `frames` frames under a VAE compressing time `temporal`x
+    (the first frame alone, then `temporal` per latent frame); ValueError naming the nearest
+    counts that fit (temporal k + 1)."""
+    if isinstance(frames, bool) or not isinstance(frames, int | np.integer) or frames < 1:
+        raise ValueError(f"frames={frames!r}: must be a positive integer of the form "
+                         f"{temporal}k + 1 (1, {temporal + 1}, {2 * temporal + 1}, ...)")  # fmt: skip
+    if (frames - 1) % temporal:
+        k = (frames - 1) // temporal
+        fit = [temporal * k + 1, temporal * (k + 1) + 1]
+        raise ValueError(
+            f"frames={frames}: the video VAE compresses time {temporal}x after the first frame, "
+            f"so frames must be {temporal}k + 1; nearest that fit: {fit}"
+        )
+    return (frames - 1) // temporal + 1
+
+
+def check_vae_plan(vae_plan: VAEPlan | None) -> None:
+    if vae_plan is not None and vae_plan.mode != "off":
+        raise ValueError(
+            f"vae_parallel={vae_plan.mode!r}: the video VAE decodes on one device here (row "
+            f"patches of a video decode are not built yet); use vae_parallel=off"
+        )
+
+
+@dataclass
+class VideoPipeline(Pipeline):
+    """A text-to-video pipeline: `Pipeline` whose denoiser (`unet`) is a video model on its
+    `Video` layout and whose VAE decodes video (`WanVAEFn`)."""
+
+    def at(self, frames: int, layout: str = "frames", plan: Plan | None = None) -> VideoPipeline:
+        """This pipeline making videos of `frames` frames, the latent laid out by `layout`;
+        checked against the frame size of `plan`'s patches when it splits rows (at the call)."""
+        video = Video(latent_frames(frames, self.vae.config.temporal_factor), layout)
+        return replace(self, unet=self.unet.with_video(video))
+
+    @property
+    def video(self) -> Video:
+        return self.unet.video
+
+    @property
+    def frames(self) -> int:
+        """Video frames of the latent's length."""
+        return 1 + self.vae.config.temporal_factor * (self.video.frames - 1)
+
+    @property
+    def latent_factor(self) -> int:
+        return self.vae.config.spatial_factor
+
+    def frame_size(self, height: int, width: int) -> tuple[int, int]:
+        """A frame's latent (h, w); ValueError naming the nearest sizes that fit."""
+        return check_image_size(self.unet, self.latent_factor, height, width)
+
+    def check_size(self, height: int, width: int, rows_multiple: int = 1) -> tuple[int, int]:
+        """The tall latent's (rows, w) for a frame size: the frames' rows stacked."""
+        h, w = check_image_size(self.unet, self.latent_factor, height, width, rows_multiple)
+        return self.video.frames * h, w
+
+    def check_layout(self, height: int, width: int, plan: Plan | None) -> None:
+        """ValueError where the layout cannot cut this video into `plan`'s patches."""
+        h, _ = self.frame_size(height, width)
+        splits = plan is not None and plan.splits_row_patches
+        self.video.check(h // self.unet.row_multiple, plan.patch if splits else None)
+
+    def initial_latents(self, batch: int, height: int, width: int, seed: int) -> jax.Array:
+        """Unit Gaussian video latent (B, F, h, w, C) fixed by the seed, as the tall image."""
+        check_seed(seed)
+        h, w = self.frame_size(height, width)
+        shape = (batch, self.video.frames, h, w, self.latent_channels)
+        return self.to_tall(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+
+    def to_tall(self, latents: jax.Array) -> jax.Array:
+        return self.video.to_tall(jnp.asarray(latents), self.unet.row_multiple)
+
+    def from_tall(self, latents: jax.Array) -> jax.Array:
+        return self.video.from_tall(jnp.asarray(latents), self.unet.row_multiple)
+
+    def decode(self, latents: jax.Array, vae_plan: VAEPlan | None = None) -> np.ndarray:
+        """The tall final latent -> (B, T, H, W, 3) uint8 frames (WanPipeline's un-normalising,
+        decode and post-processing), on one device."""
+        check_vae_plan(vae_plan)
+        z = self.vae.unnormalise(self.from_tall(latents).astype(self.vae.module.dtype))
+        video = np.asarray(_decode(self.vae, self.vae_params, z), np.float32)
+        if not np.isfinite(video).all():
+            raise NonFiniteError(
+                f"the video VAE decode gave NaN or Inf in {int((~np.isfinite(video)).sum())} of "
+                f"{video.size} pixel values: no frame of it is a result"
+            )
+        return np.round(np.clip(video / 2 + 0.5, 0, 1) * 255).astype(np.uint8)
+
+    def __call__(  # noqa: D417 (the image pipeline's arguments, and these)
+        self,
+        prompts,
+        height: int | None = None,
+        width: int | None = None,
+        steps: int = 20,
+        guidance_scale: float = 5.0,
+        seed: int = 0,
+        sampler: str | None = None,
+        negative_prompts=None,
+        latents=None,
+        plan: Plan | None = None,
+        check_memory: bool = False,
+        vae_plan: VAEPlan | None = None,
+        log=None,
+        frames: int | None = None,
+        layout: str = "frames",
+    ) -> VideoOutput:
+        """Videos of `frames` frames (default: the model's) for the prompts, the latent laid out
+        by `layout` (`frames`, `rows` or `FxR`); `latents`, when given, is (B, F, h, w, C). The
+        rest is `Pipeline.__call__`'s (height and width of a frame, default the model's)."""
+        pipe = self.at(self.unet.default_frames if frames is None else frames, layout)
+        dh, dw = self.unet.default_size
+        height = dh if height is None else height
+        width = dw if width is None else width
+        pipe.check_layout(height, width, plan)
+        check_vae_plan(vae_plan)
+        if latents is not None:
+            latents = pipe.to_tall(latents)
+        out = Pipeline.__call__(
+            pipe, prompts, height, width, steps, guidance_scale, seed, sampler,
+            negative_prompts, latents, plan, check_memory, vae_plan, log,
+        )  # fmt: skip
+        final = np.asarray(pipe.from_tall(out.latents), np.float32)
+        return VideoOutput(out.images, final, out.stale_bytes_per_device, out.cache)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _decode(vae, params, z):
+    return vae.decode(params, z)

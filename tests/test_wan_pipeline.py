@@ -1,0 +1,97 @@
+"""The Wan text-to-video pipeline against diffusers' WanPipeline on a tiny random folder saved by
+diffusers: umT5 embeddings (each prompt's own tokens, zeros beyond), the final latent of a
+few-step CFG run with flow UniPC from the same initial latent (<= 1e-3), the decoded frames; the
+tiny-wan preset through `patchpar generate`; bad input (frame counts, layouts against devices)."""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("sentencepiece")
+
+import jax.numpy as jnp  # noqa: E402
+from torch_refs import rel_err  # noqa: E402
+
+from patchpar.models.tokenizer import write_t5_tokenizer  # noqa: E402
+from patchpar.pipelines import load_pipeline  # noqa: E402
+
+PROMPTS = ["a photo of a red bag", "two  dogs &amp; a cat playing in the snow"]
+TEXTS = PROMPTS + ["a cat sitting on a wooden table", "a city street at night, neon lights"]
+TOKENS = 40  # umT5 tokens read: more than the prompts have (zeros beyond theirs)
+TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                   in_channels=4, out_channels=4, text_dim=24, freq_dim=32, ffn_dim=40,
+                   num_layers=2, rope_max_seq_len=64)  # fmt: skip
+VAE = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+           latents_std=[1.5, 0.8, 1.2, 1.0])  # fmt: skip
+
+
+def _varied(model, seed):
+    """diffusers' init leaves biases and norm scales plain: vary them."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif name.endswith("gamma") or ("norm" in name and name.endswith("weight")):
+                p.normal_(1, 0.1)
+    return model.eval()
+
+
+def _folder(root):
+    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    umt5 = UMT5EncoderModel(UMT5Config(vocab_size=80, d_model=24, d_kv=6, d_ff=32, num_layers=2,
+                                       num_heads=4, feed_forward_proj="gated-gelu",
+                                       dropout_rate=0.0)).eval()  # fmt: skip
+    dit = _varied(diffusers.WanTransformer3DModel(**TRANSFORMER), 1)
+    vae = _varied(diffusers.AutoencoderKLWan(**VAE), 2)
+    tok = AutoTokenizer.from_pretrained(str(write_t5_tokenizer(root / "tok", TEXTS, 80)))
+    sched = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction",
+                                              use_flow_sigmas=True, flow_shift=3.0)  # fmt: skip
+    pipe = diffusers.WanPipeline(tokenizer=tok, text_encoder=umt5, transformer=dit, vae=vae,
+                                 scheduler=sched)  # fmt: skip
+    pipe.save_pretrained(root / "pipe")
+    index = root / "pipe" / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "max_sequence_length": TOKENS}))
+    return root / "pipe", pipe
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    return _folder(tmp_path_factory.mktemp("wan"))
+
+
+def test_wan_embeddings_latent_and_frames_match_diffusers(wan_folder):
+    path, ref = wan_folder
+    pipe = load_pipeline(path)
+    assert pipe.family == "wan" and pipe.default_sampler == "unipc"
+    negative = ["blurry", "dark  &amp; grey"]
+    cond = pipe.encode_prompt(PROMPTS, negative, 5.0, 16, 32)
+    with torch.no_grad():
+        embeds, neg = ref.encode_prompt(PROMPTS, negative, max_sequence_length=TOKENS)
+    assert cond.context.shape == (2, 2, TOKENS, 24)
+    assert rel_err(cond.context[1], embeds.numpy()) <= 1e-4
+    assert rel_err(cond.context[0], neg.numpy()) <= 1e-4
+    # 5 frames of 16 x 32: 2 latent frames of 2 x 4; 4 UniPC steps with its corrector
+    latents = np.random.RandomState(1).randn(2, 2, 2, 4, 4).astype(np.float32)  # (B, F, h, w, C)
+    out = pipe(PROMPTS, 16, 32, steps=4, guidance_scale=5.0, negative_prompts=negative,
+               latents=jnp.asarray(latents), frames=5)  # fmt: skip
+    with torch.no_grad():
+        theirs = ref(PROMPTS, negative, height=16, width=32, num_frames=5, num_inference_steps=4,
+                     guidance_scale=5.0, latents=torch.tensor(latents.transpose(0, 4, 1, 2, 3)),
+                     output_type="latent", max_sequence_length=TOKENS).frames.numpy()  # fmt: skip
+        video = ref.vae.decode(
+            theirs / (1 / torch.tensor(VAE["latents_std"]).view(1, 4, 1, 1, 1))
+            + torch.tensor(VAE["latents_mean"]).view(1, 4, 1, 1, 1)
+        ).sample.numpy()
+    theirs = theirs.transpose(0, 2, 3, 4, 1)
+    err = np.abs(out.latents - theirs).max()
+    assert err <= 1e-3, f"max abs diff {err:.3g} (latent scale {np.abs(theirs).max():.3g})"
+    want = np.round(np.clip(video.transpose(0, 2, 3, 4, 1) / 2 + 0.5, 0, 1) * 255)
+    assert out.frames.shape == (2, 5, 16, 32, 3)
+    assert np.abs(out.frames.astype(np.float32) - want).max() <= 1  # rounding of near-equal values
