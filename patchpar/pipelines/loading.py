@@ -61,7 +61,11 @@ def load_pipeline(
         stamp = _float_stamp(sub)
         denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
     text = fam.load_text(folder, index, dtype)
-    vae = fam.load_vae(folder / "vae", dtype, attention) if (folder / "vae").is_dir() else (None, None)
+    vae = (
+        fam.load_vae(folder / "vae", dtype, attention)
+        if (folder / "vae").is_dir()
+        else (None, None)
+    )
     sched = SchedulerConfig.from_diffusers(
         read_config(folder / "scheduler", "scheduler_config.json")
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from patchpar.models.attention import AUTO, AttentionSpec, resolve
+from patchpar.models.attention import AUTO, AttentionSpec
 from patchpar.models.components import abstract_init, encode_text, random_params
 from patchpar.models.family import Family, max_sequence_length
 from patchpar.models.loading import CheckpointError, read_config
@@ -225,7 +225,7 @@ def _renamed(state: dict, to_module: bool = True) -> dict:
     """A state dict with diffusers' `blocks.<i>` keys as the module's `transformer_blocks.<i>`
     (`to_module`), or back."""
     old, new = BLOCK_PREFIX if to_module else BLOCK_PREFIX[::-1]
-    return {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
+    return {new + k[len(old) :] if k.startswith(old) else k: v for k, v in state.items()}
 
 
 class WanFamily(Family):

@@ -86,8 +86,13 @@ PRESETS: dict[str, dict[str, dict]] = {
     for name, transformer, vae, index, shift in (
         ("wan2.1-1.3b", _WAN_1_3B, _VAE, {}, 3.0),
         ("wan2.1-14b", _WAN_14B, _VAE, {}, 3.0),
-        ("wan2.2-5b", {**_WAN22_5B, "sample_height": 704, "sample_width": 1280,
-                       "sample_frames": 121}, _VAE22, {"expand_timesteps": True}, 5.0),
+        (
+            "wan2.2-5b",
+            {**_WAN22_5B, "sample_height": 704, "sample_width": 1280, "sample_frames": 121},
+            _VAE22,
+            {"expand_timesteps": True},
+            5.0,
+        ),
     )  # fmt: skip
 }
 PRESETS["tiny-wan"] = {  # Wan 2.1's layout: 2 blocks of 2 heads x 12, a 4-channel latent
