@@ -26,17 +26,39 @@ def needs(*modules: str) -> None:
         )
 
 
-def random_inputs(fn, model: str, resolution: int, dtype, batch: int = 2):
-    """(x, t, ctx, added) for one call of `fn` (a preset's denoiser) at `resolution` pixels:
-    normal latent and text states, timestep 500, a text mask with every token present, the
-    other keyword inputs uniform in [0, 1)."""
+def sized(fn, model: str, text: str):
+    """(denoiser, (height, width) pixels of its input) for a size `text`: `1024` (a square
+    image) or `HxWxF` (a video of F frames of H x W: the video denoiser on its latent frames,
+    laid out frame after frame as one tall image of F_latent x H rows)."""
+    parts = [int(v) for v in str(text).split("x")]
+    if len(parts) == 1:
+        return fn, (parts[0], parts[0])
+    if len(parts) != 3 or not hasattr(fn, "with_video"):
+        raise SystemExit(f"size {text!r}: a number (pixels of a square image) or HxWxF (a "
+                         f"video, for a video model)")  # fmt: skip
+    from patchpar.models.presets import component_config
+    from patchpar.models.wan.model import Video
+    from patchpar.models.wan.vae import WanVAEConfig
+    from patchpar.pipelines.text2video import latent_frames
+
+    h, w, frames = parts
+    temporal = WanVAEConfig.from_diffusers(component_config(model, "vae")).temporal_factor
+    n = latent_frames(frames, temporal)
+    return fn.with_video(Video(n)), (n * h, w)
+
+
+def random_inputs(fn, model: str, resolution, dtype, batch: int = 2):
+    """(x, t, ctx, added) for one call of `fn` (a preset's denoiser) at `resolution` pixels
+    (square, or (height, width)): normal latent and text states, timestep 500, a text mask with
+    every token present, the other keyword inputs uniform in [0, 1)."""
     import jax.numpy as jnp
     import numpy as np
 
     from patchpar.models.presets import latent_factor
 
-    latent = resolution // latent_factor(model)
-    (x, t, ctx), added = fn.example_inputs(batch, latent, latent)
+    h, w = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+    f = latent_factor(model)
+    (x, t, ctx), added = fn.example_inputs(batch, h // f, w // f)
     rng = np.random.RandomState(0)
     x = jnp.asarray(rng.randn(*x.shape), dtype)
     ctx = jnp.asarray(rng.randn(*ctx.shape), dtype)

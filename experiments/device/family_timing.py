@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calls import median, needs, random_inputs, timed  # noqa: E402
+from calls import median, needs, random_inputs, sized, timed  # noqa: E402
 
 CFG_BATCH = {"flux": 1}  # family -> images per call; the rest run CFG's batch of 2
 
@@ -44,7 +44,12 @@ CFG_BATCH = {"flux": 1}  # family -> images per call; the rest run CFG's batch o
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["pixart-alpha", "sd3.5-medium", "sdxl"])
-    p.add_argument("--resolutions", type=int, nargs="+", default=[1024])
+    p.add_argument(
+        "--resolutions",
+        nargs="+",
+        default=["1024"],
+        help="pixels of a square image, or HxWxF: a video model's F frames of H x W",
+    )
     p.add_argument("--attention", nargs="+", default=["xla", "splash"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
@@ -149,13 +154,14 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001 - the model's record says why, the next one runs
             emit({**base, "status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"})
             continue
-        points = []  # (point, its inputs) per resolution
+        points = []  # (point, its denoiser, its inputs) per resolution
         for res in a.resolutions:
-            point = {**base, "resolution": res}
-            x, t, ctx, added = random_inputs(fn, name, res, dtype, batch)
+            point = {**base, "resolution": res if "x" in res else int(res)}
+            at, size = sized(fn, name, res)
+            x, t, ctx, added = random_inputs(at, name, size, dtype, batch)
             try:  # the model's FLOPs: the xla-attention program, lowered only
                 t0 = time.perf_counter()
-                low = jax.jit(fn.with_attention(resolve(kernel_spec("xla"), dtype)))
+                low = jax.jit(at.with_attention(resolve(kernel_spec("xla"), dtype)))
                 point["flops"] = program_flops(low.lower(abstract, x, t, ctx, **added))
                 point["flops_s"] = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001
@@ -163,18 +169,18 @@ def main(argv=None) -> None:
             if a.flops_only:
                 emit({**point, "status": "ok" if point.get("flops") else "error"})
                 continue
-            points.append((point, (x, t, ctx), added))
+            points.append((point, at, (x, t, ctx), added))
         for scanned in sorted({v == "on" for v in a.scan} if points else ()):  # unrolled first
-            g = fn.with_scan() if scanned else fn
             stack_s = 0.0
             if scanned:  # once per model, after every unrolled point: the unrolled weights go
                 t0 = time.perf_counter()
                 with warnings.catch_warnings():  # the unrolled buffers are not reused: freed
                     warnings.simplefilter("ignore")
-                    params = jax.jit(g.prepare, donate_argnums=0)(params)
+                    params = jax.jit(fn.with_scan().prepare, donate_argnums=0)(params)
                 params = jax.block_until_ready(params)
                 stack_s = time.perf_counter() - t0
-            for point, (x, t, ctx), added in points:
+            for point, at, (x, t, ctx), added in points:
+                g = at.with_scan() if scanned else at
                 for spec in specs:
                     rec = {**point, "attention": spec.impl, "block_q": spec.block_q,
                            "block_kv": spec.block_kv, "scan_blocks": scanned}  # fmt: skip

@@ -33,13 +33,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calls import sized  # noqa: E402
 from family_timing import kernel_spec, model_spec  # noqa: E402
 
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "--models", dest="models", nargs="+", default=["sdxl"])
-    p.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048, 3840])
+    p.add_argument(
+        "--resolutions",
+        nargs="+",
+        default=["1024", "2048", "3840"],
+        help="pixels of a square image, or HxWxF: a video model's F frames of H x W",
+    )
     p.add_argument("--patches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument(
         "--strategy", "--strategies", dest="strategies", nargs="+", default=["distrifusion"]
@@ -121,10 +127,12 @@ def main(argv=None) -> None:
                     params = jax.block_until_ready(jax.jit(unet.prepare)(params))
                 weights[model] = unet, params
             unet, params = weights[model]
-            latent = r // latent_factor(model_spec(model)[0])
+            unet, (hp, wp) = sized(unet, model_spec(model)[0], r)  # a video: its tall image
+            f = latent_factor(model_spec(model)[0])
+            latent = hp // f
             if latent % (n * unet.row_multiple):
                 raise ValueError(f"latent {latent} rows do not split into {n} patches")
-            x_abs, _, cond_abs = abstract_inputs(unet, (latent // n, latent), 1)
+            x_abs, _, cond_abs = abstract_inputs(unet, (latent // n, wp // f), 1)
             rec["unet_batch"] = unet.guidance_halves
             fill = lambda s: jnp.asarray(rng.rand(*s.shape), s.dtype)  # noqa: E731
             x, cond = fill(x_abs), jax.tree.map(fill, cond_abs)

@@ -29,6 +29,10 @@
 #   profile_mmdit  the same for SD3.5-medium and FLUX.1 (3+6 blocks), splash 512x1024
 #   peer       peer_unet.py: SDXL's UNet, patchpar's beside diffusers 0.35's Flax UNet (the JAX
 #              peer: .whl-tpu/diffusers-0.35.2-flax.zip, its needs from the machine's index)
+#   video      family_timing.py: Wan 2.1 1.3B at 480p and 720p x 81 frames (32760 and 75600 tokens),
+#              splash (VIDEO_MODELS=, VIDEO_SIZES= HxWxF choose)
+#   video_shards  shard_timing.py: the per-device program of Wan 2.1 1.3B at 480p x 81 frames on
+#              N = 1, 2, 4, 8 patches (frames layout), sync_patch, DistriFusion and PCPP
 #   compile    compile_timing.py: sync_patch's and DistriFusion's phase programs compiled, the
 #              blocks unrolled and scanned, the stale phases one after the other and in two
 #              threads (PixArt-α at 1024²; COMPILE_MODELS= chooses)
@@ -99,6 +103,8 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   CT=(--dtype float32 --resolution 64)
   PEER=(--model tiny:norm_num_groups=32 --resolution 64 --dtype float32 --repeats 1 --ours xla
         --peer default --hardware cpu-gloo)
+  VMODELS=(tiny-wan)
+  VSIZES=(64x64x5 64x64x9)
 else
   FT+=(--repeats 5 --hardware tpu-v5e)
   DITS=(pixart-alpha sd3.5-medium flux-dev:num_layers=3,num_single_layers=6
@@ -111,6 +117,8 @@ else
   QT=(--repeats 5)
   CT=()
   PEER=(--repeats 5 --ours ${OURS:-splash:1024x1024 xla} --peer ${PEERS:-default split_head_dim})
+  VMODELS=(wan2.1-1.3b)
+  VSIZES=(480x832x81 720x1280x81)
 fi
 FTS=("${FT[@]}")  # the family_timing parts: with SCAN= too
 [ -n "${SCAN:-}" ] && FTS+=(--scan $SCAN)
@@ -138,6 +146,13 @@ for p in "${PARTS[@]}"; do
                      --attention $PMK --profile "$DEST/profile_mmdit/trace" ;;
     peer) part peer 540 env USE_TORCH=0 PYTHONPATH="$PYTHONPATH:$PWD/.whl-tpu/diffusers-0.35.2-flax.zip" \
             $PY experiments/device/peer_unet.py "${PEER[@]}" ;;
+    video) part video 420 $PY "${FTS[@]}" --repeats ${VIDEO_REPEATS:-3} \
+             --models ${VIDEO_MODELS:-"${VMODELS[@]}"} --resolutions ${VIDEO_SIZES:-"${VSIZES[@]}"} \
+             --attention ${KERNELS:-$PK} ;;
+    video_shards) part video_shards 540 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
+                    --repeats 3 --models ${VIDEO_MODELS:-"${VMODELS[0]}"} \
+                    --resolutions ${VIDEO_SIZES:-"${VSIZES[0]}"} --patches ${SHARD_PATCHES:-1 2 4 8} \
+                    --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion pcpp} --attention $PK ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \
                --models ${COMPILE_MODELS:-"${DITS[0]}"} "${CT[@]}" ;;
     *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer compile"
