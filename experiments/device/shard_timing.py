@@ -15,7 +15,10 @@ of the rows, attention over all N patches' keys from the stale buffer; sync_patc
 ulysses and ring alike; PipeFusion and AsyncDiff own their programs and are not timed here) on
 one device with every collective replaced by a local stand-in of the same shape
 (`Plan(comm=False)`; the stand-in K/V gather repeats the local part N times), on a one-device
-mesh; N = 1 is `single`. A point is skipped (recorded as such) once `--budget-s` has passed.
+mesh; N = 1 is `single`. Where N does not divide the token rows, the program is the largest
+patch's (the rows rounded up to whole token rows: an uneven split computes every patch padded to
+it); records name its rows (`patch_rows`). A size is a square image's pixels or, for a video
+model, HxWxF (its latent frames laid out as one tall image, frame after frame). A point is skipped (recorded as such) once `--budget-s` has passed.
 Every program runs `--attention` (default `auto`, the backend's kernel; records name it).
 Records: <out>/records.jsonl (hardware = the profile name given, device kind, model,
 resolution, patches, strategy, phase, seconds per denoiser call); table: <out>/table.md. Needs
@@ -129,10 +132,10 @@ def main(argv=None) -> None:
             unet, params = weights[model]
             unet, (hp, wp) = sized(unet, model_spec(model)[0], r)  # a video: its tall image
             f = latent_factor(model_spec(model)[0])
-            latent = hp // f
-            if latent % (n * unet.row_multiple):
-                raise ValueError(f"latent {latent} rows do not split into {n} patches")
-            x_abs, _, cond_abs = abstract_inputs(unet, (latent // n, wp // f), 1)
+            unit = unet.row_multiple  # rows of a token row: the largest patch's token rows
+            rows = -(-(hp // f) // (n * unit)) * unit  # (an uneven split computes it padded)
+            rec["patch_rows"] = rows
+            x_abs, _, cond_abs = abstract_inputs(unet, (rows, wp // f), 1)
             rec["unet_batch"] = unet.guidance_halves
             fill = lambda s: jnp.asarray(rng.rand(*s.shape), s.dtype)  # noqa: E731
             x, cond = fill(x_abs), jax.tree.map(fill, cond_abs)
