@@ -135,6 +135,8 @@ def main(argv=None) -> None:
             unit = unet.row_multiple  # rows of a token row: the largest patch's token rows
             own = -(-(hp // f) // (n * unit)) * unit  # (an uneven split computes it padded)
             rec["patch_rows"] = own
+            # an uneven split: each patch's true rows (the program pads them to `own`)
+            padded = plan.row_split(hp // f, unet) if own * n != hp // f else None
             x_abs, _, cond_abs = abstract_inputs(unet, (own, wp // f), 1)
             rec["unet_batch"] = unet.guidance_halves
             fill = lambda s: jnp.asarray(rng.rand(*s.shape), s.dtype)  # noqa: E731
@@ -143,12 +145,14 @@ def main(argv=None) -> None:
             axis = plan.strategy.patch_axis(0)
             state = None
             if phase == "steady":
-                warm = make_step(unet, plan, "warmup", axis, 5.0, mesh)
+                warm = make_step(unet, plan, "warmup", axis, 5.0, mesh, padded)
                 _, shapes = jax.eval_shape(warm, params, x, t, cond, None)
                 state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             # the stale buffers donated, as the denoising loop carries them (updated in place)
             donate = (4,) if state is not None else ()
-            step = jax.jit(make_step(unet, plan, phase, axis, 5.0, mesh), donate_argnums=donate)
+            step = jax.jit(
+                make_step(unet, plan, phase, axis, 5.0, mesh, padded), donate_argnums=donate
+            )
             t0 = time.perf_counter()
             compiled = step.lower(params, x, t, cond, state).compile()
             rec["compile_s"] = time.perf_counter() - t0
