@@ -4,6 +4,7 @@ few-step CFG run with flow UniPC from the same initial latent (<= 1e-3), the dec
 tiny-wan preset through `patchpar generate`; bad input (frame counts, layouts against devices)."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -95,3 +96,76 @@ def test_wan_embeddings_latent_and_frames_match_diffusers(wan_folder):
     want = np.round(np.clip(video.transpose(0, 2, 3, 4, 1) / 2 + 0.5, 0, 1) * 255)
     assert out.frames.shape == (2, 5, 16, 32, 3)
     assert np.abs(out.frames.astype(np.float32) - want).max() <= 1  # rounding of near-equal values
+
+
+# ---------------------------------------------------------------------------- generate and bad input
+
+
+@pytest.mark.slow
+def test_tiny_wan_generates_a_video_on_frame_and_row_patches(tmp_path):
+    """`patchpar generate` on tiny-wan (flow UniPC, CFG): sync_patch on 3 devices over frames and
+    on 2 over rows give single's latent; each video written as a GIF of its frames and a grid."""
+    from PIL import Image
+
+    from patchpar.lab.cli import main
+
+    args = ["generate", "--model", "tiny-wan", "--steps", "3", "--frames", "9"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    for name, split in (("frames", ["--devices", "3"]), ("rows", ["--devices", "2"])):
+        flags = [*split, "--strategy", "sync_patch", "--layout", name]
+        assert main([*args, *flags, "--out", str(tmp_path / name)]) == 0
+    one = np.load(tmp_path / "one" / "latent.npy")
+    assert one.shape == (1, 3, 8, 8, 4)  # (B, latent frames, h, w, C)
+    for name in ("frames", "rows"):
+        other = np.load(tmp_path / name / "latent.npy")
+        assert np.abs(one - other).max() <= 1e-5 * np.abs(one).max(), name
+    record = json.loads((tmp_path / "one" / "generate.json").read_text())
+    assert record["frames"] == 9 and record["layout"] == "frames"
+    gif = Image.open(tmp_path / "one" / "video_0.gif")
+    assert gif.n_frames == 9 and gif.size == (64, 64)
+    assert Image.open(tmp_path / "one" / "video_0_frames.png").size == (8 * 64, 2 * 64)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"sampler.frames": 8}, r"frames=8: .* must be 4k \+ 1; nearest that fit: \[5, 9\]"),
+        ({"sampler.frames": 0}, r"frames=0: must be a positive integer of the form 4k \+ 1"),
+        (
+            {"sampler.frames": 5, "mesh.devices": 4, "strategy.name": "sync_patch"},
+            r"layout='frames' over 4 patch devices: the video has 2 latent frame\(s\), fewer",
+        ),
+        (
+            {
+                "sampler.frames": 9,
+                "mesh.devices": 4,
+                "strategy.name": "sync_patch",
+                "mesh.layout": "3x2",
+            },
+            r"3 x 2 = 6 blocks for 4 patch devices; .* \['1x4', '2x2', '4x1'\]",
+        ),  # fmt: skip
+        (
+            {
+                "sampler.frames": 9,
+                "mesh.devices": 2,
+                "strategy.name": "sync_patch",
+                "mesh.layout": "2x1",
+            },
+            r"2 blocks do not divide the video's 3 latent frames; divisors that fit: \[1, 3\]",
+        ),  # fmt: skip
+        ({"mesh.layout": "diagonal"}, r"layout='diagonal'; known: \['frames', 'rows'\] or FxR"),
+        ({"model.name": "tiny", "sampler.frames": 9}, r"frames=9: tiny makes images, not video"),
+        ({"model.name": "tiny", "mesh.layout": "rows"}, r"layout='rows': tiny makes images"),
+    ],
+)
+def test_bad_video_input_is_named(flags, message):
+    """Every check before any weight is read (the config.json alone)."""
+    from patchpar.lab.generate import GenerateConfig, check
+
+    config = GenerateConfig()
+    config = replace(config, model=replace(config.model, name="tiny-wan"))
+    for key, value in flags.items():
+        section, field = key.split(".")
+        config = replace(config, **{section: replace(getattr(config, section), **{field: value})})
+    with pytest.raises(ValueError, match=message):
+        check(config)

@@ -72,29 +72,71 @@ def check_plan_on_model(
     true_cfg_scale: float,
     build_mesh: bool,
     scan_blocks: bool = False,
+    frames: int | None = None,
+    layout: str = "frames",
 ) -> tuple[int, int]:
     """Every check of `plan` against `model` that its config.json answers (no weight is read):
     the image size against the VAE factor and the denoiser's row multiple, the strategy, mesh
-    and cache against the denoiser; the image size (h, w) it runs at. `build_mesh=False`: the
-    devices are elsewhere (launched processes). The pipeline checks all of it again once
-    loaded; this is what lets a bad option fail before minutes of loading."""
+    and cache against the denoiser; the image size (h, w) it runs at. A video model's `frames`
+    (default its own) and `layout` (`check_video`). `build_mesh=False`: the devices are
+    elsewhere (launched processes). The pipeline checks all of it again once loaded; this is
+    what lets a bad option fail before minutes of loading."""
     from patchpar.models.presets import abstract_denoiser, latent_factor
     from patchpar.pipelines.checks import check_image_size
 
     unet = abstract_denoiser(model).with_scan(scan_blocks)
     factor = latent_factor(model)
-    size = unet.config.sample_size * factor
-    h = size if height is None else height
-    w = h if width is None else width
+    h, w = default_size(unet, factor, height, width)
     problems = Problems.collect()
     with problems.check():
         latent = check_image_size(unet, factor, h, w)
+        unet, latent = check_video(model, unet, latent, frames, layout, plan)
         # the loop's guidance: CFG where a call has two halves; a guidance-distilled model
         # (FLUX.1) guides in the loop only with true CFG
         loop = guidance_scale if unet.guidance_halves == 2 else max(true_cfg_scale, 1.0)
         plan.validate(unet, latent, steps, loop, build_mesh=build_mesh)
     problems.raise_any()
     return h, w
+
+
+def default_size(unet, factor: int, height: int | None, width: int | None) -> tuple[int, int]:
+    """The image (or frame) size a run makes where height or width is unset: a video model's
+    own (`default_size`), else its square sample size (width: the height)."""
+    if hasattr(unet, "default_size"):
+        dh, dw = unet.default_size
+        return (dh if height is None else height), (dw if width is None else width)
+    h = unet.config.sample_size * factor if height is None else height
+    return h, (h if width is None else width)
+
+
+def check_video(model, unet, latent: tuple[int, int], frames, layout: str, plan=None):
+    """(the denoiser on its video, the tall latent (rows, w)) for a video model of `frames`
+    frames (None: its own) cut by `layout` into `plan`'s patches; an image model's latent as
+    it is. ValueError naming the value: a frame count its VAE does not take (the nearest that
+    fit), a layout that does not cut the video into the patches, frames or a layout other
+    than `frames` given for an image model."""
+    from patchpar.models.presets import model_family, temporal_factor
+
+    if not model_family(model).video:
+        if frames is not None:
+            raise ValueError(
+                f"frames={frames}: {model} makes images, not video (frames is for a video "
+                f"model: wan2.1-1.3b, tiny-wan, ...)"
+            )
+        if layout != "frames":
+            raise ValueError(
+                f"layout={layout!r}: {model} makes images; the layout cuts a video model's "
+                f"frames (leave it at 'frames')"
+            )
+        return unet, latent
+    from patchpar.models.wan.model import Video
+    from patchpar.pipelines.text2video import latent_frames
+
+    n = latent_frames(unet.default_frames if frames is None else frames, temporal_factor(model))
+    video = Video(n, layout)
+    splits = plan is not None and plan.splits_row_patches
+    video.check(latent[0] // unet.row_multiple, plan.patch if splits else None)
+    return unet.with_video(video), (n * latent[0], latent[1])
 
 
 def check_lowering(model: str | Path, latent: int, plan, batch: int, steps: int,

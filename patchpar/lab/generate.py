@@ -58,9 +58,12 @@ class GenerateSampler:
     the negative prompt as a second guidance half; <= 1: off (default: the preset's tuned value,
     fmnist-flux's; else off)."""
     height: int | None = None
-    """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
+    """Image height in pixels (default: the denoiser's sample size x the VAE factor; a video
+    model's own, 480 for Wan)."""
     width: int | None = None
-    """Image width in pixels (default: as height)."""
+    """Image width in pixels (default: as height; a video model's own)."""
+    frames: int | None = None
+    """A video model's frames, 4k + 1 for Wan's VAE (default: the model's, 81 for Wan)."""
     dtype: str = "auto"
     """auto, float32 or bfloat16 (auto: bfloat16 for SD, SDXL and PixArt-size models, else
     float32)."""
@@ -77,7 +80,8 @@ class GenerateSampler:
 
 @dataclass(frozen=True)
 class GenerateConfig(FromFlags):
-    """Generate images from prompts and save them as PNG, with the final latent as latent.npy.
+    """Generate images from prompts and save them as PNG, with the final latent as latent.npy
+    (a video model: each video as an animated GIF and a PNG grid of its frames).
     The model, mesh, strategy and cache sections are `patchpar run`'s (`--strategy.warmup-steps`
     means one thing in both); every section's fields also take their short flags
     (`--strategy distrifusion --devices 2 --warmup-steps 1`, `options.flat_aliases`)."""
@@ -166,6 +170,7 @@ def check(config: GenerateConfig) -> list[str]:
             check_plan_on_model(
                 config.model.name, plan, s.height, s.width, s.steps, guidance, t,
                 build_mesh=not config.mesh.processes, scan_blocks=config.model.scan_blocks,
+                frames=s.frames, layout=config.mesh.layout,
             )  # fmt: skip
     problems.raise_any()
     unused = (
@@ -215,13 +220,18 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
     )
     t_load = time.perf_counter() - t0
     measured = {}
+    video = (
+        {"frames": config.sampler.frames, "layout": config.mesh.layout} if pipe.makes_video else {}
+    )
     if config.mesh.patch_weights == MEASURED:  # timed on these devices now
         from patchpar.lab.calibrate import measured_plan
+        from patchpar.lab.checks import default_size
 
-        f = pipe.latent_factor
-        h = config.sampler.height or pipe.unet.config.sample_size * f
-        w = config.sampler.width or h
-        plan, seconds = measured_plan(plan, pipe.unet, pipe.unet_params, (h // f, w // f), log)
+        sized = pipe.at(config.sampler.frames or pipe.unet.default_frames, config.mesh.layout) \
+            if pipe.makes_video else pipe  # fmt: skip
+        hw = sized.check_size(*default_size(pipe.unet, pipe.latent_factor, config.sampler.height,
+                                            config.sampler.width))  # fmt: skip
+        plan, seconds = measured_plan(plan, sized.unet, pipe.unet_params, hw, log)
         measured = {"measured_seconds_per_step": seconds, "patch_weights": list(plan.patch_weights)}
     checkpoint = getattr(pipe, "quant_checkpoint", None)  # the quantized weights, not the floats
     if checkpoint is not None:
@@ -241,6 +251,7 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
         check_memory=True,  # compiled first: a program that cannot fit is refused up front
         vae_plan=vae_plan,
         log=log,
+        **video,
     )
     t_gen = time.perf_counter() - t0
     hits, compiled = compile_cache.hits() - hits, compile_cache.compiled() - compiled
@@ -273,10 +284,17 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
     folder = Path(config.out)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, img in enumerate(out.images):
-        path = folder / f"image_{i}.png"
-        Image.fromarray(img).save(path)
-        paths.append(str(path))
+    if pipe.makes_video:
+        from patchpar.lab.video import write_video
+
+        for i, clip in enumerate(out.frames):
+            paths += [str(p) for p in write_video(clip, folder, f"video_{i}")]
+        record.update(frames=int(out.frames.shape[1]), layout=config.mesh.layout)
+    else:
+        for i, img in enumerate(out.images):
+            path = folder / f"image_{i}.png"
+            Image.fromarray(img).save(path)
+            paths.append(str(path))
     np.save(folder / "latent.npy", out.latents)
     record["images"] = paths
     tmp = folder / "generate.json.tmp"

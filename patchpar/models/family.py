@@ -194,6 +194,11 @@ class Family:
 
         return VAEConfig.from_diffusers(config).downsample_factor
 
+    def vae_temporal(self, config: dict) -> int:
+        """Video frames per latent frame (after the first) of a vae/config.json; 1: images."""
+        del config
+        return 1
+
     def load_vae(self, path: Path, dtype, attention: AttentionSpec):
         """(fn, params) of the vae/ folder `path`."""
         from patchpar.models.components import load_vae

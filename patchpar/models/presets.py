@@ -138,6 +138,12 @@ def latent_factor(model: str | Path) -> int:
     return 1 if vae is None else model_family(model).vae_factor(vae)
 
 
+def temporal_factor(model: str | Path) -> int:
+    """Video frames per latent frame after the first of a preset or folder (1: an image VAE)."""
+    vae = component_config(model, "vae")
+    return 1 if vae is None else model_family(model).vae_temporal(vae)
+
+
 def square_latent(model: str | Path, resolution: int) -> int:
     """The latent side of a square `resolution`-pixel image of `model`; a ValueError where the
     VAE factor does not divide it."""

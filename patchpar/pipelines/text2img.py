@@ -65,6 +65,7 @@ class Pipeline:
     default_sampler: str = "ddim"  # the family's (`Family.default_sampler`)
     quant_checkpoint: Path | None = None  # the quantized checkpoint read (None: none was)
     float_stamp: tuple | None = None  # the denoiser's float files when read (`quant.float_stamp`)
+    makes_video = False  # a text-to-video pipeline (`text2video.VideoPipeline`)
 
     def with_true_cfg(self, scale: float) -> Pipeline:
         """This pipeline with true classifier-free guidance at `scale` over a guidance-distilled

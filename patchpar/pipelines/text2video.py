@@ -63,6 +63,8 @@ class VideoPipeline(Pipeline):
     """A text-to-video pipeline: `Pipeline` whose denoiser (`unet`) is a video model on its
     `Video` layout and whose VAE decodes video (`WanVAEFn`)."""
 
+    makes_video = True
+
     def at(self, frames: int, layout: str = "frames", plan: Plan | None = None) -> VideoPipeline:
         """This pipeline making videos of `frames` frames, the latent laid out by `layout`;
         checked against the frame size of `plan`'s patches when it splits rows (at the call)."""

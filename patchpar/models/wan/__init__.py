@@ -257,6 +257,9 @@ class WanFamily(Family):
     def vae_factor(self, config: dict) -> int:
         return WanVAEConfig.from_diffusers(config).spatial_factor
 
+    def vae_temporal(self, config: dict) -> int:
+        return WanVAEConfig.from_diffusers(config).temporal_factor
+
     def load_vae(self, path: Path, dtype, attention: AttentionSpec):
         del attention  # the middle block's per-frame attention runs the site's default
         return load_wan_vae(path, dtype)
