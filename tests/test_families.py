@@ -21,7 +21,7 @@ def test_every_preset_belongs_to_one_family_and_gives_a_denoiser():
         fam = model_family(name)
         fn = abstract_denoiser(name)
         assert isinstance(fn, Denoiser) and fn.family == fam.name, name
-    assert sorted(registry.families()) == ["flux", "pixart", "sd3", "unet"]
+    assert sorted(registry.families()) == ["flux", "pixart", "sd3", "unet", "wan"]
 
 
 @pytest.mark.parametrize(
@@ -34,6 +34,8 @@ def test_every_preset_belongs_to_one_family_and_gives_a_denoiser():
         ("FluxTransformer2DModel", "flux"),
         ("StableDiffusion3Pipeline", "sd3"),
         ("SD3Transformer2DModel", "sd3"),
+        ("WanPipeline", "wan"),
+        ("WanTransformer3DModel", "wan"),
     ],
 )
 def test_folders_are_recognised_by_class(cls, family, tmp_path):
@@ -46,7 +48,7 @@ def test_folders_are_recognised_by_class(cls, family, tmp_path):
     "cls, what",
     [
         ("QwenImagePipeline", "Qwen-Image"),
-        ("WanPipeline", "Wan"),
+        ("WanImageToVideoPipeline", "Wan image-to-video"),
         ("HunyuanVideoPipeline", "HunyuanVideo"),
         ("HunyuanDiTPipeline", "HunyuanDiT"),
     ],
@@ -55,8 +57,8 @@ def test_unsupported_families_are_named_with_the_supported(cls, what, tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": cls}))
     with pytest.raises(CheckpointError, match=f"unsupported: {cls} is {what}.*unet: .*flux: "):
         registry.of_folder(tmp_path)
-    with pytest.raises(ValueError, match=r"unknown model family 'wan'; known: \['unet'"):
-        registry.named("wan")
+    with pytest.raises(ValueError, match=r"unknown model family 'hunyuan'; known: \['unet'"):
+        registry.named("hunyuan")
 
 
 def test_no_family_name_branches_outside_a_family_package():

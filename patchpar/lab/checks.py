@@ -139,17 +139,22 @@ def check_video(model, unet, latent: tuple[int, int], frames, layout: str, plan=
     return unet.with_video(video), (n * latent[0], latent[1])
 
 
-def check_lowering(model: str | Path, latent: int, plan, batch: int, steps: int,
-                   scan_blocks: bool = False) -> None:  # fmt: skip
+def check_lowering(model: str | Path, latent, plan, batch: int, steps: int,
+                   scan_blocks: bool = False, frames: int | None = None,
+                   layout: str = "frames"):  # fmt: skip
     """A plan that `comm` or `project` lowers with abstract weights, checked against the
     model's config.json first (no weight read): the plan (mesh, devices, strategy, `steps`,
-    cache) against the denoiser on a square `latent`, with the guidance the lowering uses
-    (`measure.cost.measure`'s)."""
+    cache) against the denoiser on a `latent` (a side, square, or (h, w); a video model's
+    frames of it, `check_video`), with the guidance the lowering uses (`measure.cost.
+    measure`'s). Returns (the denoiser, on its video, the latent (rows, w) it lowers)."""
     from patchpar.models.presets import abstract_denoiser
 
     unet = abstract_denoiser(model).with_scan(scan_blocks)
+    hw = latent if isinstance(latent, tuple) else (latent, latent)
+    unet, hw = check_video(model, unet, hw, frames, layout, plan)
     guidance = 5.0 if unet.guidance_halves == 2 else 1.0
-    plan.validate(unet, (latent, latent), steps, guidance, batch)
+    plan.validate(unet, hw, steps, guidance, batch)
+    return unet, hw
 
 
 def check_scan(scan_blocks: bool, quant: str, strategy: str) -> None:

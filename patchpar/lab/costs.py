@@ -28,7 +28,12 @@ class CommConfig(FromFlags):
     mesh: PlanMesh = field(default_factory=PlanMesh)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     resolution: int = 1024
-    """Square image size in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
+    """Image height in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
+    width: int = 0
+    """Image width in pixels (0: the resolution, a square)."""
+    frames: int | None = None
+    """A video model's frames, 4k + 1 for Wan's VAE (default: the model's, 81 for Wan); cut into
+    patches by mesh.layout."""
     batch: int = 0
     """Images per call (0: one per data slice, = mesh.data); with cfg=1 the UNet batch is 2 x
     batch (the CFG pair)."""
@@ -68,7 +73,8 @@ def check_comm(config: CommConfig) -> list[str]:
         resolve(m.attention_spec(), getattr(jnp, config.dtype if dtype_ok else "float32"))
     latent = None
     with problems.check():
-        latent = square_latent(m.name, config.resolution)
+        latent = (square_latent(m.name, config.resolution),
+                  square_latent(m.name, config.width or config.resolution, "width"))  # fmt: skip
     if config.batch < 0:
         problems.lines.append(f"batch={config.batch}: must be >= 0 (0: one per data slice)")
     plan = None
@@ -77,7 +83,7 @@ def check_comm(config: CommConfig) -> list[str]:
     if None not in (plan, latent) and model_ok and config.batch >= 0:  # against the model
         with problems.check():
             check_lowering(m.name, latent, plan, config.batch or plan.data, 1_000_000,
-                           m.scan_blocks)  # fmt: skip
+                           m.scan_blocks, config.frames, config.mesh.layout)  # fmt: skip
     problems.raise_any()
     given = [f"model.{k}={getattr(m, k)!r}" for k in ("attention", "block_q", "block_kv")
              if getattr(m, k) != getattr(AbstractModel(), k)]  # fmt: skip
@@ -95,6 +101,7 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
     progress of lowering and compiling, and the options that have no effect."""
     import jax.numpy as jnp
 
+    from patchpar.lab.checks import check_video
     from patchpar.measure.cost import measure
     from patchpar.models.attention import resolve
     from patchpar.models.presets import abstract_denoiser, latent_factor
@@ -111,11 +118,10 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
 
         unet, params = quantize_abstract(unet, unet.abstract_params(), m.quant)
     f = latent_factor(m.name)
-    latent = config.resolution // f
+    hw = (config.resolution // f, (config.width or config.resolution) // f)
+    unet, hw = check_video(m.name, unet, hw, config.frames, config.mesh.layout, plan)
     batch = config.batch or plan.data
-    r = measure(
-        unet, plan, (latent, latent), batch=batch, params=params, memory=config.memory, log=log
-    )
+    r = measure(unet, plan, hw, batch=batch, params=params, memory=config.memory, log=log)
     st, wu = r["phases"]["steady"], r["phases"]["warmup"]
     memory = {}
     if config.memory:
@@ -127,6 +133,10 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
     return {
         "model": m.name,
         "resolution": config.resolution,
+        "width": config.width or config.resolution,
+        **({"frames": config.frames or unet.default_frames, "latent_frames": unet.video.frames,
+            "layout": config.mesh.layout} if hasattr(unet, "video") else {}),  # fmt: skip
+        "latent_hw": list(hw),
         "devices": plan.devices,
         "cfg": plan.cfg,
         "strategy": plan.strategy.describe(),
@@ -162,6 +172,15 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
     }
 
 
+def size_label(rec: dict) -> str:
+    """`1024px`, `1024x768px`, or a video's `480x832px x 81 frames (layout frames)`."""
+    w = rec.get("width", rec["resolution"])
+    px = f"{rec['resolution']}px" if w == rec["resolution"] else f"{rec['resolution']}x{w}px"
+    if "frames" in rec:
+        px += f" x {rec['frames']} frames (layout {rec['layout']})"
+    return px
+
+
 def jax_backend() -> str:
     import jax
 
@@ -171,7 +190,7 @@ def jax_backend() -> str:
 def format_comm(rec: dict) -> str:
     mb = lambda b: f"{b / 2**20:10.3f}"  # noqa: E731
     lines = [
-        f"{rec['strategy']} | {rec['model']} {rec['resolution']}px {rec['dtype']} | "
+        f"{rec['strategy']} | {rec['model']} {size_label(rec)} {rec['dtype']} | "
         f"{rec['devices']} devices | "
         f"batch {rec['batch']}",
         "",

@@ -144,14 +144,12 @@ def temporal_factor(model: str | Path) -> int:
     return 1 if vae is None else model_family(model).vae_temporal(vae)
 
 
-def square_latent(model: str | Path, resolution: int) -> int:
-    """The latent side of a square `resolution`-pixel image of `model`; a ValueError where the
-    VAE factor does not divide it."""
+def square_latent(model: str | Path, resolution: int, name: str = "resolution") -> int:
+    """The latent side of a square `resolution`-pixel image of `model` (or of the side `name`);
+    a ValueError where the VAE factor does not divide it."""
     f = latent_factor(model)
     if not isinstance(resolution, int) or resolution <= 0 or resolution % f:
-        raise ValueError(
-            f"resolution={resolution}: must be a positive multiple of {f} (the VAE factor)"
-        )
+        raise ValueError(f"{name}={resolution}: must be a positive multiple of {f} (the VAE factor)")
     return resolution // f
 
 
