@@ -92,3 +92,47 @@ def test_hlo_bytes_equal_the_analytic_model_on_a_video():
     # every device receives the other's K/V: 2 layers x (K and V) x 2 images x 2 guidance
     # halves x 18 tokens x 24 wide x 4 bytes
     assert rec["phases"]["steady"]["hlo"]["kv"]["max"] == 2 * 2 * 2 * 2 * 18 * 24 * 4
+
+
+# ---------------------------------------------------------------------------- layer-split strategies
+
+
+def test_the_stack_composes_to_the_model():
+    """Wan's parts (text, time, patches, each block with its rows of the RoPE table, head) run
+    one after another are the model's call: what PipeFusion and AsyncDiff split."""
+    from patchpar.models.sites import IDENTITY
+
+    fn, params = micro("rows")
+    x, cond = inputs()
+    tall = fn.video.to_tall(x, 2)
+    ts = jnp.asarray([700.0, 300.0])
+    stack, outer = fn.stack, fn.stack.outer(params)
+    ctx = stack.context(outer, cond.context[1], {})
+    temb = stack.time(outer, ts, {})
+    h = stack.embed(outer, IDENTITY, tall)
+    for block in stack.segment_blocks(params)[0]:
+        h, _ = stack.block(outer, IDENTITY, block, h, ctx, temb, tall.shape[2] // 2)
+    got = stack.head(outer, h, temb, *tall.shape[1:3])
+    want = fn(params, tall, ts, cond.context[1])
+    assert got.shape == want.shape and np.abs(got - want).max() <= rounding(want)
+
+
+@pytest.mark.parametrize(
+    "layout, name, devices",
+    [("frames", "pipefusion", 2), pytest.param("rows", "asyncdiff", 2, marks=pytest.mark.slow)],
+)
+def test_layer_split_strategies_on_a_video(layout, name, devices):
+    """PipeFusion (patches of the tall image streamed through 2 stages, each layer's whole-video
+    K/V buffer) and AsyncDiff (a block per device, a step apart): warm-up over every step equals
+    single; after one exact step they are not exact; HLO bytes equal the analytic model."""
+    from patchpar.measure.cost import measure
+
+    want = sample(layout, "single", 1)
+    warm = sample(layout, name, devices, warmup_steps=STEPS)
+    assert np.abs(warm - want).max() <= rounding(want)
+    stale = sample(layout, name, devices, warmup_steps=1)
+    assert np.abs(stale - want).max() > 1e-3 * np.abs(want).max()
+    fn, params = micro(layout)
+    plan = Plan(make_strategy(name, warmup_steps=1), devices)
+    rec = measure(fn, plan, (24, 6), batch=2, params=params, flops=False)
+    assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec

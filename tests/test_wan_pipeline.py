@@ -169,3 +169,14 @@ def test_bad_video_input_is_named(flags, message):
         config = replace(config, **{section: replace(getattr(config, section), **{field: value})})
     with pytest.raises(ValueError, match=message):
         check(config)
+
+
+@pytest.mark.parametrize(
+    "command", ["run --model.name", "project --model", "calibrate --model.name"]
+)
+def test_commands_on_images_refuse_a_video_model(command, capsys):
+    from patchpar.lab.cli import main
+
+    assert main([*command.split(), "tiny-wan"]) == 2
+    err = capsys.readouterr().err
+    assert f"model 'tiny-wan' makes video: `patchpar {command.split()[0]}` works on images" in err

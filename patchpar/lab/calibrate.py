@@ -68,6 +68,9 @@ def check(config: CalibrateConfig) -> None:
         if (v := getattr(config, name)) is not None and v <= 0:
             problems.lines.append(f"{name}={v}: must be a positive number of pixels")
     with problems.check():
+        from patchpar.lab.checks import images_only
+
+        images_only(config.model.name, "calibrate")
         slab(config)
     problems.raise_any()
 

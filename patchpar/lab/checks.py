@@ -139,6 +139,17 @@ def check_video(model, unet, latent: tuple[int, int], frames, layout: str, plan=
     return unet.with_video(video), (n * latent[0], latent[1])
 
 
+def images_only(model: str | Path, command: str) -> None:
+    """ValueError where `command` is given a video model (it works on images)."""
+    from patchpar.models.presets import model_family
+
+    if model_family(model).video:
+        raise ValueError(
+            f"model {str(model)!r} makes video: `patchpar {command}` works on images so far; "
+            f"`patchpar generate` makes its videos and `patchpar comm` lowers it (--frames)"
+        )
+
+
 def check_lowering(model: str | Path, latent, plan, batch: int, steps: int,
                    scan_blocks: bool = False, frames: int | None = None,
                    layout: str = "frames"):  # fmt: skip

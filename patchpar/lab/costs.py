@@ -134,8 +134,15 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
         "model": m.name,
         "resolution": config.resolution,
         "width": config.width or config.resolution,
-        **({"frames": config.frames or unet.default_frames, "latent_frames": unet.video.frames,
-            "layout": config.mesh.layout} if hasattr(unet, "video") else {}),  # fmt: skip
+        **(
+            {
+                "frames": config.frames or unet.default_frames,
+                "latent_frames": unet.video.frames,
+                "layout": config.mesh.layout,
+            }
+            if hasattr(unet, "video")
+            else {}
+        ),  # fmt: skip
         "latent_hw": list(hw),
         "devices": plan.devices,
         "cfg": plan.cfg,

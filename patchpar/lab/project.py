@@ -75,7 +75,7 @@ def check_project(config: ProjectConfig) -> list[str]:
     (the projection prices a model's FLOPs and bytes, a quantized one's at its int8/fp8 peak:
     the model's quant counts, its attention kernel and scanned blocks do not)."""
     from patchpar import hardware
-    from patchpar.lab.checks import Problems, check_lowering
+    from patchpar.lab.checks import Problems, check_lowering, images_only
     from patchpar.measure.projection import OVERLAPS
     from patchpar.models.presets import latent_factor, square_latent
     from patchpar.quant import check_mode
@@ -106,6 +106,7 @@ def check_project(config: ProjectConfig) -> list[str]:
         problems.lines.append(f"timings={str(config.timings)!r}: no such file")
     latent = None
     with problems.check():
+        images_only(m.name, "project")
         latent = square_latent(m.name, config.resolution)
     with problems.check():  # a known mode and tile, a decode that there is, one projected
         try:

@@ -30,7 +30,7 @@ from patchpar.lab.baselines import (
     weights_sha256,
 )
 from patchpar.lab.calibrate import MEASURED, measured_plan
-from patchpar.lab.checks import Problems, check_plan_on_model
+from patchpar.lab.checks import Problems, check_plan_on_model, images_only
 from patchpar.lab.config import RunConfig, unused_options
 from patchpar.lab.configio import dump_config, point_config, to_dict
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
@@ -257,6 +257,7 @@ def check_run(config: RunConfig) -> None:
     # starts with the field it names)
     if not any(line.startswith(SECTIONS_ON_MODEL) for line in problems.lines):
         with problems.check():
+            images_only(m.name, "run")
             check_plan_on_model(  # the plan against the model's config.json
                 m.name, config.plan(), s.height, s.width, s.steps, s.guidance_scale,
                 s.true_cfg_scale, build_mesh=not config.mesh.processes,

@@ -149,7 +149,9 @@ def square_latent(model: str | Path, resolution: int, name: str = "resolution") 
     a ValueError where the VAE factor does not divide it."""
     f = latent_factor(model)
     if not isinstance(resolution, int) or resolution <= 0 or resolution % f:
-        raise ValueError(f"{name}={resolution}: must be a positive multiple of {f} (the VAE factor)")
+        raise ValueError(
+            f"{name}={resolution}: must be a positive multiple of {f} (the VAE factor)"
+        )
     return resolution // f
 
 

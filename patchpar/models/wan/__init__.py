@@ -22,6 +22,7 @@ from patchpar.models.family import Family, max_sequence_length
 from patchpar.models.loading import CheckpointError, read_config
 from patchpar.models.wan import presets as _presets
 from patchpar.models.wan.model import (
+    BLOCKS,
     CLASS_NAMES,
     LOGICAL,
     Video,
@@ -29,7 +30,9 @@ from patchpar.models.wan.model import (
     WanTransformer3DModel,
 )
 from patchpar.models.wan.vae import WanVAEConfig, WanVAEDecoder, decode
-from patchpar.models.wrapper import TokenDenoiser
+from patchpar.models.wrapper import TokenDenoiser, TokenStack
+
+BLOCK = BLOCKS + "_{}"  # a block's parameters, unrolled
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class WanFn(TokenDenoiser):
     family = "wan"
     logical = LOGICAL  # its parameters' logical axes (`parallel.rules`)
     splits_columns = False  # its positions are cut by rows of the tall image only
-    no_stack = "its stack of blocks for PipeFusion and AsyncDiff is not built yet"
+    no_stack = ""  # it has one (`stack`)
     text_tokens = 512  # the umT5 tokens WanPipeline reads (max_sequence_length)
     text_stream = False  # the text enters by cross-attention on every device
     caches = ("fbcache", "taylorseer")  # no TeaCache coefficients for Wan here
@@ -93,8 +96,9 @@ class WanFn(TokenDenoiser):
             )
 
     @property
-    def stack(self):
-        return None
+    def stack(self) -> Stack:
+        """The forward's parts, for a strategy that splits the layers (PipeFusion, AsyncDiff)."""
+        return Stack(self.module)
 
     def prediction(self, out: jax.Array) -> jax.Array:
         return out  # the flow's velocity
@@ -123,6 +127,67 @@ class WanFn(TokenDenoiser):
         """The parameters' shapes, in the unrolled layout (as checkpoints hold them)."""
         args, added = self.example_inputs(1, seq=4)
         return abstract_init(self.module.clone(scan=False), *args, **added)
+
+
+@dataclass(frozen=True)
+class Stack(TokenStack):
+    """Wan's transformer as a stack (`wrapper.TokenStack`): one segment of identical blocks.
+    The time part gives (the blocks' modulations, the head's embedding); each block takes its
+    rows of the RoPE table from the position site (`WanRope`, the same collections as its
+    self-attention's, `attn1`)."""
+
+    module: WanTransformer3DModel
+    segment_kv_names = (("attn1",),)  # per segment, the attentions whose K/V a stage keeps
+
+    @property
+    def segment_layers(self) -> tuple[int, ...]:
+        return (self.num_layers,)
+
+    @property
+    def patch_size(self) -> int:
+        return self.module.config.spatial_patch
+
+    def segment_blocks(self, params) -> tuple[list, ...]:
+        return ([params[BLOCK.format(i)] for i in range(self.num_layers)],)
+
+    def block_names(self) -> set[str]:
+        return {BLOCK.format(i) for i in range(self.num_layers)}
+
+    def context(self, outer, encoder_hidden_states, extras: dict):
+        """The projected text (B, S, D): step-invariant."""
+        return self._apply(self.module.ops, outer, "context", encoder_hidden_states)
+
+    def time(self, outer, timesteps, extras: dict):
+        """((B, 6, D) the blocks' modulations, (B, D) the head's)."""
+        return self._apply(self.module.ops, outer, "time", timesteps)
+
+    def embed(self, outer, ops, sample, variables=None, ctx=None):
+        """(B, h, W, C) rows of the tall image -> (B, h/p * W/p, D) tokens (the text, `ctx`,
+        enters every block by cross-attention)."""
+        del ctx
+        nested = {k: {"rope": v} for k, v in (variables or {}).items()}
+        tokens, _ = self._apply(ops, outer, "embed", sample, variables=nested)
+        return tokens
+
+    def block(self, outer, ops, block_params, x, ctx, temb, row, variables=None, mutable=(),
+              segment: int = 0):  # fmt: skip
+        """One block on (B, T, D) tokens of `row` tokens per row -> (tokens, the `mutable`
+        collections)."""
+        del segment  # one segment
+        name = BLOCK.format(0)  # every block is alike: the parameters given run as block 0
+        rows = x.shape[1] // row
+
+        def run(m, x, ctx, t6):
+            return m.block(0, x, ctx, t6, m.rope(rows, row), row)
+
+        own = variables or {}
+        nested = {k: {name: v, "rope": v.get("attn1", {})} for k, v in own.items()}
+        out = self._apply(ops, {**outer, name: block_params}, run, x, ctx, temb[0],
+                          variables=nested, mutable=mutable)  # fmt: skip
+        return self._own(out, mutable, name)
+
+    def head(self, outer, x, temb, rows: int, w: int):
+        return self._apply(self.module.ops, outer, "head", x, temb[1], rows, w)
 
 
 def wan_denoiser(config: dict, video: Video | None = None, dtype=jnp.float32, where="config.json",

@@ -369,6 +369,7 @@ class WanTransformer3DModel(nn.Module):
         layer = ops.layer  # every parameterised layer: FSDP gathers its weights there
         p = cfg.spatial_patch
         self.patch_embedding = layer(PatchEmbed3D)(cfg.inner_dim, p, dt, name="patch_embedding")
+        self.rope = WanRope(cfg, self.video, ops)
         self.condition_embedder = layer(ConditionEmbedder)(cfg, dt)
         scan.build(self, BLOCKS, [0] * cfg.num_layers,
                    lambda i: (layer(WanBlock), (cfg, dt, ops, self.attn)))  # fmt: skip
@@ -429,9 +430,7 @@ class WanTransformer3DModel(nn.Module):
         """(B, h, W, C) rows of the tall image -> ((B, h/p * W/p, D) tokens, their RoPE)."""
         x = self.patch_embedding(sample.astype(self.dtype))
         b, rows, cols, d = x.shape
-        cfg, video = self.config, self.video
-        rope = self.ops.positions(self, lambda r, c: rope_table(cfg, video, r, c), rows, cols)
-        return x.reshape(b, rows * cols, d), rope
+        return x.reshape(b, rows * cols, d), self.rope(rows, cols)
 
     def time(self, timesteps) -> tuple[jax.Array, jax.Array]:
         """((B, 6, D) block modulations, (B, D) temb)."""
@@ -456,6 +455,20 @@ class WanTransformer3DModel(nn.Module):
         x = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(self.dtype)
         x = self.proj_out(x).reshape(b, h // p, w // p, p, p, cfg.out_channels)
         return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, cfg.out_channels)
+
+
+class WanRope(nn.Module):
+    """This slab's rows of the tall image's RoPE table (`rope_table`), through the position
+    site (`ops.positions`: a constant sliced per device or per pipelined patch); no
+    parameters."""
+
+    config: WanConfig
+    video: Video
+    ops: SiteOps = IDENTITY
+
+    def __call__(self, rows: int, cols: int) -> jax.Array:
+        cfg, video = self.config, self.video
+        return self.ops.positions(self, lambda r, c: rope_table(cfg, video, r, c), rows, cols)
 
 
 class PatchEmbed3D(nn.Module):
