@@ -154,6 +154,7 @@ def test_tiny_wan_generates_a_video_on_frame_and_row_patches(tmp_path):
             r"2 blocks do not divide the video's 3 latent frames; divisors that fit: \[1, 3\]",
         ),  # fmt: skip
         ({"mesh.layout": "diagonal"}, r"layout='diagonal'; known: \['frames', 'rows'\] or FxR"),
+        ({"mesh.vae_parallel": "tiles"}, r"vae_parallel='tiles': a video decodes on one device"),
         ({"model.name": "tiny", "sampler.frames": 9}, r"frames=9: tiny makes images, not video"),
         ({"model.name": "tiny", "mesh.layout": "rows"}, r"layout='rows': tiny makes images"),
     ],

@@ -117,6 +117,7 @@ def check(config: GenerateConfig) -> list[str]:
     the problems found are raised together (`checks.Problems`, a ValueError: one line each,
     naming the value and what fits); returns the options given that have no effect here."""
     from patchpar.lab.checks import Problems, check_plan_on_model, fsdp_unused
+    from patchpar.models.presets import model_family
     from patchpar.pipelines.checks import check_guidance, check_seed
 
     problems = Problems.collect()
@@ -160,7 +161,12 @@ def check(config: GenerateConfig) -> list[str]:
     with problems.check():
         plan = config.plan()  # unknown strategy or option: error before loading anything
     with problems.check():
-        config.vae_plan()
+        vae_plan = config.vae_plan()
+        if vae_plan.mode == "tiles" and model_ok and model_family(config.model.name).video:
+            raise ValueError(
+                "mesh.vae_parallel='tiles': a video decodes on one device (off) or on row "
+                "patches of every frame (rows)"
+            )
     sizes_ok = config.sampler.steps >= 1 and all(
         v is None or v > 0 for v in (config.sampler.height, config.sampler.width)
     )

@@ -207,6 +207,72 @@ def _rows(vae, params, x, mesh, method: str):
     return tuple(unpad_rows(o, rows) for o in out)
 
 
+# ------------------------------------------------------------------------------ video
+
+
+def decode_video(vae, params, z: jax.Array, plan: VAEPlan) -> jax.Array:
+    """A video latent (B, F, h, w, C), un-normalised, -> frames (B, T, H, W, 3) in [-1, 1]: on
+    one device (`off`) or on row patches of every frame (`rows`, exact: each causal 3-D
+    convolution's halo from the neighbours, frame by frame, the per-frame attention over every
+    patch's pixels; time stays causal, each device carrying its own rows' caches). A video
+    VAE (`vae.decode(params, z)`, `vae.with_ops`) has no tiles here."""
+    if plan.mode == "tiles":
+        raise ValueError(
+            "vae_parallel='tiles': a video decodes on one device (off) or on row patches of "
+            "every frame (rows)"
+        )
+    plan.validate(vae, z.shape[2:4], z.shape[0])
+    if plan.whole:
+        return _whole_video(vae, params, z)
+    mesh = make_mesh(plan.devices, 1, plan.data)
+    rows = latent_rows(z.shape[2], plan.patch)
+    if rows is not None:  # uneven: every slab padded to the largest patch's rows
+        z = pad_rows(jnp.asarray(z), rows, axis=2)
+    out = _video_rows(vae, params, _global(z, mesh, VIDEO_SPEC), mesh, rows)
+    f = vae.config.downsample_factor
+    return out if rows is None else unpad_rows(out, [r * f for r in rows], axis=2)
+
+
+VIDEO_SPEC = P(DATA, None, PATCH)  # (B, F, h, w, C): videos over data, rows over patch
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _whole_video(vae, params, z):
+    return vae.decode(params, z)
+
+
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def _video_rows(vae, params, z, mesh, rows):
+    """The video decoder on row patches: z (B, F, h, w, C) sharded (data, -, patch), `rows`
+    each patch's own where uneven (the slabs padded) -> frames sharded alike."""
+    ops = patch_ops(mesh.shape[PATCH], "warmup", ulysses=1)  # exact: fresh halos, ring
+    local = vae.with_ops(ops if rows is None else ops.with_rows(rows))
+    fn = jax.shard_map(
+        lambda p, zs: local.decode(p, zs),
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), params), VIDEO_SPEC),
+        out_specs=VIDEO_SPEC,
+        check_vma=False,
+    )
+    return fn(params, z)
+
+
+def lowered_decode_video(vae, params, z_shape: tuple[int, ...], plan: VAEPlan, dtype=None):
+    """The video decode program `plan` runs for a (B, F, h, w, C) latent, lowered (parameters
+    may be abstract): its memory is read from it."""
+    plan.validate(vae, z_shape[2:4], z_shape[0])
+    dtype = dtype or vae.module.dtype
+    if plan.whole:
+        return _whole_video.lower(vae, params, jax.ShapeDtypeStruct(z_shape, dtype))
+    mesh = make_mesh(plan.devices, 1, plan.data)
+    rows = latent_rows(z_shape[2], plan.patch)
+    shape = list(z_shape)
+    if rows is not None:
+        shape[2] = plan.patch * max(rows)
+    z = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, VIDEO_SPEC))
+    return _video_rows.lower(vae, params, z, mesh, rows)
+
+
 # ------------------------------------------------------------------------------ tiles
 
 
@@ -370,4 +436,7 @@ def tile_count(latent_hw: tuple[int, int], tile: int, f: int) -> int:
     return len(t.starts(t.h)) * len(t.starts(t.w))
 
 
-__all__ = ["MODES", "VAEPlan", "decode", "encode", "lowered_decode", "tile_count", "tiled_decode"]
+__all__ = [
+    "MODES", "VAEPlan", "decode", "decode_video", "encode", "lowered_decode",
+    "lowered_decode_video", "tile_count", "tiled_decode",
+]  # fmt: skip

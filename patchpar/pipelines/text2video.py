@@ -7,7 +7,6 @@ step cache runs on it unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,8 @@ import numpy as np
 
 from patchpar.models.wan.model import Video
 from patchpar.parallel.engine import Plan
-from patchpar.parallel.vae import VAEPlan
+from patchpar.parallel.mesh import to_local
+from patchpar.parallel.vae import VAEPlan, decode_video
 from patchpar.pipelines.checks import NonFiniteError, check_image_size, check_seed
 from patchpar.pipelines.text2img import Pipeline
 
@@ -48,14 +48,6 @@ def latent_frames(frames, temporal: int = 4) -> int:
             f"so frames must be {temporal}k + 1; nearest that fit: {fit}"
         )
     return (frames - 1) // temporal + 1
-
-
-def check_vae_plan(vae_plan: VAEPlan | None) -> None:
-    if vae_plan is not None and vae_plan.mode != "off":
-        raise ValueError(
-            f"vae_parallel={vae_plan.mode!r}: the video VAE decodes on one device here (row "
-            f"patches of a video decode are not built yet); use vae_parallel=off"
-        )
 
 
 @dataclass
@@ -114,10 +106,11 @@ class VideoPipeline(Pipeline):
 
     def decode(self, latents: jax.Array, vae_plan: VAEPlan | None = None) -> np.ndarray:
         """The tall final latent -> (B, T, H, W, 3) uint8 frames (WanPipeline's un-normalising,
-        decode and post-processing), on one device."""
-        check_vae_plan(vae_plan)
+        decode and post-processing), on one device or on row patches of every frame
+        (`vae_plan` rows; tiles: ValueError)."""
         z = self.vae.unnormalise(self.from_tall(latents).astype(self.vae.module.dtype))
-        video = np.asarray(_decode(self.vae, self.vae_params, z), np.float32)
+        video = to_local(decode_video(self.vae, self.vae_params, z, vae_plan or VAEPlan()))
+        video = np.asarray(video, np.float32)
         if not np.isfinite(video).all():
             raise NonFiniteError(
                 f"the video VAE decode gave NaN or Inf in {int((~np.isfinite(video)).sum())} of "
@@ -151,7 +144,8 @@ class VideoPipeline(Pipeline):
         height = dh if height is None else height
         width = dw if width is None else width
         pipe.check_layout(height, width, plan)
-        check_vae_plan(vae_plan)
+        if vae_plan is not None and vae_plan.mode == "tiles":  # before any work
+            decode_video(self.vae, self.vae_params, None, vae_plan)
         if latents is not None:
             latents = pipe.to_tall(latents)
         out = Pipeline.__call__(
@@ -160,8 +154,3 @@ class VideoPipeline(Pipeline):
         )  # fmt: skip
         final = np.asarray(pipe.from_tall(out.latents), np.float32)
         return VideoOutput(out.images, final, out.stale_bytes_per_device, out.cache)
-
-
-@partial(jax.jit, static_argnums=(0,))
-def _decode(vae, params, z):
-    return vae.decode(params, z)

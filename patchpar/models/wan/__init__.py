@@ -214,6 +214,10 @@ class WanVAEFn:
     def decode(self, params, z: jax.Array) -> jax.Array:
         return decode(self.module, params, z)
 
+    def with_ops(self, ops) -> WanVAEFn:
+        """The decoder on the site ops `ops` (row patches: `parallel.vae.decode_video`)."""
+        return dataclasses.replace(self, module=self.module.clone(ops=ops))
+
     def unnormalise(self, latents: jax.Array) -> jax.Array:
         """The sampler's latent (B, F, h, w, z) as the decoder takes it: x std + mean per channel
         (diffusers' `latents / (1 / std) + mean`)."""

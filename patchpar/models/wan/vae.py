@@ -51,6 +51,11 @@ class WanVAEConfig:
         return 2 ** (len(self.dim_mult) - 1)
 
     @property
+    def downsample_factor(self) -> int:
+        """Image pixels per latent pixel (the image VAE's name for `spatial_factor`)."""
+        return self.spatial_factor
+
+    @property
     def temporal_factor(self) -> int:
         return 2 ** sum(self.temperal_downsample)
 
