@@ -138,6 +138,7 @@ HEAVY_FIRST = (
     "test_projection.py",
     "test_launch.py",
     "test_sd3_pipeline.py",
+    "test_wan_pipeline.py",
     "test_attention.py",
     "test_ignored_options.py",
     "test_compile_cache.py",

@@ -142,7 +142,7 @@ def test_tiny_wan_generates_a_video_on_frame_and_row_patches(tmp_path):
                 "strategy.name": "sync_patch",
                 "mesh.layout": "3x2",
             },
-            r"3 x 2 = 6 blocks for 4 patch devices; .* \['1x4', '2x2', '4x1'\]",
+            r"3 x 2 = 6 blocks for 4 patch devices; .* \(grids that fit: \['1x4'\]\)",
         ),  # fmt: skip
         (
             {
@@ -151,7 +151,8 @@ def test_tiny_wan_generates_a_video_on_frame_and_row_patches(tmp_path):
                 "strategy.name": "sync_patch",
                 "mesh.layout": "2x1",
             },
-            r"2 blocks do not divide the video's 3 latent frames; divisors that fit: \[1, 3\]",
+            r"2 frame blocks x 1 row blocks do not divide the video's 3 latent frames x 4 token "
+            r"rows per frame \(grids that fit: \['1x2'\]\)",
         ),  # fmt: skip
         ({"mesh.layout": "diagonal"}, r"layout='diagonal'; known: \['frames', 'rows'\] or FxR"),
         ({"mesh.vae_parallel": "tiles"}, r"vae_parallel='tiles': a video decodes on one device"),
@@ -181,3 +182,25 @@ def test_commands_on_images_refuse_a_video_model(command, capsys):
     assert main([*command.split(), "tiny-wan"]) == 2
     err = capsys.readouterr().err
     assert f"model 'tiny-wan' makes video: `patchpar {command.split()[0]}` works on images" in err
+
+
+def test_a_latent_of_another_video_is_named():
+    pipe = load_pipeline("tiny-wan")
+    with pytest.raises(ValueError, match=r"latents of shape \(1, 2, 8, 8, 4\): a video of 9 "
+                       r"frames of 64x64 takes \(B, 3, 8, 8, 4\)"):  # fmt: skip
+        pipe(["a bag"], steps=1, frames=9, latents=jnp.zeros((1, 2, 8, 8, 4)))
+
+
+def test_wan22_5b_lowers_with_its_16x_vae_and_two_experts_are_named(tmp_path):
+    """The 5B's residual VAE is not ported, but its factors (16x, 4x) size the latent a
+    denoiser lowers on; a two-expert folder is refused before any weight is read."""
+    from patchpar.models.presets import latent_factor, temporal_factor
+
+    assert (latent_factor("wan2.2-5b"), temporal_factor("wan2.2-5b")) == (16, 4)
+    assert (latent_factor("wan2.1-14b"), temporal_factor("wan2.1-14b")) == (8, 4)
+    from patchpar.models.wan import FAMILY
+
+    with pytest.raises(ValueError, match=r"boundary_ratio=0.875 in model_index.json: a Wan 2.2"):
+        FAMILY.check_index({"boundary_ratio": 0.875})
+    with pytest.raises(ValueError, match=r"transformer_2=\['diffusers', 'WanTransformer3DModel'\]"):
+        FAMILY.check_index({"transformer_2": ["diffusers", "WanTransformer3DModel"]})

@@ -129,14 +129,11 @@ def check_video(model, unet, latent: tuple[int, int], frames, layout: str, plan=
                 f"frames (leave it at 'frames')"
             )
         return unet, latent
-    from patchpar.models.wan.model import Video
-    from patchpar.pipelines.text2video import latent_frames
+    from patchpar.pipelines.text2video import on_video
 
-    n = latent_frames(unet.default_frames if frames is None else frames, temporal_factor(model))
-    video = Video(n, layout)
-    splits = plan is not None and plan.splits_row_patches
-    video.check(latent[0] // unet.row_multiple, plan.patch if splits else None)
-    return unet.with_video(video), (n * latent[0], latent[1])
+    frames = unet.default_frames if frames is None else frames
+    patches = plan.patch if plan is not None and plan.splits_row_patches else None
+    return on_video(unet, frames, layout, temporal_factor(model), latent, patches)
 
 
 def images_only(model: str | Path, command: str) -> None:

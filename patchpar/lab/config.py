@@ -104,8 +104,9 @@ class PlanMesh:
     """Uneven patches: own (a stale DiT's steady phase computes each device's own rows alone),
     padded (the largest patch's), auto (own where patch_weights are given, else padded)."""
     layout: str = "frames"
-    """A video model's patches: frames (whole frames each), rows (the same rows of every frame)
-    or FxR (F frame blocks x R row blocks, F x R = the patch devices); images: frames."""
+    """A video model's patches: frames (runs of consecutive frames), rows (the same rows of
+    every frame) or FxR (F frame blocks x R row blocks, F x R = the patch devices); images:
+    frames."""
 
 
 @dataclass(frozen=True)

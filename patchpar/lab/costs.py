@@ -27,10 +27,21 @@ class CommConfig(FromFlags):
     model: AbstractModel = field(default_factory=AbstractModel)
     mesh: PlanMesh = field(default_factory=PlanMesh)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    resolution: int = 1024
-    """Image height in pixels (latent = resolution / the VAE factor; 1 for pixel space)."""
+    resolution: int = 0
+    """Image height in pixels (latent = resolution / the VAE factor; 1 for pixel space); 0:
+    1024, a video model's own frame height (480 for Wan)."""
     width: int = 0
-    """Image width in pixels (0: the resolution, a square)."""
+    """Image width in pixels (0: the resolution, a square; a video model's own frame width)."""
+
+    def size(self) -> tuple[int, int]:
+        """(height, width) in pixels, the unset sides the model's (`resolution`, `width`)."""
+        from patchpar.models.presets import abstract_denoiser, model_family
+
+        if self.resolution == 0 and self.width == 0 and model_family(self.model.name).video:
+            return abstract_denoiser(self.model.name).default_size
+        h = self.resolution or 1024
+        return h, self.width or h
+
     frames: int | None = None
     """A video model's frames, 4k + 1 for Wan's VAE (default: the model's, 81 for Wan); cut into
     patches by mesh.layout."""
@@ -73,8 +84,8 @@ def check_comm(config: CommConfig) -> list[str]:
         resolve(m.attention_spec(), getattr(jnp, config.dtype if dtype_ok else "float32"))
     latent = None
     with problems.check():
-        latent = (square_latent(m.name, config.resolution),
-                  square_latent(m.name, config.width or config.resolution, "width"))  # fmt: skip
+        h, w = config.size()
+        latent = square_latent(m.name, h), square_latent(m.name, w, "width")
     if config.batch < 0:
         problems.lines.append(f"batch={config.batch}: must be >= 0 (0: one per data slice)")
     plan = None
@@ -118,7 +129,8 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
 
         unet, params = quantize_abstract(unet, unet.abstract_params(), m.quant)
     f = latent_factor(m.name)
-    hw = (config.resolution // f, (config.width or config.resolution) // f)
+    height, width = config.size()
+    hw = (height // f, width // f)
     unet, hw = check_video(m.name, unet, hw, config.frames, config.mesh.layout, plan)
     batch = config.batch or plan.data
     r = measure(unet, plan, hw, batch=batch, params=params, memory=config.memory, log=log)
@@ -132,8 +144,8 @@ def run_comm(config: CommConfig, log=lambda msg: None) -> dict:
         }
     return {
         "model": m.name,
-        "resolution": config.resolution,
-        "width": config.width or config.resolution,
+        "resolution": height,
+        "width": width,
         **(
             {
                 "frames": config.frames or unet.default_frames,

@@ -52,7 +52,7 @@ class GenerateSampler:
     """Denoising steps."""
     guidance_scale: float | None = None
     """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2
-    for fmnist; 4.5 for PixArt; else 7.5)."""
+    for fmnist; its family's pipelines' else: 4.5 for PixArt, 5 for Wan, 7.5 for SD)."""
     true_cfg_scale: float | None = None
     """True classifier-free guidance over a FLUX.1 model (diffusers' true_cfg_scale): > 1 adds
     the negative prompt as a second guidance half; <= 1: off (default: the preset's tuned value,

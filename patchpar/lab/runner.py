@@ -261,7 +261,7 @@ def check_run(config: RunConfig) -> None:
             check_plan_on_model(  # the plan against the model's config.json
                 m.name, config.plan(), s.height, s.width, s.steps, s.guidance_scale,
                 s.true_cfg_scale, build_mesh=not config.mesh.processes,
-                scan_blocks=m.scan_blocks,
+                scan_blocks=m.scan_blocks, layout=config.mesh.layout,
             )  # fmt: skip
     problems.raise_any()
 

@@ -50,6 +50,17 @@ def latent_frames(frames, temporal: int = 4) -> int:
     return (frames - 1) // temporal + 1
 
 
+def on_video(unet, frames: int, layout: str, temporal: int, frame_hw: tuple[int, int],
+             patches: int | None = None):  # fmt: skip
+    """(`unet` on the video of `frames` frames laid out by `layout`, the tall latent (rows, w))
+    for a frame's latent `frame_hw`, under a VAE compressing time `temporal`x; ValueError where
+    the frames do not fit the VAE or the layout does not cut the video into `patches` row
+    patches (None: one device)."""
+    video = Video(latent_frames(frames, temporal), layout)
+    video.check(frame_hw[0] // unet.row_multiple, patches)
+    return unet.with_video(video), (video.frames * frame_hw[0], frame_hw[1])
+
+
 @dataclass
 class VideoPipeline(Pipeline):
     """A text-to-video pipeline: `Pipeline` whose denoiser (`unet`) is a video model on its
@@ -57,11 +68,29 @@ class VideoPipeline(Pipeline):
 
     makes_video = True
 
-    def at(self, frames: int, layout: str = "frames", plan: Plan | None = None) -> VideoPipeline:
-        """This pipeline making videos of `frames` frames, the latent laid out by `layout`;
-        checked against the frame size of `plan`'s patches when it splits rows (at the call)."""
-        video = Video(latent_frames(frames, self.vae.config.temporal_factor), layout)
-        return replace(self, unet=self.unet.with_video(video))
+    def at(
+        self,
+        frames: int,
+        layout: str = "frames",
+        height: int | None = None,
+        width: int | None = None,
+        plan: Plan | None = None,
+    ) -> VideoPipeline:
+        """This pipeline making videos of `frames` frames, the latent laid out by `layout`,
+        checked against a frame of `height` x `width` (default the model's) cut into `plan`'s
+        row patches; the placed weights' cache shared with this one."""
+        h, w = self.frame_size(*self.default_size(height, width))
+        patches = plan.patch if plan is not None and plan.splits_row_patches else None
+        temporal = self.vae.config.temporal_factor
+        unet, _ = on_video(self.unet, frames, layout, temporal, (h, w), patches)
+        pipe = replace(self, unet=unet)
+        pipe.__dict__["_placed_cache"] = self.__dict__.setdefault("_placed_cache", {})
+        return pipe
+
+    def default_size(self, height: int | None, width: int | None) -> tuple[int, int]:
+        """A frame's size in pixels, each side the model's where not given."""
+        dh, dw = self.unet.default_size
+        return (dh if height is None else height), (dw if width is None else width)
 
     @property
     def video(self) -> Video:
@@ -84,12 +113,6 @@ class VideoPipeline(Pipeline):
         """The tall latent's (rows, w) for a frame size: the frames' rows stacked."""
         h, w = check_image_size(self.unet, self.latent_factor, height, width, rows_multiple)
         return self.video.frames * h, w
-
-    def check_layout(self, height: int, width: int, plan: Plan | None) -> None:
-        """ValueError where the layout cannot cut this video into `plan`'s patches."""
-        h, _ = self.frame_size(height, width)
-        splits = plan is not None and plan.splits_row_patches
-        self.video.check(h // self.unet.row_multiple, plan.patch if splits else None)
 
     def initial_latents(self, batch: int, height: int, width: int, seed: int) -> jax.Array:
         """Unit Gaussian video latent (B, F, h, w, C) fixed by the seed, as the tall image."""
@@ -139,14 +162,21 @@ class VideoPipeline(Pipeline):
         """Videos of `frames` frames (default: the model's) for the prompts, the latent laid out
         by `layout` (`frames`, `rows` or `FxR`); `latents`, when given, is (B, F, h, w, C). The
         rest is `Pipeline.__call__`'s (height and width of a frame, default the model's)."""
-        pipe = self.at(self.unet.default_frames if frames is None else frames, layout)
-        dh, dw = self.unet.default_size
-        height = dh if height is None else height
-        width = dw if width is None else width
-        pipe.check_layout(height, width, plan)
-        if vae_plan is not None and vae_plan.mode == "tiles":  # before any work
-            decode_video(self.vae, self.vae_params, None, vae_plan)
+        height, width = self.default_size(height, width)
+        frames = self.unet.default_frames if frames is None else frames
+        pipe = self.at(frames, layout, height, width, plan)
+        frame = pipe.frame_size(height, width)
+        if vae_plan is not None:  # before any work: tiles refused, rows against a frame
+            if vae_plan.mode == "tiles":
+                decode_video(self.vae, self.vae_params, None, vae_plan)
+            vae_plan.validate(self.vae, frame)
         if latents is not None:
+            want = (pipe.video.frames, *frame, pipe.latent_channels)
+            if latents.ndim != 5 or tuple(latents.shape[1:]) != want:
+                raise ValueError(
+                    f"latents of shape {tuple(latents.shape)}: a video of {frames} frames of "
+                    f"{height}x{width} takes (B, {', '.join(map(str, want))})"
+                )
             latents = pipe.to_tall(latents)
         out = Pipeline.__call__(
             pipe, prompts, height, width, steps, guidance_scale, seed, sampler,

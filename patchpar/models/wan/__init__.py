@@ -324,10 +324,16 @@ class WanFamily(Family):
         return config.get("num_attention_heads", 40) * config.get("attention_head_dim", 128) >= 1024
 
     def vae_factor(self, config: dict) -> int:
-        return WanVAEConfig.from_diffusers(config).spatial_factor
+        """The config's `scale_factor_spatial` (what diffusers reads; Wan 2.2's 16x VAE), else
+        its upsamplings'; not validated: a VAE patchpar does not run still lowers a denoiser."""
+        return int(
+            config.get("scale_factor_spatial")
+            or 2 ** (len(config.get("dim_mult", (1, 2, 4, 4))) - 1)
+        )
 
     def vae_temporal(self, config: dict) -> int:
-        return WanVAEConfig.from_diffusers(config).temporal_factor
+        down = config.get("temperal_downsample", (False, True, True))
+        return int(config.get("scale_factor_temporal") or 2 ** sum(map(bool, down)))
 
     def load_vae(self, path: Path, dtype, attention: AttentionSpec):
         del attention  # the middle block's per-frame attention runs the site's default
@@ -336,11 +342,12 @@ class WanFamily(Family):
     def check_index(self, index: dict) -> None:
         max_sequence_length(index, 512, "WanPipeline")
         second = index.get("transformer_2")  # [library, class], or [null, null]: none
-        if index.get("boundary_ratio") is not None or (second and any(second)):
+        ratio = index.get("boundary_ratio")
+        if ratio is not None or (second and any(second)):
+            what = f"boundary_ratio={ratio!r}" if ratio is not None else f"transformer_2={second!r}"
             raise ValueError(
-                f"boundary_ratio={index.get('boundary_ratio')!r} in model_index.json: a Wan 2.2 "
-                f"pipeline of two experts (transformer_2) is not supported yet; patchpar runs "
-                f"one transformer (Wan 2.1, Wan 2.2 TI2V 5B)"
+                f"{what} in model_index.json: a Wan 2.2 pipeline of two experts (transformer_2) "
+                f"is not supported yet; patchpar runs one transformer (Wan 2.1)"
             )
 
     def load_text(self, folder: Path, index: dict, dtype) -> UMT5Conditioning:

@@ -160,19 +160,20 @@ class Video:
             )
         if self.layout in LAYOUTS:
             return
-        if patches is not None and fb * rb != patches:
-            fits = [f"{a}x{patches // a}" for a in range(1, patches + 1) if patches % a == 0]
+        n = fb * rb if patches is None else patches
+        fits = [f"{a}x{n // a}" for a in range(1, n + 1)
+                if n % a == 0 and f % a == 0 and token_rows % (n // a) == 0]  # fmt: skip
+        fit = f"grids that fit: {fits}" if fits else "no grid fits: use layout frames or rows"
+        if fb * rb != n:
             raise ValueError(
-                f"layout={self.layout!r}: {fb} x {rb} = {fb * rb} blocks for {patches} patch "
-                f"devices; the factors must multiply to the devices: {fits}"
+                f"layout={self.layout!r}: {fb} x {rb} = {fb * rb} blocks for {n} patch devices; "
+                f"the factors must multiply to the devices ({fit})"
             )
-        for what, n, blocks in (("latent frames", f, fb), ("token rows per frame", token_rows, rb)):
-            if n % blocks:
-                fits = [d for d in range(1, n + 1) if n % d == 0]
-                raise ValueError(
-                    f"layout={self.layout!r}: {blocks} blocks do not divide the video's {n} "
-                    f"{what}; divisors that fit: {fits}"
-                )
+        if f % fb or token_rows % rb:
+            raise ValueError(
+                f"layout={self.layout!r}: {fb} frame blocks x {rb} row blocks do not divide the "
+                f"video's {f} latent frames x {token_rows} token rows per frame ({fit})"
+            )
 
     def units(self, rows: int, p: int) -> np.ndarray:
         """(rows / p,) the (frame, token row) of each token row of a tall image of `rows`

@@ -50,7 +50,8 @@ _VAE = {
 }  # fmt: skip
 # Wan 2.2's residual VAE (16x spatial, z 48, patch 2): its shape for the record; not ported
 _VAE22 = {**_VAE, "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True,
-          "patch_size": 2, "scale_factor_spatial": 16, "latents_mean": [0.0] * 48,
+          "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+          "latents_mean": [0.0] * 48,
           "latents_std": [1.0] * 48}  # fmt: skip
 _UMT5_XXL = {
     **T5_XXL,
