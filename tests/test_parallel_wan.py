@@ -97,6 +97,7 @@ def test_hlo_bytes_equal_the_analytic_model_on_a_video():
 # ---------------------------------------------------------------------------- layer-split strategies
 
 
+@pytest.mark.slow
 def test_the_stack_composes_to_the_model():
     """Wan's parts (text, time, patches, each block with its rows of the RoPE table, head) run
     one after another are the model's call: what PipeFusion and AsyncDiff split."""
