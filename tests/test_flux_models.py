@@ -155,7 +155,7 @@ def test_bad_flux_configs_are_named(tmp_path):
     cfg = json.loads(path.read_text())
     for name, what in (
         ("QwenImageTransformer2DModel", "Qwen-Image"),
-        ("WanTransformer3DModel", "Wan"),
+        ("HunyuanVideoTransformer3DModel", "HunyuanVideo"),
     ):
         path.write_text(json.dumps({**cfg, "_class_name": name}))
         with pytest.raises(CheckpointError, match=f"unsupported: {name} is {what}.*flux: "):

@@ -120,7 +120,8 @@ def test_rope_table_matches_diffusers():
     "change, message",
     [
         ({"image_dim": 1280}, "image_dim=1280 is an image-to-video transformer"),
-        ({"patch_size": (2, 2, 2)}, r"patch_size=\[2, 2, 2\] is not supported"),
+        ({"patch_size": [2, 2, 2]}, r"patch_size=\[2, 2, 2\] is not supported"),
+        ({"patch_size": 2}, r"patch_size=2 is not supported: patchpar runs Wan's \(1, p, p\)"),
         ({"qk_norm": "rms_norm"}, "qk_norm='rms_norm' is not supported"),
         ({"_class_name": "FluxTransformer2DModel"}, "is not a Wan transformer"),
     ],

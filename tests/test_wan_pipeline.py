@@ -103,20 +103,23 @@ def test_wan_embeddings_latent_and_frames_match_diffusers(wan_folder):
 
 @pytest.mark.slow
 def test_tiny_wan_generates_a_video_on_frame_and_row_patches(tmp_path):
-    """`patchpar generate` on tiny-wan (flow UniPC, CFG): sync_patch on 3 devices over frames and
-    on 2 over rows give single's latent; each video written as a GIF of its frames and a grid."""
+    """`patchpar generate` on tiny-wan (flow UniPC, CFG): sync_patch on 3 devices over frames, on
+    2 over rows and on 3 with patch weights measured give single's latent; each video written
+    as a GIF of its frames and a grid."""
     from PIL import Image
 
     from patchpar.lab.cli import main
 
     args = ["generate", "--model", "tiny-wan", "--steps", "3", "--frames", "9"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
-    for name, split in (("frames", ["--devices", "3"]), ("rows", ["--devices", "2"])):
-        flags = [*split, "--strategy", "sync_patch", "--layout", name]
-        assert main([*args, *flags, "--out", str(tmp_path / name)]) == 0
+    runs = {"frames": ["--devices", "3", "--layout", "frames"],
+            "rows": ["--devices", "2", "--layout", "rows"],
+            "measured": ["--devices", "3", "--patch-weights", "measured"]}  # fmt: skip
+    for name, flags in runs.items():
+        assert main([*args, *flags, "--strategy", "sync_patch", "--out", str(tmp_path / name)]) == 0
     one = np.load(tmp_path / "one" / "latent.npy")
     assert one.shape == (1, 3, 8, 8, 4)  # (B, latent frames, h, w, C)
-    for name in ("frames", "rows"):
+    for name in runs:
         other = np.load(tmp_path / name / "latent.npy")
         assert np.abs(one - other).max() <= 1e-5 * np.abs(one).max(), name
     record = json.loads((tmp_path / "one" / "generate.json").read_text())

@@ -233,11 +233,14 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
         from patchpar.lab.calibrate import measured_plan
         from patchpar.lab.checks import default_size
 
-        sized = pipe.at(config.sampler.frames or pipe.unet.default_frames, config.mesh.layout) \
-            if pipe.makes_video else pipe  # fmt: skip
-        hw = sized.check_size(*default_size(pipe.unet, pipe.latent_factor, config.sampler.height,
-                                            config.sampler.width))  # fmt: skip
-        plan, seconds = measured_plan(plan, sized.unet, pipe.unet_params, hw, log)
+        size = default_size(pipe.unet, pipe.latent_factor, config.sampler.height,
+                            config.sampler.width)  # fmt: skip
+        sized = pipe.at(config.sampler.frames or pipe.unet.default_frames, config.mesh.layout,
+                        *size) if pipe.makes_video else pipe  # fmt: skip
+        hw = sized.check_size(*size)
+        # timed on the loaded denoiser (a video model's: one frame, so that a slab's positions
+        # need no frame count; the compute is the same)
+        plan, seconds = measured_plan(plan, pipe.unet, pipe.unet_params, hw, log)
         measured = {"measured_seconds_per_step": seconds, "patch_weights": list(plan.patch_weights)}
     checkpoint = getattr(pipe, "quant_checkpoint", None)  # the quantized weights, not the floats
     if checkpoint is not None:

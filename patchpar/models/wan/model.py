@@ -93,11 +93,12 @@ class WanConfig:
                 f"{where}: _class_name={name!r} is not a Wan transformer (supported: "
                 f"{list(CLASS_NAMES)})"
             )
-        patch = tuple(cfg.get("patch_size", (1, 2, 2)))
+        raw = cfg.get("patch_size", (1, 2, 2))
+        patch = tuple(raw) if isinstance(raw, list | tuple) else (raw,)
         if len(patch) != 3 or patch[0] != 1 or patch[1] != patch[2]:
             raise ValueError(
-                f"{where}: patch_size={list(patch)} is not supported: patchpar runs Wan's "
-                f"(1, p, p) patches (one frame deep, square)"
+                f"{where}: patch_size={raw!r} is not supported: patchpar runs Wan's (1, p, p) "
+                f"patches (one frame deep, square)"
             )
         for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
             if cfg.get(key) is not None:
