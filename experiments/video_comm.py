@@ -75,20 +75,36 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--out", type=Path, default=OUT, help="records folder (default runs/video_comm)"
     )
+    ap.add_argument(
+        "--memory", action="store_true",
+        help="instead: the compiled steady program's memory per device at 720p on 8 devices "
+        "(and one device's single), per strategy, both models (a minute or two a point)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     runs = args.out / "runs.jsonl"
     if not args.table_only:
-        run(runs)
+        run(runs, MEMORY_POINTS if args.memory else None)
     write_table(read_records(runs, skip_bad=True), args.out / "table.md")
     return 0
 
 
-def run(runs: Path) -> None:
+# --memory: 720p, the single program on one device and each strategy's on 8 (compiled for the
+# CPU, chunked attention: XLA's buffer assignment per device)
+MEMORY_POINTS = [
+    (model, "720p", n, s, o, "frames")
+    for model in MODELS
+    for n, (s, o) in [(1, ("single", {}))] + [(8, so) for so in STRATEGIES[:5]]
+]
+
+
+def run(runs: Path, memory_points=None) -> None:
+    """Every point's record (`memory_points`: those points, compiled for their memory)."""
     done = {key(r) for r in read_records(runs, skip_bad=True)}
     prov = provenance()
     spec = resolve(AttentionSpec(), jnp.bfloat16)  # auto: chunked on CPU
     models = {}
-    for model, size, n, strat, opts, layout in tqdm(points(), desc="video comm", unit="point"):
+    todo = points() if memory_points is None else memory_points
+    for model, size, n, strat, opts, layout in tqdm(todo, desc="video comm", unit="point"):
         strategy = make_strategy(strat, **opts)
         point = {"model": model, "size": size, "frames": FRAMES, "devices": n,
                  "strategy": strategy.describe(), "layout": layout}  # fmt: skip
@@ -102,7 +118,8 @@ def run(runs: Path) -> None:
         t0 = time.perf_counter()
         try:
             at, hw = check_video(model, unet, (h // f, w // f), FRAMES, layout, plan)
-            r = measure(at, plan, hw, batch=1, params=unet.abstract_params())
+            r = measure(at, plan, hw, batch=1, params=unet.abstract_params(),
+                        memory=memory_points is not None)  # fmt: skip
             status = {"status": "ok", "latent_hw": list(hw), "tokens": at.image_tokens(*hw)}
         except Exception as e:  # a failed point is a row with its error, and the sweep goes on
             r, status = None, {"status": "error", "error": f"{type(e).__name__}: {e}"}
@@ -120,6 +137,7 @@ def run(runs: Path) -> None:
                 flops_per_device=st.get("flops_per_device"),
                 stale_bytes_per_device=r["stale_bytes_per_device"],
                 weight_bytes_per_device=r["weight_bytes_per_device"],
+                **({"memory": st["memory"]} if "memory" in st else {}),
                 seconds=round(time.perf_counter() - t0, 1),
             )
         append_record(runs, rec)
@@ -134,8 +152,8 @@ def write_table(records: list[dict], path: Path) -> None:
         "lowered with abstract weights: per device",
         "",
         "| model | size | devices | layout | strategy | GiB warm-up | GiB steady | stale GiB | "
-        "weights GiB | TFLOP | HLO = analytic | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "weights GiB | TFLOP | memory GiB | HLO = analytic | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def g(v):
@@ -149,6 +167,7 @@ def write_table(records: list[dict], path: Path) -> None:
             f"{g(r.get('warmup_bytes_per_device'))} | {g(r.get('steady_bytes_per_device'))} | "
             f"{g(r.get('stale_bytes_per_device'))} | {g(r.get('weight_bytes_per_device'))} | "
             f"{'-' if flops is None else f'{flops / 1e12:.1f}'} | "
+            f"{g((r.get('memory') or {}).get('total'))} | "
             f"{'yes' if r.get('analytic_matches_hlo') else '-' if r['status'] != 'ok' else 'NO'} "
             f"| {r['status'] if r['status'] == 'ok' else r.get('error', '')[:80]} |"
         )
