@@ -36,15 +36,12 @@ def sized(fn, model: str, text: str):
     if len(parts) != 3 or not hasattr(fn, "with_video"):
         raise SystemExit(f"size {text!r}: a number (pixels of a square image) or HxWxF (a "
                          f"video, for a video model)")  # fmt: skip
-    from patchpar.models.presets import component_config
-    from patchpar.models.wan.model import Video
-    from patchpar.models.wan.vae import WanVAEConfig
-    from patchpar.pipelines.text2video import latent_frames
+    from patchpar.models.presets import temporal_factor
+    from patchpar.pipelines.text2video import on_video
 
-    h, w, frames = parts
-    temporal = WanVAEConfig.from_diffusers(component_config(model, "vae")).temporal_factor
-    n = latent_frames(frames, temporal)
-    return fn.with_video(Video(n)), (n * h, w)
+    h, w, frames = parts  # pixels: the tall image's rows are the latent frames' x h
+    at, (rows, _) = on_video(fn, frames, "frames", temporal_factor(model), (h, w))
+    return at, (rows, w)
 
 
 def random_inputs(fn, model: str, resolution, dtype, batch: int = 2):

@@ -162,11 +162,13 @@ def check(config: GenerateConfig) -> list[str]:
         plan = config.plan()  # unknown strategy or option: error before loading anything
     with problems.check():
         vae_plan = config.vae_plan()
-        if vae_plan.mode == "tiles" and model_ok and model_family(config.model.name).video:
-            raise ValueError(
-                "mesh.vae_parallel='tiles': a video decodes on one device (off) or on row "
-                "patches of every frame (rows)"
-            )
+        if model_ok and model_family(config.model.name).video:
+            from patchpar.parallel.vae import check_video_plan
+
+            try:
+                check_video_plan(vae_plan)
+            except ValueError as e:
+                raise ValueError(f"mesh.{e}") from None
     sizes_ok = config.sampler.steps >= 1 and all(
         v is None or v > 0 for v in (config.sampler.height, config.sampler.width)
     )

@@ -216,12 +216,7 @@ def decode_video(vae, params, z: jax.Array, plan: VAEPlan) -> jax.Array:
     convolution's halo from the neighbours, frame by frame, the per-frame attention over every
     patch's pixels; time stays causal, each device carrying its own rows' caches). A video
     VAE (`vae.decode(params, z)`, `vae.with_ops`) has no tiles here."""
-    if plan.mode == "tiles":
-        raise ValueError(
-            "vae_parallel='tiles': a video decodes on one device (off) or on row patches of "
-            "every frame (rows)"
-        )
-    plan.validate(vae, z.shape[2:4], z.shape[0])
+    check_video_plan(plan, vae, z.shape[2:4], z.shape[0])
     if plan.whole:
         return _whole_video(vae, params, z)
     mesh = make_mesh(plan.devices, 1, plan.data)
@@ -231,6 +226,18 @@ def decode_video(vae, params, z: jax.Array, plan: VAEPlan) -> jax.Array:
     out = _video_rows(vae, params, _global(z, mesh, VIDEO_SPEC), mesh, rows)
     f = vae.config.downsample_factor
     return out if rows is None else unpad_rows(out, [r * f for r in rows], axis=2)
+
+
+def check_video_plan(plan: VAEPlan, vae=None, frame_hw=None, batch: int | None = None) -> None:
+    """ValueError where `plan` cannot decode a video: tiles (a video has none here), and, given
+    the VAE and a frame's latent (h, w), what `VAEPlan.validate` says of one frame."""
+    if plan.mode == "tiles":
+        raise ValueError(
+            "vae_parallel='tiles': a video decodes on one device (off) or on row patches of "
+            "every frame (rows)"
+        )
+    if vae is not None:
+        plan.validate(vae, frame_hw, batch)
 
 
 VIDEO_SPEC = P(DATA, None, PATCH)  # (B, F, h, w, C): videos over data, rows over patch
@@ -260,7 +267,7 @@ def _video_rows(vae, params, z, mesh, rows):
 def lowered_decode_video(vae, params, z_shape: tuple[int, ...], plan: VAEPlan, dtype=None):
     """The video decode program `plan` runs for a (B, F, h, w, C) latent, lowered (parameters
     may be abstract): its memory is read from it."""
-    plan.validate(vae, z_shape[2:4], z_shape[0])
+    check_video_plan(plan, vae, z_shape[2:4], z_shape[0])
     dtype = dtype or vae.module.dtype
     if plan.whole:
         return _whole_video.lower(vae, params, jax.ShapeDtypeStruct(z_shape, dtype))
@@ -437,6 +444,6 @@ def tile_count(latent_hw: tuple[int, int], tile: int, f: int) -> int:
 
 
 __all__ = [
-    "MODES", "VAEPlan", "decode", "decode_video", "encode", "lowered_decode",
+    "MODES", "VAEPlan", "check_video_plan", "decode", "decode_video", "encode", "lowered_decode",
     "lowered_decode_video", "tile_count", "tiled_decode",
 ]  # fmt: skip

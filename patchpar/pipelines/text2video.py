@@ -15,7 +15,7 @@ import numpy as np
 from patchpar.models.wan.model import Video
 from patchpar.parallel.engine import Plan
 from patchpar.parallel.mesh import to_local
-from patchpar.parallel.vae import VAEPlan, decode_video
+from patchpar.parallel.vae import VAEPlan, check_video_plan, decode_video
 from patchpar.pipelines.checks import NonFiniteError, check_image_size, check_seed
 from patchpar.pipelines.text2img import Pipeline
 
@@ -97,11 +97,6 @@ class VideoPipeline(Pipeline):
         return self.unet.video
 
     @property
-    def frames(self) -> int:
-        """Video frames of the latent's length."""
-        return 1 + self.vae.config.temporal_factor * (self.video.frames - 1)
-
-    @property
     def latent_factor(self) -> int:
         return self.vae.config.spatial_factor
 
@@ -167,9 +162,7 @@ class VideoPipeline(Pipeline):
         pipe = self.at(frames, layout, height, width, plan)
         frame = pipe.frame_size(height, width)
         if vae_plan is not None:  # before any work: tiles refused, rows against a frame
-            if vae_plan.mode == "tiles":
-                decode_video(self.vae, self.vae_params, None, vae_plan)
-            vae_plan.validate(self.vae, frame)
+            check_video_plan(vae_plan, self.vae, frame)
         if latents is not None:
             want = (pipe.video.frames, *frame, pipe.latent_channels)
             if latents.ndim != 5 or tuple(latents.shape[1:]) != want:
