@@ -88,7 +88,7 @@ def profile_point(cfg, log) -> list[dict]:
 
     from patchpar.lab.generation import batches, get_pipeline, inputs
     from patchpar.lab.runner import checked_plan
-    from patchpar.pipelines.text2img import outputs_abstract
+    from patchpar.pipelines.phased import outputs_abstract
 
     s = cfg.sampler
     pipe = get_pipeline(cfg.model.name, s.dtype, cfg.model.attention_spec())

@@ -14,6 +14,7 @@ from parallel_helpers import rounding
 from patchpar.models.wan import Video, wan_denoiser
 from patchpar.parallel.engine import Plan, denoise
 from patchpar.parallel.strategies import make_strategy
+from patchpar.sampling.experts import Experts
 from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 
@@ -137,3 +138,87 @@ def test_layer_split_strategies_on_a_video(layout, name, devices):
     plan = Plan(make_strategy(name, warmup_steps=1), devices)
     rec = measure(fn, plan, (24, 6), batch=2, params=params, flops=False)
     assert all(ph["analytic_matches_hlo"] for ph in rec["phases"].values()), rec
+
+
+# ---------------------------------------------------------------------------- two experts
+
+EXPERTS = Experts((0, 2), (GUIDANCE, 3.0))  # Wan 2.2: the high-noise one, then the low-noise one
+
+
+@cache
+def with_experts(layout: str, name: str, devices: int, same: bool = False, **options):
+    """The video denoised by two experts (the second of other weights, or the same with
+    `same`, then at one scale), and the run's (fn, plan, smp, params, cond, sched, tall)."""
+    fn, params = micro(layout)
+    x, cond = inputs()
+    tall = fn.video.to_tall(x, 2)
+    smp = get_sampler("unipc")
+    sched = smp.schedule(SchedulerConfig(flow=True, shift=3.0), STEPS)
+    plan = Plan(make_strategy(name, **options), devices, 1)
+    experts = Experts(EXPERTS.starts, (GUIDANCE, GUIDANCE)) if same else EXPERTS
+    both = (params, params if same else fn.init(seed=2))
+    out, _ = denoise(fn, plan, smp, both, cond, sched, tall, GUIDANCE, experts)
+    return np.asarray(fn.video.from_tall(out, 2)), (fn, plan, smp, both, cond, sched, tall)
+
+
+def test_two_experts_on_a_video():
+    """Wan 2.2's two experts (`sampling.experts`): sync_patch equals single; DistriFusion with
+    warm-up over every step equals sync_patch; one expert twice at one scale is that denoiser
+    alone (the sampler's history runs on across the switch); each expert has its own warm-up
+    (chaining the phase programs gives `denoise`; without the second's warm-up it differs); the
+    one-device program of the pipelines is the same run."""
+    from patchpar.parallel.engine import expert_phases
+    from patchpar.pipelines.single import denoise_single
+
+    want, (fn, _, smp, both, cond, sched, tall) = with_experts("frames", "single", 1)
+    alone, _ = denoise_single(fn, smp, None, both, cond, sched, tall, GUIDANCE, EXPERTS)
+    assert np.abs(np.asarray(fn.video.from_tall(alone, 2)) - want).max() <= rounding(want)
+    exact = with_experts("frames", "sync_patch", 3)[0]
+    assert np.abs(exact - want).max() <= rounding(want)
+    warm = with_experts("frames", "distrifusion", 3, warmup_steps=STEPS)[0]
+    assert np.abs(warm - exact).max() <= rounding(exact)
+    once = sample("frames", "sync_patch", 3)
+    assert np.abs(with_experts("frames", "sync_patch", 3, same=True)[0] - once).max() <= rounding(
+        once
+    )
+
+    stale, run = with_experts("frames", "distrifusion", 3, warmup_steps=0)
+    assert np.abs(stale - exact).max() > 1e-3 * np.abs(exact).max()
+    phases = expert_phases(run[1], STEPS, EXPERTS)
+    assert phases == [(0, "warmup", (0, 1), False), (0, "steady", (1, 2), False),
+                      (1, "warmup", (2, 3), True), (1, "steady", (3, 4), False)]  # fmt: skip
+    assert np.abs(chained(run, phases) - stale).max() <= rounding(stale)
+    # without the low-noise expert's warm-up: its first step on the other's stale activations
+    merged = phases[:2] + [(1, "steady", (2, 4), False)]
+    assert np.abs(chained(run, merged) - stale).max() > 1e-3 * np.abs(stale).max()
+
+
+def chained(run, phases) -> np.ndarray:
+    """The video of `run` (a `with_experts` run's setup) by its phase programs in turn."""
+    from patchpar.parallel.engine import denoise_phase
+
+    fn, plan, smp, both, cond, sched, tall = run
+    x, loop = tall, None
+    for k, phase, span, restart in phases:
+        x, loop = denoise_phase(fn, plan, smp, phase, both, cond, sched, x, loop,
+                                EXPERTS.scales[k], span=span, expert=k, restart=restart)  # fmt: skip
+    return np.asarray(fn.video.from_tall(x, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, name", [("frames", "pipefusion"), ("rows", "asyncdiff")])
+def test_layer_split_strategies_with_two_experts(layout, name):
+    """PipeFusion and AsyncDiff: warm-up over every step equals single; with none, the second
+    expert starts on fresh buffers (its phase restarted), not on the first's K/V or outputs."""
+    from patchpar.parallel.engine import expert_phases
+
+    want = with_experts(layout, "single", 1)[0]
+    warm = with_experts(layout, name, 2, warmup_steps=STEPS)[0]
+    assert np.abs(warm - want).max() <= rounding(want)
+    stale, run = with_experts(layout, name, 2, warmup_steps=0)
+    assert np.isfinite(stale).all() and np.abs(stale - want).max() > 1e-3 * np.abs(want).max()
+    phases = expert_phases(run[1], STEPS, EXPERTS)
+    assert [p[1:] for p in phases] == [("steady", (0, 2), False), ("steady", (2, 4), True)]
+    assert np.abs(chained(run, phases) - stale).max() <= rounding(stale)
+    kept = [(k, p, span, False) for k, p, span, _ in phases]
+    assert np.abs(chained(run, kept) - stale).max() > 1e-3 * np.abs(stale).max()

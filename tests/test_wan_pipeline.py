@@ -42,7 +42,9 @@ def _varied(model, seed):
     return model.eval()
 
 
-def _folder(root):
+def _folder(root, boundary_ratio=None):
+    """A tiny WanPipeline saved by diffusers; with `boundary_ratio`, Wan 2.2's two experts (a
+    second transformer of other weights)."""
     from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(0)
@@ -54,8 +56,12 @@ def _folder(root):
     tok = AutoTokenizer.from_pretrained(str(write_t5_tokenizer(root / "tok", TEXTS, 80)))
     sched = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction",
                                               use_flow_sigmas=True, flow_shift=3.0)  # fmt: skip
+    experts = {}
+    if boundary_ratio is not None:
+        experts = dict(transformer_2=_varied(diffusers.WanTransformer3DModel(**TRANSFORMER), 3),
+                       boundary_ratio=boundary_ratio)  # fmt: skip
     pipe = diffusers.WanPipeline(tokenizer=tok, text_encoder=umt5, transformer=dit, vae=vae,
-                                 scheduler=sched)  # fmt: skip
+                                 scheduler=sched, **experts)  # fmt: skip
     pipe.save_pretrained(root / "pipe")
     index = root / "pipe" / "model_index.json"
     index.write_text(json.dumps({**json.loads(index.read_text()), "max_sequence_length": TOKENS}))
@@ -96,6 +102,36 @@ def test_wan_embeddings_latent_and_frames_match_diffusers(wan_folder):
     want = np.round(np.clip(video.transpose(0, 2, 3, 4, 1) / 2 + 0.5, 0, 1) * 255)
     assert out.frames.shape == (2, 5, 16, 32, 3)
     assert np.abs(out.frames.astype(np.float32) - want).max() <= 1  # rounding of near-equal values
+
+
+def test_wan22_two_experts_match_diffusers(tmp_path):
+    """Wan 2.2 A14B's layout: the high-noise transformer while t >= 0.875 x 1000 (2 of 5 steps
+    here), then transformer_2 with guidance_scale_2; the UniPC history runs on across the
+    switch. Also: the experts' phases on 2 devices under sync_patch equal the one-device run."""
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+
+    path, ref = _folder(tmp_path, boundary_ratio=0.875)
+    pipe = load_pipeline(path)
+    assert pipe.boundary_ratio == 0.875 and pipe.unet_params_2 is not None
+    latents = np.random.RandomState(2).randn(2, 2, 2, 4, 4).astype(np.float32)
+    kw = dict(steps=5, guidance_scale=5.0, latents=jnp.asarray(latents), frames=5)
+    out = pipe(PROMPTS, 16, 32, guidance_scale_2=3.0, **kw)
+    with torch.no_grad():
+        theirs = ref(PROMPTS, height=16, width=32, num_frames=5, num_inference_steps=5,
+                     guidance_scale=5.0, guidance_scale_2=3.0, output_type="latent",
+                     latents=torch.tensor(latents.transpose(0, 4, 1, 2, 3)),
+                     max_sequence_length=TOKENS).frames.numpy().transpose(0, 2, 3, 4, 1)  # fmt: skip
+    err = np.abs(out.latents - theirs).max()
+    assert err <= 1e-3, f"max abs diff {err:.3g} (latent scale {np.abs(theirs).max():.3g})"
+    timesteps = np.asarray(ref.scheduler.timesteps)
+    which, experts = pipe.experts_at(timesteps, 5.0, 3.0)
+    assert which == (0, 1) and experts.starts == (0, 2) and experts.scales == (5.0, 3.0)
+    # exact patches: sync_patch over frames on 2 devices, phase by phase, equals the one-device run
+    plan, said = Plan(make_strategy("sync_patch"), devices=2), []
+    par = pipe(PROMPTS, 16, 32, guidance_scale_2=3.0, plan=plan, log=said.append, **kw)
+    assert rel_err(par.latents, out.latents) <= 1e-4
+    assert "expert 2 warm-up phase: running steps 3-5 of 5" in " ".join(said)
 
 
 # ---------------------------------------------------------------------------- generate and bad input
@@ -161,6 +197,8 @@ def test_tiny_wan_generates_a_video_on_frame_and_row_patches(tmp_path):
         ({"mesh.vae_parallel": "tiles"}, r"vae_parallel='tiles': a video decodes on one device"),
         ({"model.name": "tiny", "sampler.frames": 9}, r"frames=9: tiny makes images, not video"),
         ({"model.name": "tiny", "mesh.layout": "rows"}, r"layout='rows': tiny makes images"),
+        ({"sampler.guidance_scale_2": 3.0}, r"guidance_scale_2=3.0: tiny-wan has one denoiser"),
+        ({"sampler.guidance_scale_2": -1.0}, r"guidance_scale_2=-1.0: must be a finite number"),
     ],
 )
 def test_bad_video_input_is_named(flags, message):
@@ -194,16 +232,40 @@ def test_a_latent_of_another_video_is_named():
         pipe(["a bag"], steps=1, frames=9, latents=jnp.zeros((1, 2, 8, 8, 4)))
 
 
-def test_wan22_5b_lowers_with_its_16x_vae_and_two_experts_are_named(tmp_path):
+def test_wan22_5b_lowers_with_its_16x_vae_and_bad_experts_are_named(tmp_path):
     """The 5B's residual VAE is not ported, but its factors (16x, 4x) size the latent a
-    denoiser lowers on; a two-expert folder is refused before any weight is read."""
-    from patchpar.models.presets import latent_factor, temporal_factor
+    denoiser lowers on. Two experts: a boundary ratio without a second transformer, or out of
+    (0, 1), is refused before any weight is read; a second transformer of another shape, a
+    second guidance scale for one denoiser and a step cache across the switch are named."""
+    import shutil
+
+    from patchpar.models.loading import CheckpointError
+    from patchpar.models.presets import latent_factor, preset_folder, temporal_factor
+    from patchpar.models.wan import FAMILY
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+    from patchpar.sampling.cache import make_cache
 
     assert (latent_factor("wan2.2-5b"), temporal_factor("wan2.2-5b")) == (16, 4)
     assert (latent_factor("wan2.1-14b"), temporal_factor("wan2.1-14b")) == (8, 4)
-    from patchpar.models.wan import FAMILY
-
-    with pytest.raises(ValueError, match=r"boundary_ratio=0.875 in model_index.json: a Wan 2.2"):
-        FAMILY.check_index({"boundary_ratio": 0.875})
-    with pytest.raises(ValueError, match=r"transformer_2=\['diffusers', 'WanTransformer3DModel'\]"):
-        FAMILY.check_index({"transformer_2": ["diffusers", "WanTransformer3DModel"]})
+    with pytest.raises(ValueError, match=r"boundary_ratio=0.875 in model_index.json names a swi"):
+        FAMILY.check_index({"boundary_ratio": 0.875, "transformer_2": [None, None]})
+    with pytest.raises(ValueError, match=r"boundary_ratio=1.5: the fraction"):
+        FAMILY.check_index({"boundary_ratio": 1.5, "transformer_2": ["diffusers", "Wan"]})
+    assert FAMILY.second_expert({"transformer_2": ["diffusers", "Wan"]}) is None  # as diffusers
+    folder = tmp_path / "two"
+    shutil.copytree(preset_folder("tiny-wan"), folder)
+    with pytest.raises(ValueError, match=r"guidance_scale_2=3.0: .* has one denoiser"):
+        load_pipeline(folder)(["a bag"], steps=2, guidance_scale_2=3.0)
+    shutil.copytree(folder / "transformer", folder / "transformer_2")
+    index = json.loads((folder / "model_index.json").read_text())
+    index.update(transformer_2=index["transformer"], boundary_ratio=0.95)
+    (folder / "model_index.json").write_text(json.dumps(index))
+    pipe = load_pipeline(folder)
+    plan = Plan(make_strategy("sync_patch"), 2, cache=make_cache("fbcache"))
+    with pytest.raises(ValueError, match=r"cache 'fbcache' with two experts: .* step 2 of 4"):
+        pipe(["a bag"], steps=4, plan=plan)
+    config = json.loads((folder / "transformer_2" / "config.json").read_text())
+    (folder / "transformer_2" / "config.json").write_text(json.dumps({**config, "num_layers": 3}))
+    with pytest.raises(CheckpointError, match=r"second expert .* differs in num_layers: 2 vs 3"):
+        load_pipeline(folder)

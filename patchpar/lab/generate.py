@@ -53,6 +53,9 @@ class GenerateSampler:
     guidance_scale: float | None = None
     """Classifier-free guidance scale; <= 1 disables CFG (default: the preset's tuned value, 2
     for fmnist; its family's pipelines' else: 4.5 for PixArt, 5 for Wan, 7.5 for SD)."""
+    guidance_scale_2: float | None = None
+    """Wan 2.2 A14B's low-noise expert's guidance scale (a folder with `boundary_ratio` and
+    `transformer_2`; default: guidance_scale, as WanPipeline)."""
     true_cfg_scale: float | None = None
     """True classifier-free guidance over a FLUX.1 model (diffusers' true_cfg_scale): > 1 adds
     the negative prompt as a second guidance half; <= 1: off (default: the preset's tuned value,
@@ -157,6 +160,9 @@ def check(config: GenerateConfig) -> list[str]:
         )
     with problems.check():
         check_guidance(guidance, None if true_cfg_ok and t > 1 else [config.negative_prompt])
+    if config.sampler.guidance_scale_2 is not None and model_ok:
+        with problems.check():
+            check_second_expert(config.model.name, config.sampler.guidance_scale_2)
     plan = None
     with problems.check():
         plan = config.plan()  # unknown strategy or option: error before loading anything
@@ -192,6 +198,28 @@ def check(config: GenerateConfig) -> list[str]:
             f"workers that hang)"
         )
     return unused
+
+
+def check_second_expert(model: str, scale: float) -> None:
+    """A second guidance scale: a valid one, for a model of two experts (ValueError)."""
+    from patchpar.models.presets import component_config, model_family
+
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not (math.isfinite(scale) and scale >= 0)
+    ):
+        raise ValueError(
+            f"sampler.guidance_scale_2={scale!r}: must be a finite number >= 0 (<= 1 turns the "
+            f"low-noise expert's guidance off)"
+        )
+    index = component_config(model, "pipeline") or {}
+    if model_family(model).second_expert(index) is None:
+        raise ValueError(
+            f"sampler.guidance_scale_2={scale}: {model} has one denoiser; the second scale is "
+            f"a model of two experts' (Wan 2.2 A14B: boundary_ratio and transformer_2 in its "
+            f"model_index.json)"
+        )
 
 
 def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False) -> dict:
@@ -262,9 +290,15 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
         check_memory=True,  # compiled first: a program that cannot fit is refused up front
         vae_plan=vae_plan,
         log=log,
+        guidance_scale_2=config.sampler.guidance_scale_2,
         **video,
     )
     t_gen = time.perf_counter() - t0
+    experts = {}  # a model of two experts: the low-noise one's scale, where it takes over
+    if pipe.unet_params_2 is not None:
+        g2 = config.sampler.guidance_scale_2
+        experts = {"guidance_scale_2": guidance if g2 is None else g2,
+                   "boundary_ratio": pipe.boundary_ratio}  # fmt: skip
     hits, compiled = compile_cache.hits() - hits, compile_cache.compiled() - compiled
     if cache_folder is not None:
         log(f"{hits} program(s) read from the compile cache ({cache_folder}), {compiled} compiled")
@@ -273,6 +307,7 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
         "images": [],
         "latent_shape": list(out.latents.shape),
         "guidance_scale": guidance,
+        **experts,
         "sampler": sampler,
         "compute_dtype": jnp.dtype(pipe.unet.module.dtype).name,
         "attention": pipe.unet.module.attn.impl,

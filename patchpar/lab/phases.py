@@ -18,7 +18,7 @@ def compile_phases(programs, args):
     import jax
 
     from patchpar.parallel.sites import record_sites
-    from patchpar.pipelines.text2img import outputs_abstract
+    from patchpar.pipelines.phased import outputs_abstract
 
     def lower(fn, x, loop):
         with record_sites() as calls:  # the site calls of its loop body: one step's

@@ -211,6 +211,13 @@ class Family:
         """Check a pipeline's model_index.json settings before any weight is read (ValueError
         naming the value); none to check by default."""
 
+    def second_expert(self, index: dict) -> tuple[str, float] | None:
+        """(the subfolder of a second expert, its boundary ratio) where a pipeline's
+        model_index.json names one that runs (Wan 2.2: `transformer_2`, `boundary_ratio`;
+        `sampling.experts`); None: one denoiser (the default)."""
+        del index
+        return None
+
     def load_text(self, folder: Path, index: dict, dtype) -> TextConditioner:
         """The text encoders and tokenizers of a pipeline folder."""
         raise NotImplementedError

@@ -50,6 +50,7 @@ from patchpar.parallel.split import (
 from patchpar.parallel.step import make_step
 from patchpar.parallel.strategies import Strategy
 from patchpar.sampling.cache import StepCache
+from patchpar.sampling.experts import Experts
 from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.loop import run_steps
 from patchpar.sampling.schedulers import Sampler, Schedule
@@ -305,9 +306,10 @@ class StepProgram(Program):
         rows = None if is_even(rows) else rows  # the even split: as it always ran
         whole = x  # uneven: the latent (and the solver's history) padded through the loop
         x = x if is_even(rows) else pad_rows(x, rows)  # (no step pays to pad and join it)
-        if loop is None:  # the first phase starts the solver history and the stale buffers
+        if loop is None or loop[1] is None:  # the first phase starts the solver history; the
             state = state_template(unet, plan, guidance_scale, mesh, params, whole, cond)
-            loop = (sampler.init_carry(x), state)
+            loop = (sampler.init_carry(x) if loop is None else loop[0], state)  # (and an
+            # expert's first) the stale buffers
         fn = _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh, rows)
         x, carry, state, *first = run_steps(fn, sampler, schedule, x, *loop, *span, watch)
         x = x if is_even(rows) else unpad_rows(x, rows)
@@ -425,15 +427,29 @@ def _phase_fn(unet, plan, phase, params, cond, guidance_scale, mesh, rows=None):
     return alternate
 
 
-def phase_steps(plan: Plan, steps: int) -> dict[str, tuple[int, int]]:
-    """{phase: (first step, stop)} of the phases that have steps: `warmup` (fresh exchanges)
-    then `steady` (stale exchanges, if the strategy has any)."""
-    warm = plan.strategy.warmup_phase_steps(steps)
-    spans = {"warmup": (0, warm), "steady": (warm, steps)}
+def phase_steps(plan: Plan, steps: int, start: int = 0) -> dict[str, tuple[int, int]]:
+    """{phase: (first step, stop)} of the phases of steps [start, steps) that have steps:
+    `warmup` (fresh exchanges) then `steady` (stale exchanges, if the strategy has any)."""
+    warm = start + plan.strategy.warmup_phase_steps(steps - start)
+    spans = {"warmup": (start, warm), "steady": (warm, steps)}
     return {k: v for k, v in spans.items() if v[1] > v[0]}
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 7))
+def expert_phases(plan: Plan, steps: int, experts: Experts | None = None) -> list[tuple]:
+    """[(expert, phase, (first step, stop), restart)] in order: each expert's span run as a
+    run of its own (`phase_steps` over it), `restart` on the first phase of every expert after
+    the first (the stale state dropped, the sampler's history kept: `sampling.experts`).
+    Without `experts`: expert None, the phases of `phase_steps`."""
+    if experts is None:
+        return [(None, p, span, False) for p, span in phase_steps(plan, steps).items()]
+    return [
+        (k, p, span, k > 0 and j == 0)
+        for k, (start, stop) in enumerate(experts.spans(steps))
+        for j, (p, span) in enumerate(phase_steps(plan, stop, start).items())
+    ]
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 7, 8))
 def denoise(
     unet: Denoiser,
     plan: Plan,
@@ -443,29 +459,27 @@ def denoise(
     schedule: Schedule,
     x,
     guidance_scale: float,
+    experts: Experts | None = None,
 ):
     """All steps of one image batch under `plan`: the warm-up phase, then the steady phase,
-    each a single compiled loop. Returns (final latent, final stale state)."""
+    each a single compiled loop (with `experts`, those of each expert in turn: `params` a
+    tuple of theirs, each guiding with its own scale). Returns (final latent, final stale
+    state)."""
     loop = None
-    for phase in phase_steps(plan, schedule.timesteps.shape[0]):
-        x, loop = _run_phase(
-            unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale
-        )
+    for k, phase, span, restart in expert_phases(plan, schedule.timesteps.shape[0], experts):
+        p, gs = (params, guidance_scale) if k is None else (params[k], experts.scales[k])
+        x, loop = plan.program.run_phase(
+            unet, plan, sampler, phase, span, p, cond, schedule, x,
+            (loop[0], None) if restart else loop, gs,
+        )  # fmt: skip
     return x, loop[1]
 
 
-def _run_phase(
-    unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale, watch=False
-):
-    """One phase by the plan's program: (x, loop) -> (x, loop); with `watch`, also the first
-    step that left a NaN or Inf in x (-1: none; -2: not known)."""
-    span = phase_steps(plan, schedule.timesteps.shape[0])[phase]
-    return plan.program.run_phase(
-        unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale, watch
-    )
-
-
-@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9), static_argnames=("guidance_scale", "watch"))
+@partial(
+    jax.jit,
+    static_argnums=(0, 1, 2, 3, 9),
+    static_argnames=("guidance_scale", "watch", "span", "expert", "restart"),
+)
 def denoise_phase(
     unet: Denoiser,
     plan: Plan,
@@ -478,11 +492,19 @@ def denoise_phase(
     loop,
     guidance_scale: float,
     watch: bool = False,
+    span: tuple[int, int] | None = None,
+    expert: int | None = None,
+    restart: bool = False,
 ):
     """One phase of `denoise` as its own program, so that phases can be timed apart:
     (x, loop) -> (x after the phase, loop), where loop = (solver carry, stale state) and is
-    None before the first phase. Chaining the phases of `phase_steps` gives `denoise`.
-    `watch` (a diagnostic replay): also the first step that left a NaN or Inf in x."""
-    return _run_phase(
-        unet, plan, sampler, phase, params, cond, schedule, x, loop, guidance_scale, watch
+    None before the first phase. Chaining the phases of `phase_steps` gives `denoise`; with
+    experts, those of `expert_phases`, each given its `span`, `expert` (`params` then the
+    experts' tuple) and `restart`. `watch` (a diagnostic replay): also the first step that
+    left a NaN or Inf in x."""
+    span = phase_steps(plan, schedule.timesteps.shape[0])[phase] if span is None else span
+    params = params if expert is None else params[expert]
+    loop = (loop[0], None) if restart else loop
+    return plan.program.run_phase(
+        unet, plan, sampler, phase, span, params, cond, schedule, x, loop, guidance_scale, watch
     )

@@ -44,8 +44,10 @@ def load_pipeline(
     index = _model_index(folder)
     sub = folder / fam.denoiser_folder
     fam.check_index(index)  # before any weight is read
+    second = fam.second_expert(index)  # (subfolder, boundary ratio) of a second expert
     read, stamp = None, None  # the quantized checkpoint read; the float files read
-    if quant != "none" and checkpoint_paths(sub, quant)[1].is_file():  # quantized, no floats read
+    saved = quant != "none" and checkpoint_paths(sub, quant)[1].is_file()
+    if saved and second is None:  # quantized, no floats read (two experts: both quantized below)
         from patchpar.models.presets import abstract_denoiser
 
         fn = abstract_denoiser(folder, dtype, resolve(attention, dtype))
@@ -75,7 +77,30 @@ def load_pipeline(
     else:
         cls = Pipeline
     pipe = cls(*denoiser, *vae, text, sched, name, fam.default_sampler, read, stamp)
+    if second is not None:
+        pipe = replace(pipe, unet_params_2=_second_expert(fam, folder, second[0], dtype, attention),
+                       boundary_ratio=second[1])  # fmt: skip
     return pipe if pipe.quant == quant else pipe.quantized(quant)
+
+
+def _second_expert(fam, folder: Path, sub: str, dtype, attention: AttentionSpec) -> dict:
+    """The parameters of a second expert's folder, whose config must be the denoiser's own
+    (one compiled denoiser runs both: `sampling.experts`); CheckpointError naming the keys
+    that differ."""
+    from patchpar.models.attention import resolve
+    from patchpar.models.loading import CheckpointError
+
+    first, other = (read_config(folder / s) for s in (fam.denoiser_folder, sub))
+    keys = sorted(
+        k for k in {*first, *other} if not k.startswith("_") and first.get(k) != other.get(k)
+    )
+    if keys:
+        diff = ", ".join(f"{k}: {first.get(k)!r} vs {other.get(k)!r}" for k in keys)
+        raise CheckpointError(
+            f"{str(folder / sub)!r}: a second expert must have the {fam.denoiser_folder}'s "
+            f"architecture; its config differs in {diff}"
+        )
+    return fam.load_denoiser(folder / sub, dtype, resolve(attention, dtype))[1]
 
 
 def _float_stamp(sub: Path) -> tuple | None:

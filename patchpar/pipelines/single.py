@@ -12,6 +12,7 @@ from patchpar.models.family import Denoiser
 from patchpar.parallel.cached import cached_call
 from patchpar.parallel.sites import STALE
 from patchpar.sampling.cache import CACHE
+from patchpar.sampling.experts import by_expert
 from patchpar.sampling.guidance import Conditioning, call_on_stack
 from patchpar.sampling.loop import guided, run_steps
 
@@ -24,12 +25,14 @@ def unet_on_stack(
     return unet.prediction(call_on_stack(lambda *a, **k: unet(params, *a, **k), x, t, cond))
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 7))
-def denoise_single(unet, smp, cache, params, cond, schedule, x, guidance_scale):
-    """All steps on one device; returns (final latent, state: empty, or the step cache's)."""
-    model_fn, state = single_model_fn(unet, cache, params, cond, guidance_scale, x)
-    n = schedule.timesteps.shape[0]
-    x, _, state = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), state, 0, n)
+@partial(jax.jit, static_argnums=(0, 1, 2, 7, 8))
+def denoise_single(unet, smp, cache, params, cond, schedule, x, guidance_scale, experts=None):
+    """All steps on one device (with `experts`, each expert's in turn: `params` a tuple of
+    theirs); returns (final latent, state: empty, or the step cache's)."""
+    n, carry = schedule.timesteps.shape[0], smp.init_carry(x)
+    for p, gs, (start, stop) in by_expert(params, guidance_scale, experts, n):
+        model_fn, state = single_model_fn(unet, cache, p, cond, gs, x)
+        x, carry, state = run_steps(model_fn, smp, schedule, x, carry, state, start, stop)
     return x, ({} if cache is None else {CACHE: state})
 
 
@@ -53,17 +56,25 @@ def single_model_fn(unet, cache, params, cond, guidance_scale, x):
     return model_fn, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3, 9), static_argnames=("guidance_scale", "watch"))
+@partial(
+    jax.jit,
+    static_argnums=(0, 1, 2, 3, 9),
+    static_argnames=("guidance_scale", "watch", "span", "expert", "restart"),
+)
 def single_phase(
-    unet, smp, cache, _phase, params, cond, schedule, x, loop, guidance_scale, watch=False
-):
-    """`denoise_single` with the phase programs' signature: (x, loop) -> (x, loop); `watch`:
-    also the first step that left a NaN or Inf in x (-1: none)."""
-    if not watch:
-        x, state = denoise_single(unet, smp, cache, params, cond, schedule, x, guidance_scale)
-        return x, ((), state)
+    unet, smp, cache, _phase, params, cond, schedule, x, loop, guidance_scale, watch=False,
+    span=None, expert=None, restart=False,
+):  # fmt: skip
+    """`denoise_single` with the phase programs' signature: (x, loop) -> (x, loop), loop =
+    (solver carry, state); steps `span` (default all) of `expert` (`params` then the experts'
+    tuple), the sampler's history taken from `loop` unless it is None (each call starts its
+    state: one device has one phase per expert, so `restart` changes nothing); `watch`: also
+    the first step that left a NaN or Inf in x (-1: none)."""
+    del restart
+    start, stop = (0, schedule.timesteps.shape[0]) if span is None else span
+    params = params if expert is None else params[expert]
     model_fn, state = single_model_fn(unet, cache, params, cond, guidance_scale, x)
-    n = schedule.timesteps.shape[0]
-    x, _, state, first = run_steps(model_fn, smp, schedule, x, smp.init_carry(x), state, 0, n,
-                                   True)  # fmt: skip
-    return x, ((), {} if cache is None else {CACHE: state}), first
+    carry = smp.init_carry(x) if loop is None else loop[0]
+    x, carry, state, *first = run_steps(model_fn, smp, schedule, x, carry, state, start, stop,
+                                        watch)  # fmt: skip
+    return (x, (carry, {} if cache is None else {CACHE: state}), *first)

@@ -7,7 +7,6 @@ T5 tokens and their mask, micro-conditions)."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -24,7 +23,7 @@ from patchpar.models.presets import PRESETS, SHIPPED, model_family
 from patchpar.parallel.engine import (
     Plan,
     denoise_phase,
-    phase_steps,
+    expert_phases,
     placed_params,
 )
 from patchpar.parallel.engine import denoise as denoise_parallel
@@ -39,8 +38,10 @@ from patchpar.pipelines.checks import (
     check_image_size,
     check_seed,
 )
+from patchpar.pipelines.phased import check_finite_latent, denoise_logged
 from patchpar.pipelines.single import denoise_single, single_phase
 from patchpar.sampling.cache import CACHE, CLOSEST, cache_report
+from patchpar.sampling.experts import two_experts
 from patchpar.sampling.guidance import Conditioning
 from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
 
@@ -65,6 +66,11 @@ class Pipeline:
     default_sampler: str = "ddim"  # the family's (`Family.default_sampler`)
     quant_checkpoint: Path | None = None  # the quantized checkpoint read (None: none was)
     float_stamp: tuple | None = None  # the denoiser's float files when read (`quant.float_stamp`)
+    unet_params_2: dict | None = None
+    """A second expert's parameters (Wan 2.2's low-noise transformer, `transformer_2`): the
+    same denoiser with them runs the steps whose timestep is below `boundary_ratio` x the
+    scheduler's training timesteps (`sampling.experts`); None: one denoiser for every step."""
+    boundary_ratio: float | None = None
     makes_video = False  # a text-to-video pipeline (`text2video.VideoPipeline`)
 
     def with_true_cfg(self, scale: float) -> Pipeline:
@@ -106,7 +112,12 @@ class Pipeline:
         from patchpar.quant import quantize
 
         unet, params = quantize(self.unet, self.unet_params, mode)
-        return self if unet is self.unet else replace(self, unet=unet, unet_params=params)
+        if unet is self.unet:
+            return self
+        second = (
+            None if self.unet_params_2 is None else quantize(self.unet, self.unet_params_2, mode)[1]
+        )
+        return replace(self, unet=unet, unet_params=params, unet_params_2=second)
 
     def save_quantized(self) -> Path:
         """Write this quantized denoiser's parameters beside its float checkpoint (a local
@@ -114,6 +125,11 @@ class Pipeline:
         floats; the path written."""
         from patchpar.quant import checkpoint_paths, save_quantized
 
+        if self.unet_params_2 is not None:
+            raise ValueError(
+                "save_quantized: a model of two experts is quantized as it loads (quant=...); "
+                "a saved checkpoint holds one denoiser"
+            )
         folder = self._denoiser_folder()
         save_quantized(self.unet, self.unet_params, folder, read_config(folder), self.float_stamp)
         return checkpoint_paths(folder, self.quant)[0]
@@ -209,24 +225,57 @@ class Pipeline:
             jax.random.key(seed), (batch, h, w, self.latent_channels), jnp.float32
         )
 
-    def _denoise_call(self, cond, latents, sampler, steps, guidance_scale, plan):
+    def _denoise_call(self, cond, latents, sampler, steps, guidance_scale, plan,
+                      guidance_scale_2=None):  # fmt: skip
         """(jitted function, all its arguments) for denoising on one device or under `plan`;
-        arguments 3, 4, 5 and 6 (params, cond, schedule, x) are the dynamic ones."""
+        arguments 3, 4, 5 and 6 (params, cond, schedule, x) are the dynamic ones, 7 the
+        guidance scale and 8 the experts (`sampling.experts`; None: one denoiser)."""
         smp = get_sampler(sampler)
         schedule = smp.schedule(self.scheduler_at(*latents.shape[1:3]), steps)
         x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
         gs = float(self.text.loop_scale(guidance_scale))  # the loop's CFG scale
+        which, experts = self.experts_at(schedule.timesteps, guidance_scale, guidance_scale_2, plan)
         if plan is not None:
-            plan.validate(self.unet, x.shape[1:3], steps, gs, x.shape[0])
+            for scale in (gs,) if experts is None else experts.scales:
+                plan.validate(self.unet, x.shape[1:3], steps, scale, x.shape[0])
             if plan.cache is not None:  # a cache that needs the run's length keeps it
                 plan = replace(plan, cache=plan.cache.bind(steps))
         if plan is None or not plan.strategy.parallel:
             fn, static = denoise_single, (self.unet, smp, None if plan is None else plan.cache)
-            params = self.unet_params
+            placed = self.expert_params
         else:
             fn, static = denoise_parallel, (self.unet, plan, smp)
-            params = self._placed(plan)
-        return fn, (*static, params, cond, schedule, x, gs)
+            placed = lambda k: self._placed(plan, k)  # noqa: E731
+        if experts is not None and len(which) == 1:  # one expert has every step: a run of it
+            gs, experts = experts.scales[0], None
+        params = placed(which[0]) if experts is None else tuple(map(placed, which))
+        return fn, (*static, params, cond, schedule, x, gs, experts)
+
+    def expert_params(self, k: int) -> dict:
+        """Expert k's parameters (0: the denoiser's own; 1: `unet_params_2`)."""
+        return self.unet_params if k == 0 else self.unet_params_2
+
+    def experts_at(self, timesteps, guidance_scale: float, guidance_scale_2: float | None = None,
+                   plan: Plan | None = None):  # fmt: skip
+        """(the experts that run, by index, `Experts` over them or None: one denoiser) for a
+        run of these timesteps: with a second expert, the high-noise one (0) while the timestep
+        is >= boundary_ratio x the training timesteps, then the low-noise one (1) with
+        `guidance_scale_2` (default `guidance_scale`), as WanPipeline; an expert with no step
+        does not run. A step cache across two experts is refused (`plan`)."""
+        if self.unet_params_2 is None:
+            if guidance_scale_2 is not None:
+                raise ValueError(
+                    f"guidance_scale_2={guidance_scale_2}: {self.name or 'this model'} has one "
+                    f"denoiser; the second guidance scale is for a model of two experts (Wan 2.2 "
+                    f"A14B, with boundary_ratio and transformer_2)"
+                )
+            return (0,), None
+        scale2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+        check_guidance(scale2)
+        scales = [self.text.loop_scale(g) for g in (guidance_scale, scale2)]
+        train = self.scheduler.num_train_timesteps
+        cache = None if plan is None else plan.cache
+        return two_experts(timesteps, self.boundary_ratio, train, scales, cache)
 
     def scheduler_at(self, h: int, w: int) -> SchedulerConfig:
         """The scheduler for a latent of h x w (a flow-matching model's shift may depend on its
@@ -234,71 +283,58 @@ class Pipeline:
         tokens = getattr(self.unet, "image_tokens", None)
         return self.scheduler if tokens is None else self.scheduler.at_tokens(tokens(h, w))
 
-    def _placed(self, plan: Plan):
-        """The denoiser's parameters placed for `plan` (`engine.placed_params`), once per plan."""
+    def _placed(self, plan: Plan, expert: int = 0):
+        """Expert `expert`'s parameters placed for `plan` (`engine.placed_params`), once per
+        plan."""
         cache = self.__dict__.setdefault("_placed_cache", {})
-        if plan not in cache:
+        if plan not in {key[0] for key in cache}:
             cache.clear()  # one plan's placement at a time: it may hold a copy of the weights
-            cache[plan] = placed_params(plan, self.unet, self.unet_params)
-        return cache[plan]
+        if (plan, expert) not in cache:
+            cache[plan, expert] = placed_params(plan, self.unet, self.expert_params(expert))
+        return cache[plan, expert]
 
     def denoise_phases(
-        self, cond, latents, sampler, steps, guidance_scale, plan=None, watch: bool = False
-    ):
+        self, cond, latents, sampler, steps, guidance_scale, plan=None, watch: bool = False,
+        guidance_scale_2: float | None = None,
+    ):  # fmt: skip
         """The denoising split into its phases, each its own jitted program, for timing the
         phases apart: ([(phase, steps in it, fn)], args). Starting from `loop = None`,
         `x, loop = fn(*args, loop)` with `args = (params, cond, schedule, x)` for each phase in
         order, x carried from one to the next, gives `denoise`'s latent. One device: a single
-        phase `warmup` with every step. `watch`: each fn also returns the first step that left
-        a NaN or Inf in x (-1: none; -2: not known)."""
-        fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
-        static, dynamic, gs = args[:3], args[3:7], args[7]
-        if fn is denoise_single:
-            spans, phase_fn = {"warmup": (0, steps)}, single_phase
+        phase `warmup` with every step. Two experts: each expert's phases in turn, named
+        `expert <k> <phase>` (one device: `expert <k>`). `watch`: each fn also returns the
+        first step that left a NaN or Inf in x (-1: none; -2: not known)."""
+        fn, args = self._denoise_call(
+            cond, latents, sampler, steps, guidance_scale, plan, guidance_scale_2
+        )
+        static, dynamic, gs, experts = args[:3], args[3:7], args[7], args[8]
+        one = fn is denoise_single
+        if one:  # one program per expert
+            spans = [(0, steps)] if experts is None else experts.spans(steps)
+            ks = [None] if experts is None else range(len(spans))
+            phases = [(k, "warmup", span, False) for k, span in zip(ks, spans, strict=True)]
+            phase_fn = single_phase
         else:
-            spans, phase_fn = phase_steps(plan, steps), denoise_phase
+            phases, phase_fn = expert_phases(plan, steps, experts), denoise_phase
         extra = {"watch": True} if watch else {}
-        programs = [
-            (phase, stop - start, partial(phase_fn, *static, phase, guidance_scale=gs, **extra))
-            for phase, (start, stop) in spans.items()
-        ]
+        programs = []
+        for k, phase, (start, stop), restart in phases:
+            if k is None:
+                name, scale, where = phase, gs, {}
+            else:
+                name = f"expert {k + 1}" + ("" if one else f" {phase}")
+                scale = experts.scales[k]
+                where = {"span": (start, stop), "expert": k, "restart": restart}
+            fn_k = partial(phase_fn, *static, phase, guidance_scale=scale, **where, **extra)
+            programs.append((name, stop - start, fn_k))
         return programs, dynamic
 
-    def check_finite_latent(self, final, cond, latents, sampler, steps, guidance_scale, plan=None):
+    def check_finite_latent(self, final, cond, latents, sampler, steps, guidance_scale, plan=None,
+                            guidance_scale_2=None):  # fmt: skip
         """NonFiniteError when the final latent `final` holds NaN or Inf, naming the step and
-        phase where it first did: the run is replayed phase by phase with the loop watched (a
-        diagnostic program, run only then). Every process of a launched run calls it (the
-        replay has collectives); they all see the same gathered latent. A plan with stand-in
-        collectives (`comm=False`: timing alone, the images wrong by design) is not checked."""
-        if plan is not None and not plan.comm:
-            return
-        if np.isfinite(np.asarray(to_local(final), np.float32)).all():
-            return
-        programs, args = self.denoise_phases(
-            cond, latents, sampler, steps, guidance_scale, plan, watch=True
-        )
-        where, x, loop, done = "only in the timed run", args[3], None, 0
-        for phase, n, fn in programs:
-            x, loop, first = fn(*args[:3], x, loop)
-            first = int(first)
-            in_phase = f"{phase.replace('warmup', 'warm-up')} phase; " if len(programs) > 1 else ""
-            if first >= 0:
-                where = f"first after step {first + 1} of {steps} ({in_phase}"
-                break
-            if not np.isfinite(np.asarray(to_local(x), np.float32)).all():
-                where = f"first in steps {done + 1}-{done + n} of {steps} ({in_phase}"
-                break
-            done += n
-        else:
-            where += " ("
-        label = "single" if plan is None else plan.strategy.name
-        devices = 1 if plan is None else plan.devices
-        raise NonFiniteError(
-            f"NaN or Inf in the latent, {where}{label} on {devices} device(s), {sampler}, "
-            f"guidance {guidance_scale}, {jnp.dtype(self.unet.module.dtype).name}): no image of "
-            f"it is a result; an overflow in bfloat16 may fit in float32, else the weights, "
-            f"inputs or guidance are at fault"
-        )
+        phase where it first did (`phased.check_finite_latent`: a watched replay)."""
+        check_finite_latent(self, final, cond, latents, sampler, steps, guidance_scale, plan,
+                            guidance_scale_2)  # fmt: skip
 
     def denoise(
         self,
@@ -308,10 +344,12 @@ class Pipeline:
         steps: int,
         guidance_scale: float,
         plan: Plan | None = None,
+        guidance_scale_2: float | None = None,
     ) -> jax.Array:
         """Denoise an initial unit-Gaussian latent, on one device or under `plan`; returns the
-        final latent."""
-        return self.denoise_with_state(cond, latents, sampler, steps, guidance_scale, plan)[0]
+        final latent. `guidance_scale_2`: the second expert's (`experts_at`)."""
+        return self.denoise_with_state(cond, latents, sampler, steps, guidance_scale, plan,
+                                       guidance_scale_2=guidance_scale_2)[0]  # fmt: skip
 
     def denoise_with_state(
         self,
@@ -322,11 +360,14 @@ class Pipeline:
         guidance_scale: float,
         plan: Plan | None = None,
         check_memory: bool = False,
+        guidance_scale_2: float | None = None,
     ) -> tuple[jax.Array, dict]:
         """`denoise`, also returning the final stale state (the strategy's buffers). With
         `check_memory`, the program is compiled first and refused (ValueError naming both
         figures) when it needs more memory per device than a device here has."""
-        fn, args = self._denoise_call(cond, latents, sampler, steps, guidance_scale, plan)
+        fn, args = self._denoise_call(
+            cond, latents, sampler, steps, guidance_scale, plan, guidance_scale_2
+        )
         if check_memory:
             from patchpar.measure.cost import check_fits, memory_per_device
 
@@ -336,7 +377,8 @@ class Pipeline:
         else:
             out, state = fn(*args)
         out = to_local(out)  # every process gets the whole latent across processes
-        self.check_finite_latent(out, cond, latents, sampler, steps, guidance_scale, plan)
+        self.check_finite_latent(out, cond, latents, sampler, steps, guidance_scale, plan,
+                                 guidance_scale_2)  # fmt: skip
         return out, state
 
     def decode(self, latents: jax.Array, vae_plan: VAEPlan | None = None) -> np.ndarray:
@@ -374,10 +416,13 @@ class Pipeline:
         check_memory: bool = False,
         vae_plan: VAEPlan | None = None,
         log: Callable[[str], None] | None = None,
+        guidance_scale_2: float | None = None,
     ) -> Output:
         """Images for the prompts, on one device or under `plan`. `log` (optional) hears one
         line per stage as it starts: encoding, compiling and running each phase, decoding (the
-        phases then run as their own programs, which chain to the same latent)."""
+        phases then run as their own programs, which chain to the same latent).
+        `guidance_scale_2`: a model of two experts' low-noise scale (default `guidance_scale`;
+        `experts_at`)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -388,10 +433,13 @@ class Pipeline:
         hw = self.check_size(height, width)
         check_seed(seed)
         self._check_guidance(guidance_scale, negative_prompts)
-        get_sampler(sampler).schedule(self.scheduler_at(*hw), steps)  # name, steps, model kind
-        if plan is not None:  # every check before any work
+        schedule = get_sampler(sampler).schedule(self.scheduler_at(*hw), steps)  # name, steps,
+        _, experts = self.experts_at(schedule.timesteps, guidance_scale, guidance_scale_2, plan)
+        if plan is not None:  # every check before any work            (model kind)
             n = len(prompts) if latents is None else latents.shape[0]
-            plan.validate(self.unet, hw, steps, self.text.loop_scale(guidance_scale), n)
+            scales = [self.text.loop_scale(guidance_scale)] if experts is None else experts.scales
+            for scale in scales:
+                plan.validate(self.unet, hw, steps, scale, n)
         if vae_plan is not None:
             vae_plan.validate(self.vae, hw, len(prompts) if latents is None else latents.shape[0])
         say = log or (lambda msg: None)
@@ -404,9 +452,9 @@ class Pipeline:
             latents = self.initial_latents(len(prompts), height, width, seed)
         args = (cond, latents, sampler, steps, guidance_scale, plan, check_memory)
         if log is None:
-            final, state = self.denoise_with_state(*args)
+            final, state = self.denoise_with_state(*args, guidance_scale_2)
         else:
-            final, state = self._denoise_logged(*args, log)
+            final, state = denoise_logged(self, *args, log, guidance_scale_2)
         say("decoding" + (f" ({vae_plan.mode})" if vae_plan is not None and self.vae else ""))
         # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
         return Output(
@@ -427,43 +475,3 @@ class Pipeline:
         closest = float(first(state[CACHE][CLOSEST])) if CLOSEST in state[CACHE] else None
         blocks = getattr(self.unet.module, "num_blocks", 1)  # 1: a forward not in blocks
         return cache_report(plan.cache, blocks, steps, n, closest)
-
-    def _denoise_logged(self, cond, latents, sampler, steps, guidance_scale, plan, check_memory,
-                        log):  # fmt: skip
-        """`denoise_with_state` phase by phase, announced: every phase compiled (and, with
-        `check_memory`, checked to fit) before any runs, then each run in turn."""
-        programs, args = self.denoise_phases(cond, latents, sampler, steps, guidance_scale, plan)
-        compiled, x, loop, done = [], args[3], None, 0
-        for phase, n, fn in programs:
-            name = (
-                "denoising" if len(programs) == 1 else f"{phase.replace('warmup', 'warm-up')} phase"
-            )
-            span = f"steps {done + 1}-{done + n} of {steps}"
-            log(f"{name}: compiling ({span})")
-            t0 = time.perf_counter()
-            c = jax.jit(fn).lower(*args[:3], x, loop).compile()
-            if check_memory:
-                from patchpar.measure.cost import check_fits, memory_per_device
-
-                what = "the denoising program" if len(programs) == 1 else f"the {name}'s program"
-                check_fits(memory_per_device(c), what)
-            compiled.append((name, span, c, time.perf_counter() - t0))
-            x, loop = outputs_abstract(c)  # the next phase is lowered on what this returns
-            done += n
-        x, loop = args[3], None
-        for name, span, c, compile_s in compiled:
-            log(f"{name}: running {span} (compiled in {compile_s:.1f} s)")
-            x, loop = c(*args[:3], x, loop)
-        final = to_local(x)
-        self.check_finite_latent(final, cond, latents, sampler, steps, guidance_scale, plan)
-        return final, loop[1]
-
-
-def outputs_abstract(compiled):
-    """A compiled program's outputs as shapes, dtypes and shardings (the next phase's inputs,
-    to lower it before the first has run)."""
-    return jax.tree.map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-        compiled.out_info,
-        compiled.output_shardings,
-    )

@@ -153,10 +153,12 @@ class VideoPipeline(Pipeline):
         log=None,
         frames: int | None = None,
         layout: str = "frames",
+        guidance_scale_2: float | None = None,
     ) -> VideoOutput:
         """Videos of `frames` frames (default: the model's) for the prompts, the latent laid out
-        by `layout` (`frames`, `rows` or `FxR`); `latents`, when given, is (B, F, h, w, C). The
-        rest is `Pipeline.__call__`'s (height and width of a frame, default the model's)."""
+        by `layout` (`frames`, `rows` or `FxR`); `latents`, when given, is (B, F, h, w, C).
+        `guidance_scale_2`: Wan 2.2 A14B's low-noise expert's scale (default `guidance_scale`).
+        The rest is `Pipeline.__call__`'s (height and width of a frame, default the model's)."""
         height, width = self.default_size(height, width)
         frames = self.unet.default_frames if frames is None else frames
         pipe = self.at(frames, layout, height, width, plan)
@@ -173,7 +175,7 @@ class VideoPipeline(Pipeline):
             latents = pipe.to_tall(latents)
         out = Pipeline.__call__(
             pipe, prompts, height, width, steps, guidance_scale, seed, sampler,
-            negative_prompts, latents, plan, check_memory, vae_plan, log,
+            negative_prompts, latents, plan, check_memory, vae_plan, log, guidance_scale_2,
         )  # fmt: skip
         final = np.asarray(pipe.from_tall(out.latents), np.float32)
         return VideoOutput(out.images, final, out.stale_bytes_per_device, out.cache)

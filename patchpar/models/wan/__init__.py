@@ -341,14 +341,26 @@ class WanFamily(Family):
 
     def check_index(self, index: dict) -> None:
         max_sequence_length(index, 512, "WanPipeline")
+        self.second_expert(index)
+
+    def second_expert(self, index: dict) -> tuple[str, float] | None:
+        """Wan 2.2 A14B's low-noise expert: `transformer_2` where `boundary_ratio` is set (without
+        it WanPipeline runs `transformer` alone, and so does patchpar); a ratio without a
+        second transformer: ValueError."""
+        from patchpar.sampling.experts import check_boundary_ratio
+
         second = index.get("transformer_2")  # [library, class], or [null, null]: none
         ratio = index.get("boundary_ratio")
-        if ratio is not None or (second and any(second)):
-            what = f"boundary_ratio={ratio!r}" if ratio is not None else f"transformer_2={second!r}"
+        if ratio is None:
+            return None
+        ratio = check_boundary_ratio(ratio)
+        if not (second and any(second)):
             raise ValueError(
-                f"{what} in model_index.json: a Wan 2.2 pipeline of two experts (transformer_2) "
-                f"is not supported yet; patchpar runs one transformer (Wan 2.1)"
+                f"boundary_ratio={ratio} in model_index.json names a switch to a low-noise expert, "
+                f"but the pipeline has no transformer_2 (got {second!r}); add transformer_2/ and "
+                f"its entry, or drop boundary_ratio"
             )
+        return "transformer_2", ratio
 
     def load_text(self, folder: Path, index: dict, dtype) -> UMT5Conditioning:
         from patchpar.models.components import load_t5_encoder
