@@ -177,56 +177,77 @@ def flax_wan_vae(ref):
     from patchpar.models.wan.vae import WanVAEConfig, WanVAEDecoder
 
     module = WanVAEDecoder(WanVAEConfig.from_diffusers(dict(ref.config)))
-    abstract = jax.eval_shape(
-        lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, 4, 6, 4)))
-    )["params"]
+    z = jnp.zeros((1, 1, 4, 6, module.config.z_dim))
+    abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), z))["params"]
     state = {k: v.numpy() for k, v in ref.state_dict().items()
              if k.startswith(("decoder.", "post_quant_conv."))}  # fmt: skip
     return module, state_dict_to_params(state, abstract, "test")
 
 
-@pytest.mark.parametrize("frames", [pytest.param(1, marks=pytest.mark.slow), 3])
-def test_wan_vae_decode_matches_diffusers(frames):
+# Wan 2.2 TI2V-5B's layout: residual up blocks (the channel-repeating shortcut), a decoder wider
+# than the encoder, 12 channels out = 2 x 2 pixels of RGB: 16x spatially
+TINY_VAE22 = dict(TINY_VAE, base_dim=8, decoder_base_dim=12, z_dim=6, is_residual=True,
+                  patch_size=2, in_channels=12, out_channels=12)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "frames, config",
+    [pytest.param(1, TINY_VAE, marks=pytest.mark.slow), (3, TINY_VAE), (3, TINY_VAE22)],
+    ids=["1-wan2.1", "3-wan2.1", "3-wan2.2"],
+)
+def test_wan_vae_decode_matches_diffusers(frames, config):
     """Chunk by chunk with causal caches (the first latent frame one frame, each later one 4),
-    two temporal and three spatial upsamplings, the middle block's per-frame attention."""
+    two temporal and three spatial upsamplings, the middle block's per-frame attention; Wan
+    2.2's residual decoder and its 2 x 2 unpatchify (16x)."""
     from diffusers import AutoencoderKLWan
 
     from patchpar.models.wan.vae import decode
 
     torch.manual_seed(0)
-    ref = AutoencoderKLWan(**TINY_VAE).eval()
+    ref = AutoencoderKLWan(**config).eval()
     with torch.no_grad():  # norm scales and biases away from their plain init
         for name, p in ref.named_parameters():
             if name.endswith("gamma"):
                 p.normal_(1, 0.2)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
-    z = np.random.RandomState(0).randn(2, frames, 4, 6, 4).astype(np.float32)
+    z = np.random.RandomState(0).randn(2, frames, 4, 6, config["z_dim"]).astype(np.float32)
     with torch.no_grad():
         want = ref.decode(torch.tensor(z.transpose(0, 4, 1, 2, 3))).sample.numpy()
     want = want.transpose(0, 2, 3, 4, 1)  # (B, F', H, W, 3)
     module, params = flax_wan_vae(ref)
     got = jax.jit(lambda p, z: decode(module, p, z))(params, jnp.asarray(z))
-    assert got.shape == want.shape == (2, 1 + 4 * (frames - 1), 32, 48, 3)
+    f = module.config.spatial_factor
+    assert f == (16 if config.get("patch_size") else 8)
+    assert got.shape == want.shape == (2, 1 + 4 * (frames - 1), 4 * f, 6 * f, 3)
+    assert (np.abs(want) < 0.99).mean() > 0.5  # not clipped
     close(got, want)
 
 
-@pytest.mark.parametrize("devices, data", [(4, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
-def test_wan_vae_decode_on_row_patches_equals_one_device(devices, data):
+@pytest.mark.parametrize(
+    "devices, data, config",
+    [
+        (4, 1, TINY_VAE),
+        pytest.param(4, 2, TINY_VAE, marks=pytest.mark.slow),
+        pytest.param(4, 1, TINY_VAE22, marks=pytest.mark.slow),
+    ],  # fmt: skip
+)
+def test_wan_vae_decode_on_row_patches_equals_one_device(devices, data, config):
     """Every frame's rows over the patch devices (6 latent rows: 2, 2, 1, 1 on 4, padded; 3 per
     image on 2 x 2 with data 2), exact halos after each upsampling, the per-frame attention over
-    every patch (Ring), the causal caches per device: the one-device frames within float32
-    rounding."""
+    every patch (Ring), the causal caches per device (Wan 2.2's residual decoder: its shortcut
+    and unpatchify are per pixel): the one-device frames within float32 rounding."""
     from patchpar.models.wan import WanVAEFn
     from patchpar.models.wan.vae import WanVAEConfig, WanVAEDecoder
     from patchpar.parallel.mesh import to_local
     from patchpar.parallel.vae import VAEPlan, decode_video
 
-    fn = WanVAEFn(WanVAEDecoder(WanVAEConfig.from_diffusers(TINY_VAE)))
+    fn = WanVAEFn(WanVAEDecoder(WanVAEConfig.from_diffusers(config)))
     rng = np.random.RandomState(0)
     params = jax.tree.map(lambda p: p * 0.5 + 0.05 * rng.randn(*p.shape), fn.init(seed=2))
-    z = jnp.asarray(rng.randn(2, 3, 6, 4, 4).astype(np.float32))  # (B, F, h, w, z)
+    z = jnp.asarray(rng.randn(2, 3, 6, 4, config["z_dim"]).astype(np.float32))  # (B, F, h, w, z)
     one = np.asarray(decode_video(fn, params, z, VAEPlan()))
-    assert one.shape == (2, 9, 48, 32, 3) and (np.abs(one) < 0.99).mean() > 0.5  # not clipped
+    f = fn.config.spatial_factor
+    assert one.shape == (2, 9, 6 * f, 4 * f, 3) and (np.abs(one) < 0.99).mean() > 0.5  # unclipped
     got = np.asarray(to_local(decode_video(fn, params, z, VAEPlan("rows", devices, data))))
     assert np.abs(got - one).max() <= 1e-5 * np.abs(one).max()

@@ -42,17 +42,28 @@ def _varied(model, seed):
     return model.eval()
 
 
-def _folder(root, boundary_ratio=None):
+# Wan 2.2 TI2V-5B's layout: its residual 16x VAE (2 x 2 pixels per decoder position), a wider
+# latent, and timesteps given per token (`expand_timesteps`)
+TI2V_VAE = dict(VAE, base_dim=8, decoder_base_dim=12, z_dim=6, is_residual=True, patch_size=2,
+                in_channels=12, out_channels=12, scale_factor_spatial=16,
+                latents_mean=[0.1, -0.2, 0.05, 0.0, 0.3, -0.1],
+                latents_std=[1.5, 0.8, 1.2, 1.0, 0.9, 1.1])  # fmt: skip
+
+
+def _folder(root, boundary_ratio=None, ti2v=False):
     """A tiny WanPipeline saved by diffusers; with `boundary_ratio`, Wan 2.2's two experts (a
-    second transformer of other weights)."""
+    second transformer of other weights); `ti2v`: the TI2V-5B layout."""
     from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(0)
     umt5 = UMT5EncoderModel(UMT5Config(vocab_size=80, d_model=24, d_kv=6, d_ff=32, num_layers=2,
                                        num_heads=4, feed_forward_proj="gated-gelu",
                                        dropout_rate=0.0)).eval()  # fmt: skip
-    dit = _varied(diffusers.WanTransformer3DModel(**TRANSFORMER), 1)
-    vae = _varied(diffusers.AutoencoderKLWan(**VAE), 2)
+    z = TI2V_VAE["z_dim"] if ti2v else VAE["z_dim"]
+    dit = _varied(
+        diffusers.WanTransformer3DModel(**TRANSFORMER | dict(in_channels=z, out_channels=z)), 1
+    )
+    vae = _varied(diffusers.AutoencoderKLWan(**(TI2V_VAE if ti2v else VAE)), 2)
     tok = AutoTokenizer.from_pretrained(str(write_t5_tokenizer(root / "tok", TEXTS, 80)))
     sched = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction",
                                               use_flow_sigmas=True, flow_shift=3.0)  # fmt: skip
@@ -60,6 +71,8 @@ def _folder(root, boundary_ratio=None):
     if boundary_ratio is not None:
         experts = dict(transformer_2=_varied(diffusers.WanTransformer3DModel(**TRANSFORMER), 3),
                        boundary_ratio=boundary_ratio)  # fmt: skip
+    if ti2v:
+        experts["expand_timesteps"] = True
     pipe = diffusers.WanPipeline(tokenizer=tok, text_encoder=umt5, transformer=dit, vae=vae,
                                  scheduler=sched, **experts)  # fmt: skip
     pipe.save_pretrained(root / "pipe")
@@ -132,6 +145,30 @@ def test_wan22_two_experts_match_diffusers(tmp_path):
     par = pipe(PROMPTS, 16, 32, guidance_scale_2=3.0, plan=plan, log=said.append, **kw)
     assert rel_err(par.latents, out.latents) <= 1e-4
     assert "expert 2 warm-up phase: running steps 3-5 of 5" in " ".join(said)
+
+
+def test_wan22_ti2v_layout_matches_diffusers(tmp_path):
+    """Wan 2.2 TI2V-5B's text-to-video layout: the residual VAE's 16x decode (its shortcut and
+    2 x 2 unpatchify) and `expand_timesteps` (every token given the step's timestep: the same
+    embedding as one per video, so the denoiser runs unchanged): WanPipeline's latent within
+    1e-3, its frames within one grey level."""
+    path, ref = _folder(tmp_path, ti2v=True)
+    pipe = load_pipeline(path)
+    assert pipe.latent_factor == 16 and pipe.latent_channels == 6
+    latents = np.random.RandomState(3).randn(1, 2, 2, 4, 6).astype(np.float32)  # 32 x 64 frames
+    out = pipe(PROMPTS[:1], 32, 64, steps=3, guidance_scale=5.0, latents=jnp.asarray(latents),
+               frames=5)  # fmt: skip
+    with torch.no_grad():
+        theirs = ref(PROMPTS[:1], height=32, width=64, num_frames=5, num_inference_steps=3,
+                     guidance_scale=5.0, latents=torch.tensor(latents.transpose(0, 4, 1, 2, 3)),
+                     output_type="np", max_sequence_length=TOKENS).frames  # fmt: skip
+        final = ref(PROMPTS[:1], height=32, width=64, num_frames=5, num_inference_steps=3,
+                    guidance_scale=5.0, latents=torch.tensor(latents.transpose(0, 4, 1, 2, 3)),
+                    output_type="latent", max_sequence_length=TOKENS).frames.numpy()  # fmt: skip
+    err = np.abs(out.latents - final.transpose(0, 2, 3, 4, 1)).max()
+    assert err <= 1e-3, f"max abs diff {err:.3g}"
+    assert out.frames.shape == (1, 5, 32, 64, 3) == np.asarray(theirs).shape
+    assert np.abs(out.frames.astype(np.float32) - np.round(np.asarray(theirs) * 255)).max() <= 1
 
 
 # ---------------------------------------------------------------------------- generate and bad input
@@ -233,8 +270,7 @@ def test_a_latent_of_another_video_is_named():
 
 
 def test_wan22_5b_lowers_with_its_16x_vae_and_bad_experts_are_named(tmp_path):
-    """The 5B's residual VAE is not ported, but its factors (16x, 4x) size the latent a
-    denoiser lowers on. Two experts: a boundary ratio without a second transformer, or out of
+    """The 5B preset's VAE factors (16x, 4x) size the latent a denoiser lowers on. Two experts: a boundary ratio without a second transformer, or out of
     (0, 1), is refused before any weight is read; a second transformer of another shape, a
     second guidance scale for one denoiser and a step cache across the switch are named."""
     import shutil

@@ -325,10 +325,11 @@ class WanFamily(Family):
 
     def vae_factor(self, config: dict) -> int:
         """The config's `scale_factor_spatial` (what diffusers reads; Wan 2.2's 16x VAE), else
-        its upsamplings'; not validated: a VAE patchpar does not run still lowers a denoiser."""
+        its upsamplings' (x its patch size)."""
         return int(
             config.get("scale_factor_spatial")
             or 2 ** (len(config.get("dim_mult", (1, 2, 4, 4))) - 1)
+            * (config.get("patch_size") or 1)
         )
 
     def vae_temporal(self, config: dict) -> int:

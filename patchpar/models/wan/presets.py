@@ -48,9 +48,11 @@ _VAE = {
     "latents_std": [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916],
 }  # fmt: skip
-# Wan 2.2's residual VAE (16x spatial, z 48, patch 2): its shape for the record; not ported
+# Wan 2.2's residual VAE (16x spatial: 8x by its up blocks, 2 x 2 pixels per decoder position of
+# 12 channels; z 48); its latent statistics here are placeholders (a folder has its own)
 _VAE22 = {**_VAE, "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True,
-          "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+          "patch_size": 2, "in_channels": 12, "out_channels": 12, "scale_factor_spatial": 16,
+          "scale_factor_temporal": 4,
           "latents_mean": [0.0] * 48,
           "latents_std": [1.0] * 48}  # fmt: skip
 _UMT5_XXL = {

@@ -1,5 +1,7 @@
-"""Flax decoder of Wan 2.1's video VAE (diffusers' `AutoencoderKLWan`, `is_residual=False`):
-latents (B, F, h, w, z_dim) -> frames (B, 1 + 4 (F - 1), 8h, 8w, 3) in [-1, 1].
+"""Flax decoder of Wan's video VAE (diffusers' `AutoencoderKLWan`): latents (B, F, h, w, z_dim)
+-> frames (B, 1 + 4 (F - 1), 8h, 8w, 3) in [-1, 1] (Wan 2.1), or 16h x 16w (Wan 2.2 TI2V-5B's
+residual VAE: each up block adds a shortcut that repeats its input's channels into the upsampled
+frames and pixels, and the decoder's 12 channels are 2 x 2 pixels of RGB, `patch_size` 2).
 
 Its convolutions are causal in time: a 3 x 3 x 3 convolution sees its frame and the two before
 it (zeros before the first). diffusers decodes one latent frame at a time, each convolution
@@ -38,6 +40,8 @@ class WanVAEConfig:
     num_res_blocks: int = 2
     temperal_downsample: tuple[bool, ...] = (False, True, True)
     out_channels: int = 3
+    is_residual: bool = False  # Wan 2.2's up blocks with a channel-repeating shortcut
+    patch_size: int | None = None  # the decoder's output: patch x patch pixels per position
     latents_mean: tuple[float, ...] = ()
     latents_std: tuple[float, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -48,7 +52,7 @@ class WanVAEConfig:
 
     @property
     def spatial_factor(self) -> int:
-        return 2 ** (len(self.dim_mult) - 1)
+        return 2 ** (len(self.dim_mult) - 1) * (self.patch_size or 1)
 
     @property
     def downsample_factor(self) -> int:
@@ -64,12 +68,17 @@ class WanVAEConfig:
         name = cfg.get("_class_name", CLASS_NAMES[0])
         if name not in CLASS_NAMES:
             raise ValueError(f"{where}: _class_name={name!r} is not a Wan VAE {list(CLASS_NAMES)}")
-        for key, want in (("is_residual", False), ("patch_size", None), ("attn_scales", [])):
-            if cfg.get(key, want) not in (want, () if want == [] else want):
-                raise ValueError(
-                    f"{where}: {key}={cfg[key]!r} is not supported yet (Wan 2.1's VAE has "
-                    f"{want!r}; Wan 2.2's residual VAE is not ported)"
-                )
+        if cfg.get("attn_scales", []) not in ([], ()):
+            raise ValueError(
+                f"{where}: attn_scales={cfg['attn_scales']!r} is not supported (Wan's VAEs have "
+                f"none: attention in the middle block only)"
+            )
+        patch, out = cfg.get("patch_size"), cfg.get("out_channels", 3)
+        if patch is not None and (not isinstance(patch, int) or patch < 1 or out % (patch * patch)):
+            raise ValueError(
+                f"{where}: patch_size={patch!r} with out_channels={out}: the decoder's channels "
+                f"must be whole patch x patch pixels of each output channel (Wan 2.2: 2 and 12)"
+            )
         dec = cfg.get("decoder_base_dim")
         return cls(
             base_dim=dec if dec is not None else cfg.get("base_dim", 96),
@@ -77,7 +86,9 @@ class WanVAEConfig:
             dim_mult=tuple(cfg.get("dim_mult", (1, 2, 4, 4))),
             num_res_blocks=cfg.get("num_res_blocks", 2),
             temperal_downsample=tuple(cfg.get("temperal_downsample", (False, True, True))),
-            out_channels=cfg.get("out_channels", 3),
+            out_channels=out,
+            is_residual=bool(cfg.get("is_residual", False)),
+            patch_size=None if patch in (None, 1) else patch,
             latents_mean=tuple(cfg.get("latents_mean", ())),
             latents_std=tuple(cfg.get("latents_std", ())),
             extra=dict(cfg),
@@ -195,6 +206,7 @@ class Resample(nn.Module):
     mode: str  # upsample2d | upsample3d
     dtype: jnp.dtype = jnp.float32
     ops: SiteOps = IDENTITY
+    features: int | None = None  # the convolution's output channels (None: half the input's)
 
     @nn.compact
     def __call__(self, x: jax.Array, first: bool) -> jax.Array:
@@ -209,7 +221,8 @@ class Resample(nn.Module):
                 t = 2 * t
         x = jnp.repeat(jnp.repeat(x.reshape(b * t, h, w, c), 2, axis=1), 2, axis=2)
         x = _padded(self, x, 1)
-        conv = nn.Conv(c // 2, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=self.dtype,
+        out = c // 2 if self.features is None else self.features
+        conv = nn.Conv(out, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=self.dtype,
                        name="resample_1")  # fmt: skip
         y = conv(x)
         return y.reshape(b, t, *y.shape[1:])
@@ -246,6 +259,50 @@ class UpBlock(nn.Module):
         return x
 
 
+class ResidualUpBlock(nn.Module):
+    """WanResidualUpBlock (Wan 2.2): residual blocks, then (`up`) the upsampling to `features`
+    channels, plus the shortcut `dup_up` of the block's input."""
+
+    features: int
+    num_res_blocks: int
+    up: bool
+    temporal: bool
+    dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first: bool) -> jax.Array:
+        shortcut = x
+        for i in range(self.num_res_blocks + 1):
+            x = ResidualBlock(self.features, self.dtype, self.ops, name=f"resnets_{i}")(x)
+        if not self.up:
+            return x
+        mode = "upsample3d" if self.temporal else "upsample2d"
+        x = Resample(mode, self.dtype, self.ops, self.features, name="upsampler")(x, first)
+        return x + dup_up(shortcut, self.features, 2 if self.temporal else 1, 2, first)
+
+
+def dup_up(x: jax.Array, features: int, ft: int, fs: int, first: bool) -> jax.Array:
+    """diffusers' DupUp3D: (B, t, h, w, C) -> (B, ft t, fs h, fs w, features), each input
+    channel repeated (features x ft x fs^2 / C times, in place) and the copies laid out as the
+    output channel's ft frames and fs x fs pixels; the first chunk keeps its last frame of ft."""
+    b, t, h, w, c = x.shape
+    x = jnp.repeat(x, features * ft * fs * fs // c, axis=-1)
+    x = x.reshape(b, t, h, w, features, ft, fs, fs)
+    x = x.transpose(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, t * ft, h * fs, w * fs, features)
+    return x[:, ft - 1 :] if first else x
+
+
+def unpatchify(x: jax.Array, p: int | None) -> jax.Array:
+    """diffusers' unpatchify: (B, T, h, w, C p^2) -> (B, T, p h, p w, C), channel c x p^2 +
+    j x p + i going to row offset i and column offset j."""
+    if p is None:
+        return x
+    b, t, h, w, cp = x.shape
+    x = x.reshape(b, t, h, w, cp // (p * p), p, p)  # (..., c, j: column, i: row)
+    return x.transpose(0, 1, 2, 6, 3, 5, 4).reshape(b, t, h * p, w * p, cp // (p * p))
+
+
 class WanDecoder3d(nn.Module):
     """diffusers WanDecoder3d on one chunk (B, t, h, w, z_dim); `first`: the first chunk."""
 
@@ -262,8 +319,16 @@ class WanDecoder3d(nn.Module):
         x = MidBlock(dims[0], dt, ops, name="mid_block")(x)
         for i, out_dim in enumerate(dims[1:]):
             up = i != len(mult) - 1
-            mode = None if not up else ("upsample3d" if cfg.temperal_upsample[i] else "upsample2d")
-            x = UpBlock(out_dim, cfg.num_res_blocks, mode, dt, ops, name=f"up_blocks_{i}")(x, first)
+            temporal = up and cfg.temperal_upsample[i]
+            name = f"up_blocks_{i}"
+            if cfg.is_residual:
+                block = ResidualUpBlock(
+                    out_dim, cfg.num_res_blocks, up, temporal, dt, ops, name=name
+                )
+            else:
+                mode = None if not up else ("upsample3d" if temporal else "upsample2d")
+                block = UpBlock(out_dim, cfg.num_res_blocks, mode, dt, ops, name=name)
+            x = block(x, first)
         x = nn.silu(RMSNorm(False, dt, name="norm_out")(x))
         return CausalConv3d(cfg.out_channels, (3, 3, 3), dt, ops, name="conv_out")(x)
 
@@ -288,12 +353,13 @@ class WanVAEDecoder(nn.Module):
 
 def decode(module: WanVAEDecoder, params, z: jax.Array) -> jax.Array:
     """Latents (B, F, h, w, z_dim), already un-normalised (z / std + mean) -> frames
-    (B, 1 + 4 (F - 1), 8h, 8w, 3) clipped to [-1, 1]: the first latent frame, then a scan over
-    the others carrying the causal caches."""
+    (B, 1 + 4 (F - 1), 8h, 8w, 3) (16h x 16w for Wan 2.2's) clipped to [-1, 1]: the first
+    latent frame, then a scan over the others carrying the causal caches."""
     variables = {"params": params}
+    patch = module.config.patch_size
     first, state = module.apply(variables, z[:, :1], True, method="chunk", mutable=[CACHE])
     if z.shape[1] == 1:
-        return jnp.clip(first, -1.0, 1.0)
+        return jnp.clip(unpatchify(first, patch), -1.0, 1.0)
 
     def one(cache, zt):
         out, new = module.apply({**variables, **cache}, zt[:, None], False, method="chunk",
@@ -303,4 +369,4 @@ def decode(module: WanVAEDecoder, params, z: jax.Array) -> jax.Array:
     _, rest = lax.scan(one, state, jnp.moveaxis(z[:, 1:], 1, 0))  # (F-1, B, 4, H, W, 3)
     rest = jnp.moveaxis(rest, 0, 1)
     rest = rest.reshape(rest.shape[0], -1, *rest.shape[3:])
-    return jnp.clip(jnp.concatenate([first, rest], axis=1), -1.0, 1.0)
+    return jnp.clip(unpatchify(jnp.concatenate([first, rest], axis=1), patch), -1.0, 1.0)
