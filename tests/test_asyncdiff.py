@@ -323,7 +323,8 @@ def test_project_stride_two(tmp_path):
     """`patchpar project` of stride 2 prices a round on the odd steady steps only (2 exact
     steps of 8, then rounds at steps 3, 5 and 7); a latent whose rows the 3 devices do not
     divide decodes on uneven row patches (priced, not refused)."""
-    from patchpar.lab.project import ProjectConfig, format_project, run_project
+    from patchpar.lab.project import ProjectConfig, run_project
+    from patchpar.lab.project_table import format_project
 
     config = ProjectConfig.from_flags(model="tiny-dit", resolution=128, strategy="asyncdiff", stride=2,
                            warmup_steps=2, devices=3, steps=8, workloads=tmp_path / "w.jsonl")  # fmt: skip

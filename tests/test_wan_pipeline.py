@@ -251,15 +251,41 @@ def test_bad_video_input_is_named(flags, message):
         check(config)
 
 
-@pytest.mark.parametrize(
-    "command", ["run --model.name", "project --model", "calibrate --model.name"]
-)
+@pytest.mark.parametrize("command", ["run --model.name", "calibrate --model.name"])
 def test_commands_on_images_refuse_a_video_model(command, capsys):
     from patchpar.lab.cli import main
 
     assert main([*command.split(), "tiny-wan"]) == 2
     err = capsys.readouterr().err
     assert f"model 'tiny-wan' makes video: `patchpar {command.split()[0]}` works on images" in err
+
+
+def test_project_prices_a_video(tmp_path, capsys):
+    """`patchpar project` on a video model: the size is the model's frames (64 x 64 x 5 for
+    tiny-wan) cut by the layout, the decode the video VAE's (on one device and on row patches);
+    DistriFusion's steady phase exposes less than sync_patch's; a width or frame count for an
+    image model, and frames the VAE does not take, are named."""
+    from patchpar.lab.cli import main
+    from patchpar.lab.project import ProjectConfig, run_project
+    from patchpar.lab.project_table import format_project
+
+    rows = {}
+    for name in ("sync_patch", "distrifusion"):
+        config = ProjectConfig.from_flags(model="tiny-wan", strategy=name, devices=2, steps=10,
+                                          hardware="h100-sxm", workloads=tmp_path / "w.jsonl")  # fmt: skip
+        (rows[name],) = run_project(config)
+    r = rows["distrifusion"]
+    assert r["resolution"] == "64x64x5" and r["layout"] == "frames" and r["steps"] == 10
+    assert r["decode_one_device_s"] > 0 and r["decode_rows_s"] is not None
+    assert r["exposed_comm_s"] < rows["sync_patch"]["exposed_comm_s"]
+    assert "tiny-wan 64x64 x 5 frames (frames layout)" in format_project([r])
+    for flags, message in (
+        (["--model", "tiny", "--width", "64"], "width=64: tiny makes square images here"),
+        (["--model", "tiny", "--frames", "9"], "frames=9: tiny makes square images here"),
+        (["--model", "tiny-wan", "--frames", "8"], "frames=8: the video VAE compresses time 4x"),
+    ):
+        assert main(["project", *flags]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_latent_of_another_video_is_named():

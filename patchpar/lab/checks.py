@@ -129,7 +129,7 @@ def check_video(model, unet, latent: tuple[int, int], frames, layout: str, plan=
                 f"frames (leave it at 'frames')"
             )
         return unet, latent
-    from patchpar.pipelines.text2video import on_video
+    from patchpar.models.video import on_video
 
     frames = unet.default_frames if frames is None else frames
     patches = plan.patch if plan is not None and plan.splits_row_patches else None

@@ -149,7 +149,8 @@ def _project(config, args: list[str]) -> None:
     import json
 
     from patchpar.lab import launch
-    from patchpar.lab.project import format_project, run_project
+    from patchpar.lab.project import run_project
+    from patchpar.lab.project_table import format_project
 
     launch.request_cpu_devices(config.mesh.devices, _stderr)
     rows = run_project(config, log=_stderr)

@@ -37,8 +37,14 @@ class ProjectConfig(FromFlags):
     mesh: DecodeMesh = field(default_factory=DecodeMesh)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    resolution: int = 1024
-    """Square image size in pixels."""
+    resolution: int = 0
+    """Square image size in pixels (0: 1024); a video model's frame height (0: its own, 480
+    for Wan)."""
+    width: int = 0
+    """A video model's frame width in pixels (0: its own, 832 for Wan); images are square."""
+    frames: int | None = None
+    """A video model's frames, 4k + 1 for Wan's VAE (default: the model's, 81 for Wan); cut into
+    patches by mesh.layout."""
     batch: int = 1
     """Images per generation (the UNet batch is 2 x batch with cfg=1)."""
     steps: int = 50
@@ -68,6 +74,26 @@ class ProjectConfig(FromFlags):
         """The strategy with its options, placed on the mesh, with the step cache."""
         return sections_plan(self.strategy, self.mesh, self.cache)
 
+    def size(self) -> int | str:
+        """What the projection lowers: a square image's side, or a video model's "HxWxF"
+        (`measure.workload.video_size`), each part not given the model's own."""
+        from patchpar.measure.workload import video_label
+        from patchpar.models.presets import abstract_denoiser, model_family
+
+        name = self.model.name
+        if not model_family(name).video:
+            if self.width or self.frames is not None:
+                what = f"width={self.width}" if self.width else f"frames={self.frames}"
+                raise ValueError(
+                    f"{what}: {name} makes square images here (--resolution); width and frames "
+                    f"are a video model's (wan2.1-1.3b, ...)"
+                )
+            return self.resolution or 1024
+        unet = abstract_denoiser(name)
+        dh, dw = unet.default_size
+        frames = unet.default_frames if self.frames is None else self.frames
+        return video_label(self.resolution or dh, self.width or dw, frames)
+
 
 def check_project(config: ProjectConfig) -> list[str]:
     """Every check of the config before any lowering, all the problems raised together
@@ -75,8 +101,9 @@ def check_project(config: ProjectConfig) -> list[str]:
     (the projection prices a model's FLOPs and bytes, a quantized one's at its int8/fp8 peak:
     the model's quant counts, its attention kernel and scanned blocks do not)."""
     from patchpar import hardware
-    from patchpar.lab.checks import Problems, check_lowering, images_only
+    from patchpar.lab.checks import Problems, check_lowering
     from patchpar.measure.projection import OVERLAPS
+    from patchpar.measure.workload import video_size
     from patchpar.models.presets import latent_factor, square_latent
     from patchpar.quant import check_mode
 
@@ -104,10 +131,16 @@ def check_project(config: ProjectConfig) -> list[str]:
         check_mixed(config)
     if config.timings is not None and not Path(config.timings).is_file():
         problems.lines.append(f"timings={str(config.timings)!r}: no such file")
-    latent = None
+    latent, video = None, None
     with problems.check():
-        images_only(m.name, "project")
-        latent = square_latent(m.name, config.resolution)
+        video = video_size(size := config.size())
+        if video is None:
+            latent = square_latent(m.name, size)
+        else:
+            latent = (
+                square_latent(m.name, video[0], "resolution"),
+                square_latent(m.name, video[1], "width"),
+            )
     with problems.check():  # a known mode and tile, a decode that there is, one projected
         try:
             mesh.vae_plan()
@@ -130,7 +163,9 @@ def check_project(config: ProjectConfig) -> list[str]:
     if plan is not None and steps_ok:
         with problems.check():  # the plan against the model, with the steps
             if latent is not None and config.batch >= 1:
-                check_lowering(m.name, latent, plan, config.batch, config.steps)
+                frames = None if video is None else video[2]
+                check_lowering(m.name, latent, plan, config.batch, config.steps, frames=frames,
+                               layout=mesh.layout)  # fmt: skip
             else:  # what needs no size
                 plan.strategy.validate(config.steps, plan.patch, plan.cfg)
     if plan is not None and (steps_ok or plan.cache is None):
@@ -189,13 +224,14 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     pixel_space = latent_factor(m.name) == 1
     computed = cache_schedule(plan.cache, config.steps, config.cache_computed_steps)
     cache = WorkloadCache(config.workloads, log)
+    size, layout = config.size(), config.mesh.layout
 
     def workload(p, quant=m.quant):
-        return cache.get(m.name, config.resolution, p, config.batch, config.dtype, quant)
+        return cache.get(m.name, size, p, config.batch, config.dtype, quant, layout)
 
     if config.mesh.patch_weights == MEASURED:  # each device's speed from its profile
         plan = profile_weighted(plan, mixed, workload(replace(plan, cache=None)), m.name,
-                                config.resolution, log)  # fmt: skip
+                                size, log, layout)  # fmt: skip
     one = build_plan("single", {}, 1, 1)
     w, single = workload(replace(plan, cache=None)), workload(one, "none")
     if mixed is not None:
@@ -215,9 +251,7 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
     if n > 1 and not pixel_space:
         log(f"lowering the VAE decoder on {n} row patches (its collectives)")
     try:
-        dcoll = decode_collectives(
-            m.name, config.resolution, n, config.batch // plan.data, config.dtype
-        )
+        dcoll = decode_collectives(m.name, size, n, config.batch // plan.data, config.dtype)
     except ValueError as e:  # the latent's rows do not split: no decode on row patches here
         if vae_parallel == "rows":
             raise
@@ -246,7 +280,8 @@ def run_project(config: ProjectConfig, log=lambda msg: None) -> list[dict]:
             {
                 **extra,
                 "model": m.name,
-                "resolution": config.resolution,
+                "resolution": size,
+                **({"layout": layout} if isinstance(size, str) else {}),
                 "strategy": w.strategy,
                 "devices": w.devices,
                 "cfg": w.cfg,
@@ -287,17 +322,17 @@ def check_mixed(config: ProjectConfig) -> None:
         )
 
 
-def profile_weighted(plan, profiles, even, model: str, resolution: int, log):
+def profile_weighted(plan, profiles, even, model: str, resolution, log, layout="frames"):
     """`plan` with patch weights from each device's profile: its speed on the even split's
     largest patch (`even`: that plan's workload) relative to the fastest, floored to a unit."""
     from patchpar.measure.calibrate import speed_weights
-    from patchpar.models.presets import abstract_denoiser, square_latent
+    from patchpar.measure.workload import denoiser_on
     from patchpar.parallel.split import floored
 
     flops = even.phases["steady"]["flops_per_device"]
     weights = speed_weights([p.compute_s(flops) for p in profiles])
-    unit = abstract_denoiser(model).row_multiple
-    weights = floored(weights, square_latent(model, resolution), unit)
+    unet, latent = denoiser_on(model, resolution, plan, layout)
+    weights = floored(weights, latent[0], unet.row_multiple)
     log("patch weights from the profiles: " + ",".join(f"{x:.3g}" for x in weights))
     return replace(plan, patch_weights=weights)
 
@@ -378,67 +413,6 @@ def stale_kinds(plan) -> set[str]:
     if not isinstance(plan.strategy, StaleStrategy):
         return set()
     return {op.kind for op in plan.strategy.ops("steady", plan.patch).sites() if op.sends_stale()}
-
-
-def format_project(rows: list[dict]) -> str:
-    r0 = rows[0]
-    head = (
-        f"{r0['strategy']} | {r0['model']} {r0['resolution']}px {r0['dtype']}, batch {r0['batch']}, "
-        f"{r0['steps']} steps ({r0['warmup_phase_steps']} synchronous) | {r0['devices']} devices "
-        f"(cfg={r0['cfg']})"
-    )
-    where = "row patches" if r0["vae"] == "rows" else "one device"
-    if r0.get("quant", "none") != "none":
-        emulated = [r["hardware"] for r in rows if r.get("quant_emulated")]
-        head += (
-            f" | quant {r0['quant']} (1 device: unquantized"
-            + (f"; emulated on {', '.join(emulated)}" if emulated else "")
-            + ")"
-        )
-    lines = [
-        head + f" | VAE decode: {'none (pixel space)' if r0.get('pixel_space') else where}",
-        "",
-        "| hardware | latency s | 1 device s | speedup | compute s | exposed comm s | encode s "
-        "| decode s: 1 device / rows | latency s: decode on rows / no decode | overlap | "
-        "compute constants |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def s(v):  # seconds, or a dash where the decode does not split into row patches
-        return "—" if v is None else f"{v:.3f}"
-
-    for r in rows:
-        lines.append(
-            f"| {r['hardware']} | {r['latency_s']:.3f} | {r['single_latency_s']:.3f} | "
-            f"{r['speedup']:.2f}x | {r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} | "
-            f"{r['encode_s']:.3f} | {r['decode_one_device_s']:.3f} / {s(r['decode_rows_s'])} | "
-            f"{s(r['latency_decode_rows_s'])} / {r['latency_no_decode_s']:.3f} | "
-            f"{r['overlap']} | {r['compute_source']} |"
-        )
-    if "cache" in r0:
-        lines += [
-            "",
-            f"With {r0['cache']} ({r0['cache_computed_steps']} of {r0['steps']} steps run every "
-            f"block; each kind of step's program projected, the rest as above):",
-            "",
-            "| hardware | latency s | speedup vs 1 device | 1 device with the cache s | "
-            "speedup vs it |",
-            "|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['hardware']} | {r['latency_cached_s']:.3f} | {r['speedup_cached']:.2f}x | "
-            f"{r['single_cached_latency_s']:.3f} | {r['speedup_vs_single_same_cache']:.2f}x |"
-            for r in rows
-        ]
-    lines += [
-        "",
-        "compute: FLOPs per device priced by the profile (plus stale-buffer traffic); exposed "
-        "comm: collectives the step waits for; encode: text encoding on one device; decode: the "
-        "VAE on one device, or on row patches over the devices (its halos, GroupNorm and ring "
-        "hops exposed). 1 device s decodes on one device. No decode: DistriFusion's and xDiT's "
-        "published latencies leave it out (their benchmarks ask for latents).",
-    ]
-    return "\n".join(lines)
 
 
 def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | None:

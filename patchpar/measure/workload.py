@@ -26,7 +26,7 @@ class Workload:
     """Costs of one generation under a plan, per device (JSON-able; one cache line)."""
 
     model: str
-    resolution: int
+    resolution: int | str  # a square image's side; a video's "HxWxF" (`video_size`)
     strategy: str  # Strategy.describe()
     devices: int
     cfg: int
@@ -53,6 +53,7 @@ class Workload:
     patch_rows: list | None = None  # uneven patches: each patch device's latent rows
     # what lowered it (WORKLOAD_VERSION): a cache line of another version is not served
     version: int = 1
+    layout: str = "frames"  # a video's layout of patches (`models.wan.model.Video`)
 
     def key(self) -> tuple:
         return workload_key(
@@ -66,6 +67,7 @@ class Workload:
             self.data,
             self.fsdp,
             self.quant,
+            self.layout,
         )
 
     def to_json(self) -> dict:
@@ -86,11 +88,12 @@ def plan_label(plan) -> str:
 
 
 def workload_key(
-    model, resolution, strategy, devices, cfg, batch, dtype, data=1, fsdp=False, quant="none"
-) -> tuple:
+    model, resolution, strategy, devices, cfg, batch, dtype, data=1, fsdp=False, quant="none",
+    layout="frames",
+) -> tuple:  # fmt: skip
     return (
         str(model),
-        int(resolution),
+        resolution if isinstance(resolution, str) else int(resolution),
         str(strategy),
         int(devices),
         int(cfg),
@@ -99,7 +102,46 @@ def workload_key(
         int(data),
         bool(fsdp),
         str(quant),
+        str(layout),
     )
+
+
+def video_size(resolution) -> tuple[int, int, int] | None:
+    """(height, width, frames) of a video's size "HxWxF"; None for an image's side (an int)."""
+    if not isinstance(resolution, str):
+        return None
+    try:
+        h, w, f = (int(v) for v in resolution.split("x"))
+    except ValueError:
+        raise ValueError(
+            f"resolution={resolution!r}: a video's size is HEIGHTxWIDTHxFRAMES (480x832x81)"
+        ) from None
+    return h, w, f
+
+
+def video_label(height: int, width: int, frames: int) -> str:
+    return f"{height}x{width}x{frames}"
+
+
+def denoiser_on(model: str, resolution, plan, layout: str = "frames", unet=None):
+    """(the denoiser as it runs at `resolution` under `plan`, the latent (rows, w) it takes): an
+    image's square latent, or a video's tall one with the denoiser on its layout (`on_video`,
+    checked against the plan's row patches); `unet` default the model's abstract one."""
+    from patchpar.models.presets import abstract_denoiser, latent_factor, square_latent
+    from patchpar.models.presets import temporal_factor as temporal
+
+    unet = abstract_denoiser(model) if unet is None else unet
+    size = video_size(resolution)
+    if size is None:
+        side = square_latent(model, resolution)
+        return unet, (side, side)
+    from patchpar.models.video import on_video
+    from patchpar.pipelines.checks import check_image_size
+
+    h, w, frames = size
+    frame = check_image_size(unet, latent_factor(model), h, w)
+    patches = plan.patch if plan is not None and plan.splits_row_patches else None
+    return on_video(unet, frames, layout, temporal(model), frame, patches)
 
 
 def synchronous_sites(plan, phase: str) -> list[str]:
@@ -120,38 +162,36 @@ def synchronous_sites(plan, phase: str) -> list[str]:
 
 
 def compute_workload(
-    model: str, resolution: int, plan, batch: int = 1, dtype: str = "bfloat16", log=None,
-    quant: str = "none",
+    model: str, resolution: int | str, plan, batch: int = 1, dtype: str = "bfloat16", log=None,
+    quant: str = "none", layout: str = "frames",
 ):  # fmt: skip
     """Lower one denoiser call per phase with abstract parameters (no weights) and read its FLOPs
     and collectives, plus the text encoders' and the VAE decoder's FLOPs. The attention kernel
     is `xla` here, the reference, whose program is the quickest to lower (the FLOPs are counted
     with loops unrolled, `measure.flops`, and the bytes are the same for every kernel).
     Validates like `run`. `quant`: the denoiser quantized (`patchpar.quant`, abstract weights):
-    its int8/fp8 products' FLOPs are counted apart (`quantized_flops_per_device`)."""
+    its int8/fp8 products' FLOPs are counted apart (`quantized_flops_per_device`). A video
+    model: `resolution` is "HxWxF", the patches cut by `layout` (`denoiser_on`)."""
     import jax.numpy as jnp
 
     from patchpar.measure.cost import measure
     from patchpar.models.attention import XLA
-    from patchpar.models.presets import abstract_denoiser, square_latent
+    from patchpar.models.presets import abstract_denoiser
 
     if not plan.comm:
         raise ValueError("a plan with stand-in collectives (comm=False) has nothing to project")
-    latent = square_latent(model, resolution)
     jdtype = getattr(jnp, dtype)
-    unet = abstract_denoiser(model, jdtype, XLA)
+    unet, latent = denoiser_on(model, resolution, plan, layout,
+                               abstract_denoiser(model, jdtype, XLA))  # fmt: skip
     params = None
     if quant != "none":
         from patchpar.quant import quantize_abstract
 
         unet, params = quantize_abstract(unet, unet.abstract_params(), quant)
-    r = measure(
-        unet, plan, (latent, latent), batch=batch, params=params, flops=True, memory=False,
-        log=log,
-    )  # fmt: skip
+    r = measure(unet, plan, latent, batch=batch, params=params, flops=True, memory=False, log=log)
     keys = ("flops_per_device", "collectives", "quantized_flops_per_device", "quantized_types")
     phases = {name: {k: r["phases"][name].get(k) for k in keys} for name in PHASES}
-    rows = plan.patch_rows(latent, unet)
+    rows = plan.patch_rows(latent[0], unet)
     for name in PHASES:  # uneven: whether each device computes its own rows or the padded slab
         own = not is_even(rows) and plan.cache is None and r["phases"][name]["branches"]
         phases[name]["own_rows"] = own
@@ -185,12 +225,13 @@ def compute_workload(
         quant=quant,
         patch_rows=None if is_even(rows) else list(rows),
         version=WORKLOAD_VERSION,
+        layout=layout,
     )
 
 
 @functools.lru_cache(maxsize=32)
 def _encode_decode_flops(
-    model: str, resolution: int, batch: int, dtype, halves: int = 2
+    model: str, resolution: int | str, batch: int, dtype, halves: int = 2
 ) -> tuple[float, float]:
     """FLOPs of the text encoders (halves x batch prompts: the negative ones too with CFG; as
     many tokens as the family's pipeline reads: 77 CLIP tokens, T5's 120 / 300 for PixArt-α /
@@ -199,7 +240,7 @@ def _encode_decode_flops(
     import jax
 
     from patchpar.models.presets import component_config, model_family
-    from patchpar.parallel.vae import VAEPlan, lowered_decode
+    from patchpar.parallel.vae import VAEPlan
 
     programs = model_family(model).text_programs(
         lambda sub: component_config(model, sub), halves * batch, dtype
@@ -211,29 +252,38 @@ def _encode_decode_flops(
         encode += program_flops(lowered)
     decode = 0.0
     if (vae := _preset_vae(model, dtype)) is not None:
-        side = resolution // vae.config.downsample_factor
-        z = (batch, side, side, vae.config.latent_channels)
-        low = lowered_decode(vae, jax.eval_shape(lambda: vae.init(0)), z, VAEPlan())
-        decode = program_flops(low)
+        params = jax.eval_shape(lambda: vae.init(0))
+        decode = program_flops(_lowered_decode(vae, params, model, resolution, batch, VAEPlan()))
     return encode, decode
 
 
+def _lowered_decode(vae, params, model: str, resolution, batch: int, plan):
+    """The VAE decode of `batch` latents of an image's side or a video's "HxWxF", lowered."""
+    from patchpar.models.presets import temporal_factor
+    from patchpar.models.video import latent_frames
+    from patchpar.parallel.vae import lowered_decode, lowered_decode_video
+
+    f = vae.config.downsample_factor
+    size = video_size(resolution)
+    if size is None:
+        side = resolution // f
+        return lowered_decode(vae, params, (batch, side, side, vae.config.latent_channels), plan)
+    h, w, frames = size
+    z = (batch, latent_frames(frames, temporal_factor(model)), h // f, w // f, vae.config.z_dim)
+    return lowered_decode_video(vae, params, z, plan)
+
+
 def _preset_vae(model: str, dtype):
-    """A preset's or folder's VAE (abstract use only; the `xla` attention kernel, the
-    reference), or None: a pixel-space model."""
-    from patchpar.models.api import VAEFn
-    from patchpar.models.attention import XLA
-    from patchpar.models.presets import component_config
-    from patchpar.models.vae import AutoencoderKL, VAEConfig
+    """A preset's or folder's VAE (abstract use only; the family's, `Family.abstract_vae`), or
+    None: a pixel-space model."""
+    from patchpar.models.presets import component_config, model_family
 
     cfg = component_config(model, "vae")
-    if cfg is None:
-        return None
-    return VAEFn(AutoencoderKL(VAEConfig.from_diffusers(cfg, "vae"), dtype, attn=XLA))
+    return None if cfg is None else model_family(model).abstract_vae(cfg, dtype)
 
 
 @functools.lru_cache(maxsize=32)
-def decode_collectives(model: str, resolution: int, devices: int, batch: int, dtype: str):
+def decode_collectives(model: str, resolution, devices: int, batch: int, dtype: str):
     """The collectives of the VAE decoder on `devices` row patches (halos, GroupNorm, ring
     hops), grouped as a workload's (`collective_groups`), from the lowered program (abstract
     weights); [] on one device or for a model without a VAE."""
@@ -241,15 +291,14 @@ def decode_collectives(model: str, resolution: int, devices: int, batch: int, dt
     import jax.numpy as jnp
 
     from patchpar.measure.comm import collective_groups, hlo_text_with_metadata, parse_collectives
-    from patchpar.parallel.vae import VAEPlan, lowered_decode
+    from patchpar.parallel.vae import VAEPlan
 
     vae = _preset_vae(model, getattr(jnp, dtype))
     if devices == 1 or vae is None:
         return []
-    side = resolution // vae.config.downsample_factor
-    z = (batch, side, side, vae.config.latent_channels)
     params = jax.eval_shape(lambda: vae.init(0))
-    text = hlo_text_with_metadata(lowered_decode(vae, params, z, VAEPlan("rows", devices)))
+    low = _lowered_decode(vae, params, model, resolution, batch, VAEPlan("rows", devices))
+    text = hlo_text_with_metadata(low)
     return collective_groups(parse_collectives(text, devices), devices)
 
 
@@ -316,7 +365,8 @@ class WorkloadCache:
                 os.unlink(tmp)
             raise
 
-    def get(self, model, resolution, plan, batch=1, dtype="bfloat16", quant="none") -> Workload:
+    def get(self, model, resolution, plan, batch=1, dtype="bfloat16", quant="none",
+            layout="frames") -> Workload:  # fmt: skip
         key = workload_key(
             model,
             resolution,
@@ -328,14 +378,16 @@ class WorkloadCache:
             plan.data,
             plan.fsdp_degree > 1,
             quant,
+            layout,
         )
         if key not in self._items:
             if self.log is not None:
+                size = resolution if video_size(resolution) else f"{resolution}px"
                 self.log(
-                    f"{model} {resolution}px {plan.strategy.name} on {plan.devices} device(s): "
+                    f"{model} {size} {plan.strategy.name} on {plan.devices} device(s): "
                     f"not in the workload cache ({self.path}); lowering it with abstract weights"
                 )
-            w = compute_workload(model, resolution, plan, batch, dtype, self.log, quant)
+            w = compute_workload(model, resolution, plan, batch, dtype, self.log, quant, layout)
             self._write(w)
             self._items[key] = w
         return self._items[key]

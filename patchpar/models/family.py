@@ -205,6 +205,15 @@ class Family:
 
         return load_vae(path, dtype, attention)
 
+    def abstract_vae(self, config: dict, dtype):
+        """The VAE of a vae/config.json for lowering without weights (the `xla` attention
+        kernel, the reference): its decode's FLOPs and collectives (`measure.workload`)."""
+        from patchpar.models.api import VAEFn
+        from patchpar.models.attention import XLA
+        from patchpar.models.vae import AutoencoderKL, VAEConfig
+
+        return VAEFn(AutoencoderKL(VAEConfig.from_diffusers(config, "vae"), dtype, attn=XLA))
+
     # ---------------------------------------------------------------- the text
 
     def check_index(self, index: dict) -> None:

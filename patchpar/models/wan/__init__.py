@@ -340,6 +340,9 @@ class WanFamily(Family):
         del attention  # the middle block's per-frame attention runs the site's default
         return load_wan_vae(path, dtype)
 
+    def abstract_vae(self, config: dict, dtype) -> WanVAEFn:
+        return WanVAEFn(WanVAEDecoder(WanVAEConfig.from_diffusers(config), dtype))
+
     def check_index(self, index: dict) -> None:
         max_sequence_length(index, 512, "WanPipeline")
         self.second_expert(index)
