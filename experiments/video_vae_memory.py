@@ -52,10 +52,10 @@ def run(runs: Path) -> None:
     from patchpar.lab.results import append_record, provenance, read_records
     from patchpar.measure.cost import memory_per_device
     from patchpar.models.presets import PRESETS
+    from patchpar.models.video import latent_frames
     from patchpar.models.wan import WanVAEFn
     from patchpar.models.wan.vae import WanVAEConfig, WanVAEDecoder
     from patchpar.parallel.vae import VAEPlan, lowered_decode_video
-    from patchpar.pipelines.text2video import latent_frames
 
     done = {(r["size"], r["devices"], r["dtype"]) for r in read_records(runs, skip_bad=True)}
     prov = provenance()

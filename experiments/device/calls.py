@@ -37,7 +37,7 @@ def sized(fn, model: str, text: str):
         raise SystemExit(f"size {text!r}: a number (pixels of a square image) or HxWxF (a "
                          f"video, for a video model)")  # fmt: skip
     from patchpar.models.presets import temporal_factor
-    from patchpar.pipelines.text2video import on_video
+    from patchpar.models.video import on_video
 
     h, w, frames = parts  # pixels: the tall image's rows are the latent frames' x h
     at, (rows, _) = on_video(fn, frames, "frames", temporal_factor(model), (h, w))
