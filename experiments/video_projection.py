@@ -73,6 +73,9 @@ POINTS = (
     Point("patchpar, Wan 2.1 1.3B 720p, one v5e chip (one call)", "results/tpu_v5e/video",
           "wan2.1-1.3b", (720, 1280, 81), 50, 1, 1, "single", "tpu-v5e", "call_s",
           measured=("video/records.jsonl", "single")),
+    Point("patchpar, Wan 2.2 TI2V-5B 704x1280x121, one v5e chip (one call)",
+          "results/tpu_v5e/video_5b", "wan2.2-5b", (704, 1280, 121), 50, 1, 1, "single",
+          "tpu-v5e", "call_s", measured=("video_5b/records.jsonl", "single")),
 )  # fmt: skip
 
 
