@@ -9,7 +9,10 @@ measured ones from the committed TPU v5e records.
 
 Each point lowers its plan and the one-device plan of full-size Wan with abstract bf16 weights
 (the workload cache `--workloads`, default <out>/workloads.jsonl: a point lowered once is not
-lowered again). Writes <out>/runs.jsonl (resumable) and <out>/table.md.
+lowered again). Writes <out>/runs.jsonl (resumable) and <out>/table.md. `--grid`: instead, every
+strategy on 8 devices for Wan 2.1 1.3B and 14B at 480p and 720p x 81 frames (frames layout: the
+layouts cost the same, results/video_comm), projected on GRID_PROFILES: <out>/grid.jsonl and
+<out>/grid.md.
 """
 
 from __future__ import annotations
@@ -79,6 +82,61 @@ POINTS = (
 )  # fmt: skip
 
 
+GRID_MODELS = ("wan2.1-1.3b", "wan2.1-14b")
+GRID_SIZES = ((480, 832, 81), (720, 1280, 81))
+GRID_STRATEGIES = ("sync_patch", "distrifusion", "pcpp", "ring", "ulysses")
+GRID_PROFILES = ("h100-sxm", "tpu-v5e", "tpu-v7x")
+GRID_DEVICES, GRID_STEPS = 8, 50
+
+
+def grid(out: Path, workloads: Path) -> None:
+    """Every grid point on every grid profile, one record each (resumable)."""
+    runs = out / "grid.jsonl"
+    done = {(r["model"], tuple(r["size"]), r["strategy_name"], r["hardware"])
+            for r in read_records(runs, skip_bad=True)}  # fmt: skip
+    prov = provenance()
+    todo = [(m, z, s) for m in GRID_MODELS for z in GRID_SIZES for s in GRID_STRATEGIES]
+    for model, size, name in tqdm(todo, desc="video projection grid", unit="point"):
+        for hw in GRID_PROFILES:
+            if (model, size, name, hw) in done:
+                continue
+            p = Point(name, "", model, size, GRID_STEPS, GRID_DEVICES, 1, name, hw, "latency_s")
+            row = project_point(p, workloads)
+            append_record(runs, {"model": model, "size": list(size), "strategy_name": name,
+                                 "hardware": hw, "projection": row, "provenance": prov})  # fmt: skip
+    write_grid(read_records(runs, skip_bad=True), out / "grid.md")
+
+
+def write_grid(records: list[dict], path: Path) -> None:
+    lines = [
+        f"Projected latency of one video (`patchpar project`, bf16, {GRID_STEPS} steps, CFG batch 2 "
+        f"on every device, {GRID_DEVICES} devices, frames layout, decode on one device) and "
+        "speedup over one device of the same profile; stale strategies with their default "
+        "warm-up (DistriFusion and PCPP: 4 steps).",
+        "",
+        "| model | size | strategy | "
+        + " | ".join(f"{h} s (speedup)" for h in GRID_PROFILES)
+        + " | exposed comm s ("
+        + GRID_PROFILES[0]
+        + ") |",
+        "|---|---|---|" + "---|" * (len(GRID_PROFILES) + 1),
+    ]
+    by = {(r["model"], tuple(r["size"]), r["strategy_name"], r["hardware"]): r["projection"]
+          for r in records}  # fmt: skip
+    for m in GRID_MODELS:
+        for z in GRID_SIZES:
+            for s in GRID_STRATEGIES:
+                cells = [by.get((m, z, s, h)) for h in GRID_PROFILES]
+                if all(c is None for c in cells):
+                    continue
+                txt = ["-" if c is None else f"{c['latency_s']:.1f} ({c['speedup']:.2f}x)"
+                       for c in cells]  # fmt: skip
+                comm = "-" if cells[0] is None else f"{cells[0]['exposed_comm_s']:.1f}"
+                lines.append(f"| {m} | {z[0]}x{z[1]}x{z[2]} | {s} | " + " | ".join(txt)
+                             + f" | {comm} |")  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
 def measured_call_s(p: Point) -> float:
     """The median seconds per denoiser call of the point's committed TPU v5e records."""
     file, _ = p.measured
@@ -117,7 +175,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", type=Path, default=None, help="workload cache")
     ap.add_argument("--table-only", action="store_true", help="only rewrite the table")
     ap.add_argument("--only", default="", help="only the points whose name holds this text")
+    ap.add_argument("--grid", action="store_true", help="every strategy at full size instead")
     args = ap.parse_args(argv)
+    if args.grid:
+        grid(args.out, args.workloads or args.out / "workloads.jsonl")
+        return 0
     runs = args.out / "runs.jsonl"
     if not args.table_only:
         done = {r["point"] for r in read_records(runs, skip_bad=True)}
