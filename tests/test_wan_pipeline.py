@@ -327,6 +327,15 @@ def test_wan22_5b_lowers_with_its_16x_vae_and_bad_experts_are_named(tmp_path):
     plan = Plan(make_strategy("sync_patch"), 2, cache=make_cache("fbcache"))
     with pytest.raises(ValueError, match=r"cache 'fbcache' with two experts: .* step 2 of 4"):
         pipe(["a bag"], steps=4, plan=plan)
+    from patchpar.lab.generate import GenerateConfig, check
+
+    flags = dict(model=str(folder), strategy="sync_patch", devices=2, cache="fbcache", steps=4)
+    with pytest.raises(ValueError, match=r"cache 'fbcache' with two experts"):  # before loading
+        check(GenerateConfig.from_flags(**flags))
+    # the CFG halves on two devices: the first scale decides them, the second may turn it off
+    out = pipe(["a bag"], steps=2, plan=Plan(make_strategy("sync_patch"), 2, cfg=2),
+               guidance_scale=5.0, guidance_scale_2=1.0)  # fmt: skip
+    assert np.isfinite(out.latents).all()
     config = json.loads((folder / "transformer_2" / "config.json").read_text())
     (folder / "transformer_2" / "config.json").write_text(json.dumps({**config, "num_layers": 3}))
     with pytest.raises(CheckpointError, match=r"second expert .* differs in num_layers: 2 vs 3"):

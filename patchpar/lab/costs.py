@@ -34,11 +34,13 @@ class CommConfig(FromFlags):
     """Image width in pixels (0: the resolution, a square; a video model's own frame width)."""
 
     def size(self) -> tuple[int, int]:
-        """(height, width) in pixels, the unset sides the model's (`resolution`, `width`)."""
+        """(height, width) in pixels: an image's unset width its height (a square, 1024 where
+        neither is given); a video's unset sides the model's own frame's (as `project`)."""
         from patchpar.models.presets import abstract_denoiser, model_family
 
-        if self.resolution == 0 and self.width == 0 and model_family(self.model.name).video:
-            return abstract_denoiser(self.model.name).default_size
+        if model_family(self.model.name).video:
+            dh, dw = abstract_denoiser(self.model.name).default_size
+            return self.resolution or dh, self.width or dw
         h = self.resolution or 1024
         return h, self.width or h
 

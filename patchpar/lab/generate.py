@@ -166,6 +166,10 @@ def check(config: GenerateConfig) -> list[str]:
     plan = None
     with problems.check():
         plan = config.plan()  # unknown strategy or option: error before loading anything
+    if plan is not None and plan.cache is not None and model_ok and config.sampler.steps >= 1:
+        with problems.check():  # a cache across two experts' switch: before both are read
+            cache_across_experts(config.model.name, config.sampler.tuned(config.model.name)[0],
+                                 config.sampler.steps, plan.cache)  # fmt: skip
     with problems.check():
         vae_plan = config.vae_plan()
         if model_ok and model_family(config.model.name).video:
@@ -198,6 +202,26 @@ def check(config: GenerateConfig) -> list[str]:
             f"workers that hang)"
         )
     return unused
+
+
+def cache_across_experts(model: str, sampler: str, steps: int, cache) -> None:
+    """ValueError where a step cache would run across a two-expert model's switch (the
+    pipeline refuses it too, once both experts are read: `sampling.experts.two_experts`)."""
+    from dataclasses import replace
+
+    from patchpar.models.loading import read_config
+    from patchpar.models.presets import PRESETS, SHIPPED, component_config, model_family
+    from patchpar.sampling.experts import two_experts
+    from patchpar.sampling.schedulers import SchedulerConfig, get_sampler
+
+    fam = model_family(model)
+    second = fam.second_expert(component_config(model, "pipeline") or {})
+    if second is None or model in PRESETS or model in SHIPPED:
+        return
+    cfg = read_config(Path(model) / "scheduler", "scheduler_config.json")
+    sched = replace(SchedulerConfig.from_diffusers(cfg), flow_sigmas=fam.flow_sigmas)
+    timesteps = get_sampler(sampler).schedule(sched, steps).timesteps
+    two_experts(timesteps, second[1], sched.num_train_timesteps, (1.0, 1.0), cache)
 
 
 def check_second_expert(model: str, scale: float) -> None:

@@ -324,7 +324,7 @@ def default_cache_path() -> Path:
 
 class WorkloadCache:
     """Workloads in a JSON-lines file, one per (model, resolution, strategy, devices, cfg,
-    batch, dtype, data, fsdp) and WORKLOAD_VERSION; each new one written at once (the file
+    batch, dtype, data, fsdp, quant, layout) and WORKLOAD_VERSION; each new one written at once (the file
     rewritten to a temp file and renamed over it: a killed process leaves it whole). A line
     that does not read is skipped with a warning naming the file and line."""
 

@@ -144,10 +144,10 @@ def random_params_on_device(abstract, seed: int):
     """`random_params`' distributions (LeCun-normal kernels, unit-normal embeddings, unit norm
     scales, zero biases) drawn on the default device, not in NumPy: a full-size UNet's weights
     in seconds on an accelerator, where NumPy and the transfer take a minute. Leaves of one shape
-    and kind are drawn as one array by one random op (XLA's RngBitGenerator: a small program,
-    quick to compile), then cut into the leaves one group at a time (at most one group held
-    twice; a leaf's float32 draw is the only temporary, so a 5B model's bf16 weights fit a 16 GB
-    chip). Deterministic for a seed and a backend; not the same values as `random_params`."""
+    and kind are drawn as one array, leaf by leaf in a `lax.map` (XLA's RngBitGenerator: a small
+    program, quick to compile; a leaf's float32 draw is the only temporary, so a 5B model's bf16
+    weights fit a 16 GB chip), then cut into the leaves one group at a time (at most one group
+    held twice). Deterministic for a seed and a backend; not the same values as `random_params`."""
     flat = flatten_dict(abstract)
     groups: dict[tuple, list] = {}
     for path in sorted(flat):

@@ -59,7 +59,9 @@ def load_pipeline(
             from patchpar.models.presets import abstract_denoiser
 
             fn = abstract_denoiser(folder, dtype)
-            check_weights_fit(fn.abstract_params(), f"{name} in {jnp.dtype(dtype).name}")
+            weights = fn.abstract_params()  # both experts' where there are two
+            what = f"{name} in {jnp.dtype(dtype).name}" + (" (two experts)" if second else "")
+            check_weights_fit(weights if second is None else (weights, weights), what)
         stamp = _float_stamp(sub)
         denoiser = fam.load_denoiser(sub, dtype, resolve(attention, dtype))
     text = fam.load_text(folder, index, dtype)

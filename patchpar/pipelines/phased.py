@@ -76,9 +76,10 @@ def check_finite_latent(pipe, final, cond, latents, sampler, steps, guidance_sca
         where += " ("
     label = "single" if plan is None else plan.strategy.name
     devices = 1 if plan is None else plan.devices
+    scales = f"{guidance_scale}" + ("" if guidance_scale_2 is None else f" / {guidance_scale_2}")
     raise NonFiniteError(
         f"NaN or Inf in the latent, {where}{label} on {devices} device(s), {sampler}, "
-        f"guidance {guidance_scale}, {jnp.dtype(pipe.unet.module.dtype).name}): no image of "
+        f"guidance {scales}, {jnp.dtype(pipe.unet.module.dtype).name}): no image of "
         f"it is a result; an overflow in bfloat16 may fit in float32, else the weights, "
         f"inputs or guidance are at fault"
     )

@@ -235,9 +235,8 @@ class Pipeline:
         x = (latents * schedule.init_noise_sigma).astype(self.unet.module.dtype)
         gs = float(self.text.loop_scale(guidance_scale))  # the loop's CFG scale
         which, experts = self.experts_at(schedule.timesteps, guidance_scale, guidance_scale_2, plan)
-        if plan is not None:
-            for scale in (gs,) if experts is None else experts.scales:
-                plan.validate(self.unet, x.shape[1:3], steps, scale, x.shape[0])
+        if plan is not None:  # with the first scale: it decides the conditioning's halves
+            plan.validate(self.unet, x.shape[1:3], steps, gs, x.shape[0])
             if plan.cache is not None:  # a cache that needs the run's length keeps it
                 plan = replace(plan, cache=plan.cache.bind(steps))
         if plan is None or not plan.strategy.parallel:
@@ -302,7 +301,8 @@ class Pipeline:
         `x, loop = fn(*args, loop)` with `args = (params, cond, schedule, x)` for each phase in
         order, x carried from one to the next, gives `denoise`'s latent. One device: a single
         phase `warmup` with every step. Two experts: each expert's phases in turn, named
-        `expert <k> <phase>` (one device: `expert <k>`). `watch`: each fn also returns the
+        `expert 1 warmup`, `expert 1 steady`, `expert 2 warmup`, ... (one device: `expert 1`,
+        `expert 2`). `watch`: each fn also returns the
         first step that left a NaN or Inf in x (-1: none; -2: not known)."""
         fn, args = self._denoise_call(
             cond, latents, sampler, steps, guidance_scale, plan, guidance_scale_2
@@ -434,12 +434,10 @@ class Pipeline:
         check_seed(seed)
         self._check_guidance(guidance_scale, negative_prompts)
         schedule = get_sampler(sampler).schedule(self.scheduler_at(*hw), steps)  # name, steps,
-        _, experts = self.experts_at(schedule.timesteps, guidance_scale, guidance_scale_2, plan)
-        if plan is not None:  # every check before any work            (model kind)
+        self.experts_at(schedule.timesteps, guidance_scale, guidance_scale_2, plan)  # model kind
+        if plan is not None:  # every check before any work
             n = len(prompts) if latents is None else latents.shape[0]
-            scales = [self.text.loop_scale(guidance_scale)] if experts is None else experts.scales
-            for scale in scales:
-                plan.validate(self.unet, hw, steps, scale, n)
+            plan.validate(self.unet, hw, steps, self.text.loop_scale(guidance_scale), n)
         if vae_plan is not None:
             vae_plan.validate(self.vae, hw, len(prompts) if latents is None else latents.shape[0])
         say = log or (lambda msg: None)

@@ -366,7 +366,7 @@ def decode(module: WanVAEDecoder, params, z: jax.Array) -> jax.Array:
                                 mutable=[CACHE])  # fmt: skip
         return new, out
 
-    _, rest = lax.scan(one, state, jnp.moveaxis(z[:, 1:], 1, 0))  # (F-1, B, 4, H, W, 3)
+    _, rest = lax.scan(one, state, jnp.moveaxis(z[:, 1:], 1, 0))  # (F-1, B, 4, h', w', C out)
     rest = jnp.moveaxis(rest, 0, 1)
     rest = rest.reshape(rest.shape[0], -1, *rest.shape[3:])
     return jnp.clip(unpatchify(jnp.concatenate([first, rest], axis=1), patch), -1.0, 1.0)
