@@ -36,9 +36,8 @@ def inputs():
     return jnp.asarray(x), Conditioning(jnp.asarray(ctx), {})
 
 
-@cache
-def sample(layout: str, name: str, devices: int, **options) -> np.ndarray:
-    """The denoised video (B, F, H, W, C), whatever the layout."""
+def run_of(layout: str, name: str, devices: int, **options):
+    """(fn, params, plan, sampler, schedule, cond, tall latent) of a run on the micro model."""
     fn, params = micro(layout)
     x, cond = inputs()
     tall = fn.video.to_tall(x, 2)
@@ -46,6 +45,13 @@ def sample(layout: str, name: str, devices: int, **options) -> np.ndarray:
     sched = smp.schedule(SchedulerConfig(flow=True, shift=3.0), STEPS)
     plan = Plan(make_strategy(name, **options), devices, 1)
     plan.validate(fn, tall.shape[1:3], STEPS, GUIDANCE)
+    return fn, params, plan, smp, sched, cond, tall
+
+
+@cache
+def sample(layout: str, name: str, devices: int, **options) -> np.ndarray:
+    """The denoised video (B, F, H, W, C), whatever the layout."""
+    fn, params, plan, smp, sched, cond, tall = run_of(layout, name, devices, **options)
     out, _ = denoise(fn, plan, smp, params, cond, sched, tall, GUIDANCE)
     return np.asarray(fn.video.from_tall(out, 2))
 
@@ -149,12 +155,7 @@ EXPERTS = Experts((0, 2), (GUIDANCE, 3.0))  # Wan 2.2: the high-noise one, then 
 def with_experts(layout: str, name: str, devices: int, same: bool = False, **options):
     """The video denoised by two experts (the second of other weights, or the same with
     `same`, then at one scale), and the run's (fn, plan, smp, params, cond, sched, tall)."""
-    fn, params = micro(layout)
-    x, cond = inputs()
-    tall = fn.video.to_tall(x, 2)
-    smp = get_sampler("unipc")
-    sched = smp.schedule(SchedulerConfig(flow=True, shift=3.0), STEPS)
-    plan = Plan(make_strategy(name, **options), devices, 1)
+    fn, params, plan, smp, sched, cond, tall = run_of(layout, name, devices, **options)
     experts = Experts(EXPERTS.starts, (GUIDANCE, GUIDANCE)) if same else EXPERTS
     both = (params, params if same else fn.init(seed=2))
     out, _ = denoise(fn, plan, smp, both, cond, sched, tall, GUIDANCE, experts)
