@@ -96,8 +96,8 @@ def timed_denoise(pipe, config: RunConfig, plan, cond, x0, log: Log):
     from patchpar import compile_cache
     from patchpar.measure.cost import check_fits, count_lowered, memory_per_device
     from patchpar.measure.timing import time_phases
-    from patchpar.parallel.engine import guided_slab
     from patchpar.parallel.sites import record_sites
+    from patchpar.parallel.split import guided_slab
     from patchpar.parallel.step import stale_bytes_per_device
     from patchpar.sampling.cache import Forced
 

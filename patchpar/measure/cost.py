@@ -25,13 +25,13 @@ from patchpar.parallel.engine import (
     Plan,
     abstract_inputs,
     denoise_phase,
-    guided_slab,
     make_step,
     phase_steps,
     placed_params,
     weight_bytes,
 )
 from patchpar.parallel.sites import PHASES, record_sites
+from patchpar.parallel.split import guided_slab
 from patchpar.parallel.step import stale_bytes_per_device
 
 __all__ = [

@@ -199,3 +199,16 @@ def unpad_rows(x: jax.Array, rows: Sequence[int], axis: int = 1) -> jax.Array:
     pad = max(rows)
     parts = [lax.slice_in_dim(x, i * pad, i * pad + r, axis=axis) for i, r in enumerate(rows)]
     return jnp.concatenate(parts, axis=axis)
+
+
+def guided_slab(plan, latent_shape: tuple[int, ...], unet) -> tuple[int, ...]:
+    """One device's share of one step's guided output, (B, H, W, C) -> its slab (the unit of
+    the cfg gather's bytes): its images, and its rows (or columns) of the patch axis (uneven
+    patches: the largest patch's, as every slab is padded to it); a program that does not
+    split the rows (PipeFusion's) guides every row each step."""
+    b, h, w, c = latent_shape
+    axis = plan.strategy.patch_axis(0)
+    n = plan.patch if plan.program.splits_rows else 1
+    rows = plan.patch_rows(h, unet)  # uneven: the largest patch's, as the slabs are padded
+    rows = max(rows) if rows else (h // n if axis == "row" else h)
+    return (b // plan.data, rows, w // n if axis == "col" else w, c)
