@@ -147,6 +147,7 @@ def test_wan22_two_experts_match_diffusers(tmp_path):
     assert "expert 2 warm-up phase: running steps 3-5 of 5" in " ".join(said)
 
 
+@pytest.mark.slow  # its VAE's decode parity stays in the default tier (test_wan_models.py)
 def test_wan22_ti2v_layout_matches_diffusers(tmp_path):
     """Wan 2.2 TI2V-5B's text-to-video layout: the residual VAE's 16x decode (its shortcut and
     2 x 2 unpatchify) and `expand_timesteps` (every token given the step's timestep: the same
