@@ -176,7 +176,7 @@ def test_two_experts_on_a_video():
     assert np.abs(np.asarray(fn.video.from_tall(alone, 2)) - want).max() <= rounding(want)
     exact = with_experts("frames", "sync_patch", 3)[0]
     assert np.abs(exact - want).max() <= rounding(want)
-    warm = with_experts("frames", "distrifusion", 3, warmup_steps=STEPS)[0]
+    warm = with_experts("frames", "distrifusion", 3, warmup_steps=STEPS - 1)[0]  # every step
     assert np.abs(warm - exact).max() <= rounding(exact)
     once = sample("frames", "sync_patch", 3)
     assert np.abs(with_experts("frames", "sync_patch", 3, same=True)[0] - once).max() <= rounding(
@@ -209,17 +209,17 @@ def chained(run, phases) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, name", [("frames", "pipefusion"), ("rows", "asyncdiff")])
 def test_layer_split_strategies_with_two_experts(layout, name):
-    """PipeFusion and AsyncDiff: warm-up over every step equals single; with none, the second
-    expert starts on fresh buffers (its phase restarted), not on the first's K/V or outputs."""
+    """PipeFusion and AsyncDiff with two experts: warm-up over every step equals single; with
+    one warm-up step, each expert's span starts with its own (restarted: the program's K/V or
+    component outputs dropped), the phase programs chain to the run, and it is not exact."""
     from patchpar.parallel.engine import expert_phases
 
     want = with_experts(layout, "single", 1)[0]
     warm = with_experts(layout, name, 2, warmup_steps=STEPS)[0]
     assert np.abs(warm - want).max() <= rounding(want)
-    stale, run = with_experts(layout, name, 2, warmup_steps=0)
+    stale, run = with_experts(layout, name, 2, warmup_steps=1)
     assert np.isfinite(stale).all() and np.abs(stale - want).max() > 1e-3 * np.abs(want).max()
     phases = expert_phases(run[1], STEPS, EXPERTS)
-    assert [p[1:] for p in phases] == [("steady", (0, 2), False), ("steady", (2, 4), True)]
+    assert [p[1:] for p in phases] == [("warmup", (0, 1), False), ("steady", (1, 2), False),
+                                       ("warmup", (2, 3), True), ("steady", (3, 4), False)]  # fmt: skip
     assert np.abs(chained(run, phases) - stale).max() <= rounding(stale)
-    kept = [(k, p, span, False) for k, p, span, _ in phases]
-    assert np.abs(chained(run, kept) - stale).max() > 1e-3 * np.abs(stale).max()

@@ -54,7 +54,7 @@ class VideoPipeline(Pipeline):
         row patches; the placed weights' cache shared with this one."""
         h, w = self.frame_size(*self.default_size(height, width))
         patches = plan.patch if plan is not None and plan.splits_row_patches else None
-        temporal = self.vae.config.temporal_factor
+        temporal = 1 if self.vae is None else self.vae.config.temporal_factor
         unet, _ = on_video(self.unet, frames, layout, temporal, (h, w), patches)
         pipe = replace(self, unet=unet)
         pipe.__dict__["_placed_cache"] = self.__dict__.setdefault("_placed_cache", {})
@@ -71,7 +71,7 @@ class VideoPipeline(Pipeline):
 
     @property
     def latent_factor(self) -> int:
-        return self.vae.config.spatial_factor
+        return 1 if self.vae is None else self.vae.config.spatial_factor
 
     def frame_size(self, height: int, width: int) -> tuple[int, int]:
         """A frame's latent (h, w); ValueError naming the nearest sizes that fit."""
@@ -98,9 +98,14 @@ class VideoPipeline(Pipeline):
     def decode(self, latents: jax.Array, vae_plan: VAEPlan | None = None) -> np.ndarray:
         """The tall final latent -> (B, T, H, W, 3) uint8 frames (WanPipeline's un-normalising,
         decode and post-processing), on one device or on row patches of every frame
-        (`vae_plan` rows; tiles: ValueError)."""
-        z = self.vae.unnormalise(self.from_tall(latents).astype(self.vae.module.dtype))
-        video = to_local(decode_video(self.vae, self.vae_params, z, vae_plan or VAEPlan()))
+        (`vae_plan` rows; tiles: ValueError). A pixel-space model's latent is the video in
+        [-1, 1]: grey frames become RGB."""
+        if self.vae is None:
+            video = np.asarray(self.from_tall(latents), np.float32)
+            video = np.repeat(video, 3, axis=-1) if video.shape[-1] == 1 else video
+        else:
+            z = self.vae.unnormalise(self.from_tall(latents).astype(self.vae.module.dtype))
+            video = to_local(decode_video(self.vae, self.vae_params, z, vae_plan or VAEPlan()))
         video = np.asarray(video, np.float32)
         if not np.isfinite(video).all():
             raise NonFiniteError(
@@ -138,6 +143,8 @@ class VideoPipeline(Pipeline):
         frame = pipe.frame_size(height, width)
         if vae_plan is not None:  # before any work: tiles refused, rows against a frame
             check_video_plan(vae_plan, self.vae, frame)
+            if self.vae is None:  # pixel space: nothing to decode but on one device
+                vae_plan.validate(None, frame)
         if latents is not None:
             want = (pipe.video.frames, *frame, pipe.latent_channels)
             if latents.ndim != 5 or tuple(latents.shape[1:]) != want:

@@ -404,8 +404,9 @@ class WanFamily(Family):
         fn = self.denoiser(preset["transformer"], "transformer")
         write_component(folder / "transformer", preset["transformer"], fn.init(seed),
                         lambda state: _renamed(state, to_module=False))  # fmt: skip
-        vae = WanVAEFn(WanVAEDecoder(WanVAEConfig.from_diffusers(preset["vae"])))
-        write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
+        if "vae" in preset:  # none: a pixel-space model (its latent is the video)
+            vae = WanVAEFn(WanVAEDecoder(WanVAEConfig.from_diffusers(preset["vae"])))
+            write_component(folder / "vae", preset["vae"], vae.init(seed + 1))
         t5_cfg = preset["text_encoder"]
         t5 = T5EncoderFn(T5EncoderModel(T5Config.from_transformers(t5_cfg)))
         write_component(folder / "text_encoder", t5_cfg, t5.init(seed + 2))
@@ -419,6 +420,8 @@ class WanFamily(Family):
             "tokenizer": ["transformers", "T5TokenizerFast"],
             "scheduler": ["diffusers", preset["scheduler"]["_class_name"]],
         }
+        if "vae" not in preset:
+            del index["vae"]
         extra = {k: v for k, v in preset["pipeline"].items() if k != "_class_name"}
         (folder / "model_index.json").write_text(json.dumps({**index, **extra}, indent=2))
 

@@ -127,5 +127,30 @@ PRESETS["tiny-wan"] = {  # Wan 2.1's layout: 2 blocks of 2 heads x 12, a 4-chann
     "text_encoder": {**TINY_T5, "architectures": ["UMT5EncoderModel"], "model_type": "umt5"},
     "scheduler": _SCHED,
 }
+# fmnist-video's architecture with random weights: a pixel-space Wan (no VAE: the "latent" is the
+# grey video in [-1, 1]) of 32 x 32 frames, 8 of them; 4 x 4 pixel patches (64 tokens a frame),
+# 6 blocks of 4 heads x 24 (RoPE parts t, h, w: 8, 8, 8), umT5 of width 32 (experiments/
+# train_fmnist_video.py trains both)
+PRESETS["fmnist-video-random"] = {
+    "pipeline": {"_class_name": "WanPipeline", "max_sequence_length": 16},
+    "transformer": {
+        **_WAN_1_3B,
+        "patch_size": [1, 4, 4],
+        "num_attention_heads": 4,
+        "attention_head_dim": 24,
+        "in_channels": 1,
+        "out_channels": 1,
+        "text_dim": 32,
+        "freq_dim": 64,
+        "ffn_dim": 256,
+        "num_layers": 6,
+        "rope_max_seq_len": 64,
+        "sample_height": 32,
+        "sample_width": 32,
+        "sample_frames": 8,
+    },
+    "text_encoder": {**TINY_T5, "architectures": ["UMT5EncoderModel"], "model_type": "umt5"},
+    "scheduler": {**_SCHED, "flow_shift": 1.0},
+}
 FULL_SIZE = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-5b")
-WEIGHTED = ("tiny-wan",)
+WEIGHTED = ("tiny-wan", "fmnist-video-random")

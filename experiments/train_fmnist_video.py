@@ -1,0 +1,266 @@
+"""Train the `fmnist-video` model: a pixel-space Wan (the `fmnist-video-random` architecture) by
+rectified flow on Fashion-MNIST clips (`patchpar/lab/clips.py`: 8 frames of 32 x 32, one item
+moving left, right, up or down, or zooming in or out; captioned "a sneaker moving left"), with a
+umT5 of width 32 trained jointly.
+
+    .venv/bin/python experiments/train_fmnist_video.py    # resumable, Ctrl-C is safe
+
+- Pixel space, not a latent: the Wan VAE is causal in time and 4x temporal (8 frames would be 3
+  latent frames, too few to split over 4 or 8 devices by frames), and an 8 x 8 token grid a
+  frame already comes from 4 x 4 pixel patches; without a VAE the clips are what the study
+  measures, with no decoder's error in them and nothing else to train.
+- The transformer: WanTransformer3DModel, 6 blocks of 4 heads x 24 (3-D RoPE 8 + 8 + 8), 1 grey
+  channel, patches 1 x 4 x 4 (512 tokens a clip); its output projection starts at zero.
+- The text: a sentencepiece BPE on the 60 captions and a 2-layer umT5 of width 32, its states
+  zeroed after each caption's own tokens (WanPipeline's), 16 tokens.
+- Rectified flow (Wan's): x_s = (1 - s) x0 + s eps, the network predicts eps - x0, s ~
+  logit-normal(0, 1), the transformer's timestep 1000 s; 10% empty captions (classifier-free
+  guidance). The scheduler shipped is the flow UniPC with shift 1.
+- Adam with clipping and warm-up, EMA of the weights (exported); deterministic from --seed for
+  a given --max-steps. --work holds the checkpoint and loss log (a folder of another recipe is
+  refused); --out the WanPipeline folder without vae/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax import serialization
+from flax.traverse_util import flatten_dict, unflatten_dict
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_fmnist import check_work, plot_losses  # noqa: E402
+
+from patchpar.lab.clips import FRAMES, MOTIONS, caption, clips  # noqa: E402
+from patchpar.measure.classifier import FASHION_MNIST_CLASSES  # noqa: E402
+from patchpar.models.components import T5EncoderFn  # noqa: E402
+from patchpar.models.loading import write_component  # noqa: E402
+from patchpar.models.t5 import T5Config, T5EncoderModel  # noqa: E402
+from patchpar.models.tokenizer import T5Tokenizer, write_t5_tokenizer  # noqa: E402
+from patchpar.models.wan import FAMILY, Video  # noqa: E402
+from patchpar.models.wan import _renamed as diffusers_names  # noqa: E402
+from patchpar.models.wan.presets import PRESETS  # noqa: E402
+
+ARCH = PRESETS["fmnist-video-random"]
+TRANSFORMER, TEXT, SCHEDULER = ARCH["transformer"], ARCH["text_encoder"], ARCH["scheduler"]
+TOKENS = ARCH["pipeline"]["max_sequence_length"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = 2000
+    """Updates in all (the run is deterministic for a given count); about 1.9 s each on 2
+    cores at batch 16: an hour."""
+    minutes: float = 90.0
+    """Wall-clock safety budget for this invocation (resume adds to it)."""
+    batch: int = 16
+    lr: float = 5e-4
+    ema: float = 0.999
+    p_uncond: float = 0.1
+    """Share of empty captions (classifier-free guidance)."""
+    seed: int = 0
+    clips: int = 0
+    """Train on the clips of the first N training images (0: all 60,000; tests use a few)."""
+    work: Path = Path("runs/train_fmnist_video/work")
+    """Checkpoint and loss log (git-ignored)."""
+    out: Path = Path("runs/train_fmnist_video/weights")
+    """The WanPipeline folder (the `fmnist-video` preset's weights)."""
+    plots: Path = Path("runs/train_fmnist_video/plots")
+    export_only: bool = False
+    """Export the last checkpoint without training."""
+
+
+def recipe(cfg: TrainConfig) -> dict:
+    """What the checkpoint depends on; resuming with anything else would mix two models."""
+    keep = ("batch", "lr", "ema", "p_uncond", "seed")
+    return {
+        "recipe": "fmnist-video",
+        "transformer": TRANSFORMER,
+        "text_encoder": TEXT,
+        "scheduler": SCHEDULER,
+        "motions": list(MOTIONS),
+        "frames": FRAMES,
+        "tokens": TOKENS,
+        "flow": "rectified, logit-normal(0, 1) noise levels, eps - x0 target, timestep 1000 s",
+        "init": "flax, proj_out zero",
+        **{k: getattr(cfg, k) for k in keep},
+        **({"clips": cfg.clips} if cfg.clips else {}),  # all of them unless told
+    }
+
+
+def save_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def training_clips(cfg: TrainConfig):
+    """(clips (N, F, 32, 32, 1) float32 in [-1, 1], caption index (N,)), cached in --work."""
+    n = cfg.clips or 60_000
+    path = cfg.work / f"clips-{n}.npz"
+    if path.is_file():
+        data = np.load(path)
+        x, cap = data["x"], data["cap"]
+    else:
+        x, labels, motions, _ = clips("train", n, seed=cfg.seed)
+        cap = labels * len(MOTIONS) + motions
+        with open(path.with_suffix(".tmp"), "wb") as f:
+            np.savez(f, x=x, cap=cap)
+        os.replace(path.with_suffix(".tmp"), path)
+    return x, cap
+
+
+def captions_and_tokens(folder: Path):
+    """Every caption (class-major, one per motion; the last is ""), its umT5 ids and mask."""
+    captions = [caption(c, m) for c in range(len(FASHION_MNIST_CLASSES))
+                for m in range(len(MOTIONS))] + [""]  # fmt: skip
+    write_t5_tokenizer(folder / "tokenizer", captions[:-1], vocab_size=TEXT["vocab_size"],
+                       model_type="bpe")  # fmt: skip
+    ids, mask = T5Tokenizer(folder / "tokenizer", lower=False)(captions, TOKENS)
+    return captions, np.asarray(ids), np.asarray(mask)
+
+
+def models():
+    wan = FAMILY.denoiser(TRANSFORMER, "transformer").with_video(Video(FRAMES, "frames"))
+    t5 = T5EncoderFn(T5EncoderModel(T5Config.from_transformers(TEXT)))
+    return wan, t5
+
+
+def initial_params(wan, t5, seed: int) -> dict:
+    """Flax's initialisers, the output projection at zero (the model starts predicting 0)."""
+    flat = flatten_dict(wan.init(seed))
+    for path in flat:
+        if path[0] == "proj_out":
+            flat[path] = jnp.zeros_like(flat[path])
+    t5_p = t5.module.init(jax.random.key(seed + 2), jnp.zeros((1, TOKENS), jnp.int32))["params"]
+    return {"wan": unflatten_dict(flat), "t5": t5_p}
+
+
+def train(cfg: TrainConfig, x: np.ndarray, caps: np.ndarray):
+    """-> (state with the EMA weights, losses). Resumable from checkpoint.msgpack."""
+    wan, t5 = models()
+    captions, ids, mask = captions_and_tokens(cfg.work)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    opt = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adam(optax.linear_schedule(0.0, cfg.lr, 200))
+    )
+    params = initial_params(wan, t5, cfg.seed)
+    state = {"params": params, "ema": params, "opt": opt.init(params), "step": 0,
+             "losses": np.zeros(0)}  # fmt: skip
+    ckpt = cfg.work / "checkpoint.msgpack"
+    if ckpt.is_file():
+        state = serialization.from_bytes(state, ckpt.read_bytes())
+        print(f"resumed at step {int(state['step'])}")
+    step = int(state["step"])
+    row = wan.row_multiple
+
+    @jax.jit
+    def update(params, ema, opt_state, x0, cap, key):
+        ks, kn = jax.random.split(key)
+        s = jax.nn.sigmoid(jax.random.normal(ks, (x0.shape[0],)))  # logit-normal(0, 1)
+        noise = jax.random.normal(kn, x0.shape)
+        xs = (1 - s)[:, None, None, None, None] * x0 + s[:, None, None, None, None] * noise
+        target = wan.video.to_tall(noise - x0, row)
+
+        def loss_fn(p):
+            ctx = t5(p["t5"], ids, mask)["last_hidden_state"]
+            ctx = (ctx * mask[..., None].astype(ctx.dtype))[cap]  # zeros past each caption
+            out = wan(p["wan"], wan.video.to_tall(xs, row), 1000.0 * s, ctx)
+            return jnp.mean((out - target) ** 2)
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        upd, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, upd)
+        ema = jax.tree.map(lambda e, q: cfg.ema * e + (1 - cfg.ema) * q, ema, params)
+        return params, ema, opt_state, loss
+
+    rng = np.random.default_rng(cfg.seed + step)
+    key = jax.random.key(cfg.seed + step)
+    params, ema, opt_state = state["params"], state["ema"], state["opt"]
+    losses = list(state["losses"])
+    deadline, last_save = time.monotonic() + 60 * cfg.minutes, time.monotonic()
+    bar = tqdm(desc="fmnist-video", unit="step", initial=step, total=cfg.max_steps)
+    while step < cfg.max_steps and time.monotonic() < deadline:
+        idx = rng.integers(0, len(x), cfg.batch)
+        cap = np.where(rng.random(cfg.batch) < cfg.p_uncond, len(captions) - 1, caps[idx])
+        x0 = x[idx].astype(np.float32)[..., None] / 127.5 - 1.0  # (B, F, 32, 32, 1)
+        key, sub = jax.random.split(key)
+        params, ema, opt_state, loss = update(params, ema, opt_state, x0, cap, sub)
+        step += 1
+        if step % 50 == 0:
+            losses.append(float(loss))
+            bar.set_postfix(loss=f"{float(loss):.4f}")
+        bar.update(1)
+        if time.monotonic() - last_save > 300 or step == cfg.max_steps:
+            state = {"params": params, "ema": ema, "opt": opt_state, "step": step,
+                     "losses": np.asarray(losses, np.float32)}  # fmt: skip
+            save_atomic(ckpt, serialization.to_bytes(state))
+            last_save = time.monotonic()
+    bar.close()
+    state = {"params": params, "ema": ema, "opt": opt_state, "step": step,
+             "losses": np.asarray(losses, np.float32)}  # fmt: skip
+    save_atomic(ckpt, serialization.to_bytes(state))
+    return state, losses
+
+
+def export(cfg: TrainConfig, state, losses) -> None:
+    """A WanPipeline folder without vae/ (pixel space): transformer/ (diffusers' key names),
+    text_encoder/ + tokenizer/ (umT5), scheduler/, model_index.json, training.json."""
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    write_component(out / "transformer", TRANSFORMER, state["ema"]["wan"],
+                    lambda s: diffusers_names(s, to_module=False))  # fmt: skip
+    write_component(out / "text_encoder", TEXT, state["ema"]["t5"])
+    shutil.copytree(cfg.work / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
+    (out / "scheduler").mkdir(exist_ok=True)
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER, indent=2))
+    index = {
+        "_class_name": "WanPipeline",
+        "_comment": "8 grey frames of 32x32 in pixel space (no vae/): patchpar's fmnist-video",
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "scheduler": ["diffusers", SCHEDULER["_class_name"]],
+        "max_sequence_length": TOKENS,
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    info = {
+        "trained_steps": int(state["step"]),
+        "batch": cfg.batch,
+        "clips_seen": int(state["step"]) * cfg.batch,
+        "recipe": recipe(cfg),
+        "final_loss_mean_last_20": float(np.mean(losses[-20:])) if losses else None,
+        "command": "python experiments/train_fmnist_video.py",
+    }
+    (out / "training.json").write_text(json.dumps(info, indent=2))
+
+
+def main(cfg: TrainConfig) -> None:
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    cfg.plots.mkdir(parents=True, exist_ok=True)
+    check_work(cfg.work, recipe(cfg))
+    x, caps = training_clips(cfg)
+    if cfg.export_only:
+        state = serialization.msgpack_restore((cfg.work / "checkpoint.msgpack").read_bytes())
+        losses = list(state["losses"])
+    else:
+        state, losses = train(cfg, x, caps)
+    plot_losses(losses, cfg.plots / "loss.png")
+    print(f"exporting step {int(state['step'])} (EMA weights) to {cfg.out}")
+    export(cfg, state, losses)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(TrainConfig))

@@ -1,0 +1,109 @@
+"""The fmnist-video clips (`lab/clips.py`) and the motion measures on them (`measure/motion.py`):
+clips are reproducible from (split, index, seed), every motion appears equally often, the
+tracker reads every ground-truth clip's motion, the temporal error is small on a clip and large
+once its frames are shuffled, and prompts outside the vocabulary name the nearest words."""
+
+import numpy as np
+import pytest
+
+from patchpar.lab.clips import FRAMES, MOTIONS, SIZE, caption, clips, parse_prompt
+from patchpar.measure.motion import classify_motion, motion_accuracy, temporal_error, track
+
+
+@pytest.fixture(scope="module")
+def some():
+    return clips("test", 120, seed=0)
+
+
+def test_clips_are_reproducible_and_balanced(some):
+    x, labels, motions, caps = some
+    assert x.shape == (120, FRAMES, SIZE, SIZE) and x.dtype == np.uint8
+    again, *_ = clips("test", 10, seed=0, start=5)
+    assert (again == x[5:15]).all()  # a clip is drawn from (split, index, seed) alone
+    other, *_ = clips("test", 10, seed=1, start=5)
+    assert (other != x[5:15]).any()
+    assert np.bincount(motions, minlength=len(MOTIONS)).tolist() == [20] * len(MOTIONS)
+    assert caps[0] == caption(int(labels[0]), 0) and caps[0].endswith("moving left")
+    assert caption(9, 4) == "an ankle boot zooming in"
+    assert all(c.max() > 128 for c in x[:, 0])  # the item is on every first frame
+
+
+def test_the_tracker_reads_every_clip(some):
+    x, _, motions, _ = some
+    assert motion_accuracy(x, motions) == 1.0
+    centroids, areas = track(x[4])  # zooming in: the area grows
+    assert areas[-1] > 2 * areas[0]
+    right = x[1]  # moving right: the centroid's column grows 2 pixels a frame
+    c, _ = track(right)
+    assert np.allclose(np.diff(c[:, 1]), 2, atol=0.5)
+    assert classify_motion(x[2][::-1]) == 3  # up, played backwards, is down
+
+
+def test_temporal_error_is_what_the_motion_does_not_explain(some):
+    x, labels, _, _ = some
+    err = [temporal_error(c) for c in x[:24]]
+    assert max(err[m] for m in range(4)) < 1e-3  # a translation carries its first frame exactly
+    # every other frame another clip's item (of another class), on the same track
+    mixed = []
+    for i in range(24):
+        j = next(k for k in range(24, 120) if labels[k] != labels[i] and k % 6 == i % 6)
+        c = x[i].copy()
+        c[1::2] = x[j][1::2]
+        mixed.append(temporal_error(c))
+    assert np.mean(err) < 0.25 * np.mean(mixed), (np.mean(err), np.mean(mixed))
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("a sneaker moving sideways", r"no motion .* nearest: \['moving"),
+        ("a snaker moving left", r"class 'snaker' is not one of .* nearest: \['sneaker'"),
+    ],
+)
+def test_prompts_outside_the_vocabulary_are_named(prompt, message):
+    assert parse_prompt("A Sneaker  moving left") == (7, 0)
+    assert parse_prompt("an ankle boot zooming out") == (9, 5)
+    with pytest.raises(ValueError, match=message):
+        parse_prompt(prompt)
+
+
+@pytest.mark.slow  # compiles a Wan training step: trains, exports and resumes in miniature
+def test_video_train_script_exports_resumes_and_refuses_another_recipe(
+    tmp_path, capsys, monkeypatch
+):
+    """experiments/train_fmnist_video.py in miniature (12 clips, two steps): a pixel-space
+    WanPipeline folder the pipeline loads and runs, the same video on 2 frame patches as on one
+    device, a resume, and a changed recipe refused."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from patchpar.parallel.engine import Plan
+    from patchpar.parallel.strategies import make_strategy
+    from patchpar.pipelines import load_pipeline
+
+    experiments = Path(__file__).resolve().parent.parent / "experiments"
+    monkeypatch.syspath_prepend(str(experiments))
+    spec = importlib.util.spec_from_file_location(
+        "train_fmnist_video", experiments / "train_fmnist_video.py"
+    )
+    train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_fmnist_video", train)
+    spec.loader.exec_module(train)
+    cfg = train.TrainConfig(max_steps=2, batch=4, clips=12, work=tmp_path / "work",
+                            out=tmp_path / "out", plots=tmp_path / "plots")  # fmt: skip
+    train.main(cfg)
+    info = json.loads((cfg.out / "training.json").read_text())
+    assert info["trained_steps"] == 2 and info["recipe"]["clips"] == 12
+    pipe = load_pipeline(cfg.out)
+    assert pipe.vae is None and pipe.family == "wan"
+    one = pipe(["a sneaker moving left"], steps=2, seed=0)
+    two = pipe(["a sneaker moving left"], steps=2, seed=0,
+               plan=Plan(make_strategy("sync_patch"), 2))  # fmt: skip
+    assert one.frames.shape == (1, FRAMES, SIZE, SIZE, 3)
+    np.testing.assert_allclose(two.latents, one.latents, atol=1e-4, rtol=0)
+    train.main(train.TrainConfig(**{**vars(cfg), "max_steps": 3}))
+    assert "resumed at step 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
+        train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
