@@ -1,7 +1,9 @@
 """Offline measures of a clip's motion (`lab/clips.py`'s clips, or a model's videos of them): the
 item tracked frame by frame (its intensity-weighted centroid and its extent), the motion that
-track shows (`classify_motion`: the clip vocabulary's direction or zoom), and the temporal
-consistency of the frames once the tracked motion is undone (`temporal_error`)."""
+track shows (`classify_motion`: the clip vocabulary's direction or zoom), the temporal
+consistency of the frames once the tracked motion is undone (`temporal_error`), and each
+frame's item cut out at the classifier's 28 x 28 (`item_crops`: the class measured frame by
+frame, `measure.classifier.predict`)."""
 
 from __future__ import annotations
 
@@ -76,3 +78,26 @@ def temporal_error(clip: np.ndarray) -> float:
         warped = affine_transform(x[i - 1], matrix, offset=offset, order=1, mode="constant")
         errs.append(float(np.abs(warped - x[i]).mean()))
     return float(np.mean(errs))
+
+
+def item_crops(clip: np.ndarray) -> np.ndarray:
+    """(F, 28, 28) uint8: each frame's item, the square about its centroid whose side is the
+    item's extent (the mask's larger side, at least 8 pixels), resized to 28 x 28 with a
+    2-pixel margin as Fashion-MNIST's items have."""
+    from PIL import Image
+
+    x = _frames(clip)
+    centroids, _ = track(clip)
+    out = np.zeros((len(x), 28, 28), np.uint8)
+    for i, frame in enumerate(x):
+        ys, xs = np.nonzero(frame >= THRESHOLD * max(float(frame.max()), 1e-6))
+        side = max(8, int(ys.max() - ys.min() + 1), int(xs.max() - xs.min() + 1)) if len(ys) else 8
+        half = side / 2
+        cy, cx = centroids[i]
+        top, left = int(round(cy - half)), int(round(cx - half))
+        pad = np.pad(frame, side)  # a crop past the canvas reads black
+        crop = pad[top + side : top + 2 * side, left + side : left + 2 * side]
+        img = Image.fromarray(np.round(crop * 255).astype(np.uint8)).resize((24, 24),
+                                                                            Image.Resampling.LANCZOS)  # fmt: skip
+        out[i, 2:26, 2:26] = np.asarray(img)
+    return out
