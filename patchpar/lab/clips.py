@@ -23,8 +23,11 @@ ITEM = 16  # a moving item's side
 STEP = 2  # pixels a frame
 ZOOM = (12, 24)  # a zooming item's side, first -> last frame (zooming out: last -> first)
 MOTIONS = ("moving left", "moving right", "moving up", "moving down", "zooming in", "zooming out")
+
+
 def caption(label: int, motion: int) -> str:
-    """"a sneaker moving left", "an ankle boot zooming in"."""
+    """The caption of a class and a motion: "a sneaker moving left", "an ankle boot zooming
+    in"."""
     name = FASHION_MNIST_CLASSES[label]
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name} {MOTIONS[motion]}"
 
