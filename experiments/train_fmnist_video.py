@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_fmnist import check_work, plot_losses  # noqa: E402
+from train_fmnist_flux import save_atomic  # noqa: E402
 
 from patchpar.lab.clips import FRAMES, MOTIONS, caption, clips  # noqa: E402
 from patchpar.measure.classifier import FASHION_MNIST_CLASSES  # noqa: E402
@@ -101,12 +102,6 @@ def recipe(cfg: TrainConfig) -> dict:
         **{k: getattr(cfg, k) for k in keep},
         **({"clips": cfg.clips} if cfg.clips else {}),  # all of them unless told
     }
-
-
-def save_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def training_clips(cfg: TrainConfig):
