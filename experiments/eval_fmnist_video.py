@@ -7,15 +7,17 @@ test clips.
 Every (class, motion) caption (60) is sampled `--per-caption` times on one device, from seeds
 1000, 1001, ... (training never saw a seed: it draws its noise from its own key); each video's
 frames are measured by `patchpar/measure/motion.py`: the class of every frame's item
-(`item_crops` and the fmnist classifier), the motion its track shows (`classify_motion`), the
-frames' error once the tracked motion is undone (`temporal_error`); with `--fid`, InceptionV3
-FID of all generated frames against as many ground-truth test frames. Writes <out>/records.jsonl
+(`item_crops` and the model's classifier/, else fmnist's), the motion its track shows
+(`classify_motion`), the frames' error once the tracked motion is undone (`temporal_error`);
+with `--fid`, InceptionV3 FID of all generated frames against as many ground-truth test
+frames. Writes <out>/records.jsonl
 (one record per run) and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -29,15 +31,19 @@ from patchpar.measure.classifier import FASHION_MNIST_CLASSES, predict
 from patchpar.measure.motion import classify_motion, item_crops, temporal_error
 from patchpar.models.presets import SHIPPED
 
-CLASSIFIER = SHIPPED["fmnist"] / "classifier"
+
+def classifier_of(model: str) -> Path:
+    """The model folder's classifier/ (the trained fmnist-video's), else fmnist's."""
+    own = Path(SHIPPED.get(model, model)) / "classifier"
+    return own if own.is_dir() else SHIPPED["fmnist"] / "classifier"
 
 
-def measures(videos: np.ndarray, labels, motions) -> dict:
+def measures(videos: np.ndarray, labels, motions, classifier: Path) -> dict:
     """Class accuracy over every frame, motion accuracy, mean temporal error of (N, F, H, W[, C])
     uint8 videos asked for `labels` and `motions`."""
     labels, motions = np.asarray(labels), np.asarray(motions)
     crops = np.concatenate([item_crops(v) for v in videos])
-    got = predict(CLASSIFIER, crops).reshape(len(videos), -1)
+    got = predict(classifier, crops).reshape(len(videos), -1)
     tracked = np.array([classify_motion(v) for v in videos])
     return {
         "class_accuracy": float((got == labels[:, None]).mean()),
@@ -72,17 +78,23 @@ def main(argv=None) -> int:
         labels += [c for c, _ in asked]
         motions += [m for _, m in asked]
     videos = np.concatenate(videos)
+    classifier = classifier_of(args.model)
+    trained = Path(SHIPPED.get(args.model, args.model)) / "training.json"
     record = {
         "model": str(args.model),
+        "trained_steps": json.loads(trained.read_text())["trained_steps"]
+        if trained.is_file()
+        else None,
         "videos": len(videos),
         "steps": args.steps,
         "guidance_scale": args.guidance_scale,
         "sampler": pipe.default_sampler,
-        "generated": measures(videos, labels, motions),
+        "classifier": str(classifier),
+        "generated": measures(videos, labels, motions, classifier),
         "sample_s": round(time.perf_counter() - t0, 1),
     }
     gt, gt_labels, gt_motions, _ = clips("test", len(videos), seed=0)
-    record["ground_truth"] = measures(gt, gt_labels, gt_motions)
+    record["ground_truth"] = measures(gt, gt_labels, gt_motions, classifier)
     if args.fid:
         from patchpar.lab.datasets import to_rgb
         from patchpar.measure.features import inception_features

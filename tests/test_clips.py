@@ -111,6 +111,7 @@ def test_video_train_script_exports_resumes_and_refuses_another_recipe(
     train.main(cfg)
     info = json.loads((cfg.out / "training.json").read_text())
     assert info["trained_steps"] == 2 and info["recipe"]["clips"] == 12
+    assert (cfg.out / "classifier" / "model.safetensors").is_file()
     pipe = load_pipeline(cfg.out)
     assert pipe.vae is None and pipe.family == "wan"
     one = pipe(["a sneaker moving left"], steps=2, seed=0)

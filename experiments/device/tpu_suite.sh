@@ -33,6 +33,10 @@
 #              splash (VIDEO_MODELS=, VIDEO_SIZES= HxWxF choose)
 #   video_shards  shard_timing.py: the per-device program of Wan 2.1 1.3B at 480p x 81 frames on
 #              N = 1, 2, 4, 8 patches (frames layout), sync_patch, DistriFusion and PCPP
+#   video_train  train_video_curve.py: the fmnist-video recipe trained to TRAIN_STEPS= (default
+#              1000 2000 4000), each measured by eval_fmnist_video.py; needs Debian's four
+#              Fashion-MNIST files carried (PATCHPAR_FASHION_MNIST=) and EXTRA_PACKAGES="tqdm
+#              matplotlib sentencepiece tokenizers"
 #   compile    compile_timing.py: sync_patch's and DistriFusion's phase programs compiled, the
 #              blocks unrolled and scanned, the stale phases one after the other and in two
 #              threads (PixArt-α at 1024²; COMPILE_MODELS= chooses)
@@ -58,7 +62,7 @@ if [ -z "${MINI:-}" ] && ! $PY -c "import flax, yaml" 2>/dev/null; then
     --no-cache-dir --upgrade --target "$SITE" "$@"; }
   # flax and pyyaml for patchpar; the rest for the peer part's diffusers (carried, no deps)
   pip_in --only-binary=:all: --index-url file:///opt/pypi/simple flax pyyaml huggingface-hub \
-    safetensors regex requests filelock importlib-metadata pillow \
+    safetensors regex requests filelock importlib-metadata pillow ${EXTRA_PACKAGES:-} \
     || echo "tpu_suite: flax/pyyaml/diffusers' needs did not install from the machine's index"
   if [ -d .whl-tpu ]; then
     pip_in --no-index --no-deps .whl-tpu/*.whl || echo "tpu_suite: the carried wheels failed"
@@ -153,9 +157,11 @@ for p in "${PARTS[@]}"; do
                     --repeats 3 --models ${VIDEO_MODELS:-"${VMODELS[0]}"} \
                     --resolutions ${VIDEO_SIZES:-"${VSIZES[0]}"} --patches ${SHARD_PATCHES:-1 2 4 8} \
                     --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion pcpp} --attention $PK ;;
+    video_train) part video_train 540 $PY experiments/device/train_video_curve.py \
+                   --steps ${TRAIN_STEPS:-1000 2000 4000} ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \
                --models ${COMPILE_MODELS:-"${DITS[0]}"} "${CT[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer video video_shards compile"
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer video video_shards video_train compile"
        exit 2 ;;
   esac
 done

@@ -1,0 +1,65 @@
+"""The `fmnist-video` recipe's learning curve on one accelerator: experiments/train_fmnist_video.py
+trained to each of --steps in turn (each a resume of the last), exported, and measured by
+experiments/eval_fmnist_video.py (class and motion accuracy on held-out seeds). A TPU chip runs
+the recipe in minutes where 2 CPU cores take an hour: it says how many updates the recipe needs
+before an hour of CPU is spent on them. Its weights are not the shipped ones (those are trained
+on the CPU by the command in training.json).
+
+    PATCHPAR_FASHION_MNIST=runs/fmnist-data \\
+        python experiments/device/train_video_curve.py --steps 1000 2000 4000 --out DIR
+
+Writes DIR/records.jsonl (eval_fmnist_video's records, each with trained_steps) and
+DIR/curve.jsonl (seconds of training to each milestone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+
+import eval_fmnist_video as evaluate  # noqa: E402
+import train_fmnist_video as train  # noqa: E402
+
+from patchpar.lab.results import append_record  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, nargs="+", default=[1000, 2000, 4000])
+    ap.add_argument("--per-caption", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=train.TrainConfig.batch)
+    ap.add_argument("--lr", type=float, default=train.TrainConfig.lr)
+    ap.add_argument("--clips", type=int, default=0, help="train on N clips (0: all; checks)")
+    ap.add_argument("--out", type=Path, default=Path("runs/train_video_curve"))
+    ap.add_argument("--budget-s", type=float, default=3600.0)
+    args = ap.parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
+    for steps in sorted(args.steps):
+        left = deadline - time.monotonic()
+        if left < 60:
+            print(f"stopping before {steps} steps: {left:.0f} s of the budget left")
+            break
+        cfg = train.TrainConfig(max_steps=steps, batch=args.batch, lr=args.lr, clips=args.clips,
+                                minutes=(left - 60) / 60, work=args.out / "work",
+                                out=args.out / "weights", plots=args.out / "plots")  # fmt: skip
+        t0 = time.perf_counter()
+        train.main(cfg)
+        done = json.loads((cfg.out / "training.json").read_text())["trained_steps"]
+        append_record(args.out / "curve.jsonl", {"trained_steps": done, "batch": args.batch,
+                                                 "lr": args.lr,
+                                                 "train_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+        evaluate.main(["--model", str(cfg.out), "--per-caption", str(args.per_caption),
+                       "--out", str(args.out)])  # fmt: skip
+        if done < steps:
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
