@@ -93,7 +93,7 @@ def profile_point(cfg, log) -> list[dict]:
     s = cfg.sampler
     pipe = get_pipeline(cfg.model.name, s.dtype, cfg.model.attention_spec())
     pipe = pipe.with_true_cfg(s.true_cfg_scale)
-    plan, hw = checked_plan(cfg, pipe)
+    plan, hw, pipe = checked_plan(cfg, pipe)
     cond, x0 = inputs(pipe, cfg, batches(cfg)[0], hw)
     programs, args = pipe.denoise_phases(cond, x0, s.name, s.steps, s.guidance_scale, plan)
     rows, x, loop = [], args[3], None

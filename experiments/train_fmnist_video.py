@@ -20,9 +20,9 @@ umT5 of width 32 trained jointly.
   clip frames (`clip_classifier`), made first.
 - Adam with clipping and warm-up, EMA of the weights (exported; its decay warms up as
   (1 + t) / (10 + t) to 0.999: after 926 steps a plain 0.999 EMA was still 40% the initial
-  weights, whose output is zero, and sampled noise); deterministic from --seed for
-  a given --max-steps. --work holds the checkpoint and loss log (a folder of another recipe is
-  refused); --out the WanPipeline folder without vae/.
+  weights, whose output is zero, and sampled noise); deterministic from --seed, resumed or not
+  (step t's clips and noise come from (seed, t)). --work holds the checkpoint and loss log (a
+  folder of another recipe is refused); --out the WanPipeline folder without vae/.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ CROPS_PER_CLIP, CLASSIFIER_EPOCHS = 2, 2
 @dataclass(frozen=True)
 class TrainConfig:
     max_steps: int = 2000
-    """Updates in all (the run is deterministic for a given count); about 1.9 s each on 2
+    """Updates in all (a larger count resumes a shorter run's work); about 1.9 s each on 2
     cores at batch 16: an hour."""
     minutes: float = 90.0
     """Wall-clock safety budget for this invocation (resume adds to it)."""
@@ -214,17 +214,17 @@ def train(cfg: TrainConfig, x: np.ndarray, caps: np.ndarray):
         ema = jax.tree.map(lambda e, q: decay * e + (1 - decay) * q, ema, params)
         return params, ema, opt_state, loss
 
-    rng = np.random.default_rng(cfg.seed + step)
-    key = jax.random.key(cfg.seed + step)
+    key = jax.random.key(cfg.seed)
     params, ema, opt_state = state["params"], state["ema"], state["opt"]
     losses = list(state["losses"])
     deadline, last_save = time.monotonic() + 60 * cfg.minutes, time.monotonic()
     bar = tqdm(desc="fmnist-video", unit="step", initial=step, total=cfg.max_steps)
     while step < cfg.max_steps and time.monotonic() < deadline:
+        rng = np.random.default_rng([cfg.seed, step])  # step t's batch, however many resumes
         idx = rng.integers(0, len(x), cfg.batch)
         cap = np.where(rng.random(cfg.batch) < cfg.p_uncond, len(captions) - 1, caps[idx])
         x0 = x[idx].astype(np.float32)[..., None] / 127.5 - 1.0  # (B, F, 32, 32, 1)
-        key, sub = jax.random.split(key)
+        sub = jax.random.fold_in(key, step)
         params, ema, opt_state, loss = update(params, ema, opt_state, x0, cap, sub,
                                               jnp.float32(step))  # fmt: skip
         step += 1
@@ -250,7 +250,8 @@ def export(cfg: TrainConfig, state, losses) -> None:
     model_index.json, training.json."""
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
-    write_component(out / "transformer", TRANSFORMER, state["ema"]["wan"],
+    trained = {**TRANSFORMER, "trained_frames": [FRAMES]}  # other lengths: a warning
+    write_component(out / "transformer", trained, state["ema"]["wan"],
                     lambda s: diffusers_names(s, to_module=False))  # fmt: skip
     write_component(out / "text_encoder", TEXT, state["ema"]["t5"])
     shutil.copytree(cfg.work / "tokenizer", out / "tokenizer", dirs_exist_ok=True)

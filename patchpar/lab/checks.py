@@ -147,6 +147,19 @@ def images_only(model: str | Path, command: str) -> None:
         )
 
 
+def check_video_metrics(model: str | Path, quality) -> None:
+    """ValueError where `quality` names a video model's measure for a model of images."""
+    from patchpar.lab.measure_config import VIDEO_METRICS
+    from patchpar.models.presets import model_family
+
+    video = [q for q in quality if q in VIDEO_METRICS]
+    if video and not model_family(model).video:
+        raise ValueError(
+            f"measure.quality has {video}: measures of a video model's frames; {model} makes "
+            f"images (drop them, or run a video model: fmnist-video, tiny-wan, ...)"
+        )
+
+
 def check_lowering(model: str | Path, latent, plan, batch: int, steps: int,
                    scan_blocks: bool = False, frames: int | None = None,
                    layout: str = "frames"):  # fmt: skip

@@ -18,6 +18,7 @@ from typing import Annotated
 import tyro
 
 from patchpar.lab.checks import Problems, check_scan, clip_ok, fsdp_unused
+from patchpar.lab.measure_config import QUALITY_METRICS, MeasureConfig
 from patchpar.lab.options import HELP, StrategyOptions, build_plan, build_vae_plan
 from patchpar.lab.paths import RUNS
 
@@ -205,6 +206,8 @@ class SamplerConfig:
     """Image height in pixels (default: the denoiser's sample size x the VAE factor)."""
     width: int | None = None
     """Image width in pixels (default: as height)."""
+    frames: int | None = None
+    """A video model's frames (default: the model's own); images: unset."""
     dtype: str = "auto"
     """auto, float32 or bfloat16. auto: bfloat16 for the full-size models (sd15, sd21, sdxl,
     pixart-alpha, pixart-sigma and folders of such sizes), float32 for the small ones."""
@@ -220,44 +223,6 @@ class PromptsConfig:
     """Negative prompt for classifier-free guidance ("" = unconditional)."""
     batch_size: int = 0
     """Images per pipeline call (0 = all in one call); the first call's batch is the timed one."""
-
-
-QUALITY_METRICS = ("psnr", "ssim", "lpips", "fid", "fid_gt", "clip_score", "prompt_accuracy")
-
-
-@dataclass(frozen=True)
-class MeasureConfig:
-    warmup_runs: int = 1
-    """Untimed runs after compilation, before the timed repeats."""
-    repeats: int = 3
-    """Timed runs (block_until_ready); the record keeps the median, min, max and all."""
-    comm: bool = True
-    """Count bytes per device and FLOPs from the lowered step programs (patchpar comm)."""
-    quality: tuple[str, ...] = ("psnr", "ssim")
-    """psnr, ssim, lpips (vs the single-device image of the same prompt and seed; DistriFusion
-    Table 1), fid (vs the single-device set), fid_gt (vs ground_truth), clip_score (vs prompts),
-    prompt_accuracy (the model folder's classifier/ agrees with the class the prompt names)."""
-    ground_truth: str = "fashion-mnist"
-    """fid_gt's reference: fashion-mnist[:train|:test] (padded 28 -> 32 as the fmnist model's
-    frame) or a folder of images."""
-    ground_truth_samples: int = 1000
-    """How many ground-truth images fid_gt uses (their features are cached)."""
-    clip_model: str | None = None
-    """clip_score: a shipped CLIP (fmnist-clip), a folder in open_clip's local-dir format
-    (open_clip_config.json + open_clip_model.safetensors), or an open_clip model name with
-    clip_checkpoint; unset: the model's default (fmnist, fmnist-random: fmnist-clip)."""
-    clip_checkpoint: str | None = None
-    """clip_score: a local checkpoint file of a named open_clip model (nothing is downloaded)."""
-    clip_config: str | None = None
-    """clip_score: a model config JSON named <clip_model>.json, for models open_clip lacks."""
-    lpips_net: str = "alex"
-    """LPIPS backbone: alex, vgg or squeeze (its torchvision weights must be on disk)."""
-    save_images: bool = True
-    """Write the images next to the record (git-ignored)."""
-    compute_only: bool = False
-    """Replace every collective by a local stand-in of the same shape: the images are wrong
-    (quality and bytes are not measured), the time is each device's compute alone
-    (DistriFusion Table 2's "no communication (ideal)" row; experiments/speedup_breakdown.py)."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +311,8 @@ class RunConfig:
              self.model.block_kv, "a positive integer (e.g. 512)"),
             (s.height is None or s.height > 0, "sampler.height", s.height, "a positive integer"),
             (s.width is None or s.width > 0, "sampler.width", s.width, "a positive integer"),
+            (s.frames is None or s.frames > 0, "sampler.frames", s.frames,
+             "a positive integer (unset: the video model's own)"),
             (len(self.prompts.prompts) > 0, "prompts.prompts", self.prompts.prompts,
              "at least one prompt"),
             (len(self.prompts.seeds) > 0, "prompts.seeds", self.prompts.seeds, "at least one seed"),

@@ -88,12 +88,12 @@ def pad32(images: np.ndarray) -> np.ndarray:
 def check_ground_truth(spec: str) -> None:
     """ValueError, before any image is generated, when `spec` names no readable reference:
     an unknown Fashion-MNIST split, its files absent, or a folder without images."""
-    if spec.startswith("fashion-mnist"):
+    if spec.startswith(("fashion-mnist", "fmnist-clips")):
         split = spec.split(":", 1)[1] if ":" in spec else "test"
         if split not in _FILES:
             raise ValueError(
                 f"measure.ground_truth={spec!r}: unknown split {split!r}; use "
-                f"fashion-mnist, fashion-mnist:test, fashion-mnist:train or a folder of images"
+                f"fashion-mnist[:test|:train], fmnist-clips[:test|:train] or a folder of images"
             )
         for kind in ("images-idx3", "labels-idx1"):
             path = fashion_mnist_dir() / f"{_FILES[split]}-{kind}-ubyte.gz"
@@ -108,7 +108,8 @@ def check_ground_truth(spec: str) -> None:
     if not folder.is_dir():
         raise ValueError(
             f"measure.ground_truth={spec!r}: no such folder; give a folder of images "
-            f"({', '.join(IMAGE_SUFFIXES)}) or fashion-mnist[:test|:train]"
+            f"({', '.join(IMAGE_SUFFIXES)}), fashion-mnist[:test|:train] or "
+            f"fmnist-clips[:test|:train]"
         )
     if not any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.iterdir()):
         raise ValueError(
@@ -118,7 +119,15 @@ def check_ground_truth(spec: str) -> None:
 
 def ground_truth(spec: str, limit: int | None = None) -> np.ndarray:
     """Reference images for FID: `fashion-mnist` / `fashion-mnist:train` (padded to 32x32 as
-    the fmnist model's images) or a folder path."""
+    the fmnist model's images), `fmnist-clips[:train]` (the frames of `lab.clips`' clips of
+    that split, seed 0: fmnist-video's frames) or a folder path."""
+    if spec.startswith("fmnist-clips"):
+        from patchpar.lab.clips import FRAMES, clips
+
+        split = spec.split(":", 1)[1] if ":" in spec else "test"
+        n = -(-(limit or 10_000) // FRAMES)  # clips enough for `limit` frames
+        x = clips(split, n, seed=0)[0]
+        return to_rgb(x.reshape(-1, *x.shape[2:])[:limit])
     if spec.startswith("fashion-mnist"):
         split = spec.split(":", 1)[1] if ":" in spec else "test"
         images, _ = fashion_mnist(split)

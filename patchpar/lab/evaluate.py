@@ -81,7 +81,8 @@ def prompts_of(config: RunConfig) -> list[str]:
 def check_quality_inputs(config: RunConfig) -> None:
     """What the quality metrics need, checked before anything is generated: prompt_accuracy
     needs the model's classifier and a class named in every prompt; clip_score a CLIP that
-    loads (its checkpoint matching its config); fid_gt a readable ground truth."""
+    loads (its checkpoint matching its config); fid_gt a readable ground truth; motion_accuracy
+    prompts of fmnist-video's vocabulary."""
     m = config.measure
     if "fid_gt" in m.quality:
         from patchpar.lab.datasets import check_ground_truth
@@ -98,6 +99,11 @@ def check_quality_inputs(config: RunConfig) -> None:
             )
         for p in dict.fromkeys(prompts_of(config)):
             prompt_class(p)  # ValueError naming the prompt and the classes
+    if "motion_accuracy" in m.quality:
+        from patchpar.lab.clips import parse_prompt
+
+        for p in dict.fromkeys(prompts_of(config)):
+            parse_prompt(p)  # ValueError naming the nearest known motion or class
     if "clip_score" in m.quality:
         from patchpar.measure.features import clip
 
@@ -105,12 +111,26 @@ def check_quality_inputs(config: RunConfig) -> None:
 
 
 def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log: Log) -> dict:
-    """The metrics named in measure.quality, with the sample counts they used."""
+    """The metrics named in measure.quality, with the sample counts they used. Videos
+    ((N, T, H, W, 3)) are measured frame by frame, with a video's own measures
+    (`lab.video_quality`)."""
+    from patchpar.lab import video_quality as vq
     from patchpar.measure import quality as q
 
     m = config.measure
-    out = q.paired(images, ref, m.quality, m.lpips_net)
-    out["quality_samples"] = len(images)
+    prompts, out, videos = prompts_of(config), {}, None
+    if images.ndim == 5:  # videos: their frames from here on, and the video measures
+        videos = images
+        images, ref = vq.frames_of(videos), vq.frames_of(ref)
+        prompts = [p for p in prompts for _ in range(videos.shape[1])]
+        if "psnr" in m.quality:
+            out["psnr_by_frame"] = vq.psnr_by_frame(videos, ref.reshape(videos.shape))
+        if "prev_frame" in m.quality:
+            out.update(vq.prev_frame(videos))
+        out.update(vq.motion_metrics(videos, prompts_of(config), m.quality))
+        out["quality_frames"] = len(images)
+    out = {**q.paired(images, ref, m.quality, m.lpips_net), **out}
+    out["quality_samples"] = len(prompts_of(config))
     wanted = [k for k in ("fid", "fid_gt") if k in m.quality]
     if wanted:
         from patchpar.measure.features import inception_features
@@ -143,15 +163,16 @@ def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log:
         from patchpar.measure.classifier import prompt_accuracy_by_class
 
         folder = classifier_folder(config)
-        acc, per_class, counts = prompt_accuracy_by_class(folder, images, prompts_of(config))
+        shown = images if videos is None else vq.item_crops_of(videos)  # a video: each item
+        acc, per_class, counts = prompt_accuracy_by_class(folder, shown, prompts)
         out["prompt_accuracy"] = acc
-        out["prompt_accuracy_sem"] = float(np.sqrt(acc * (1 - acc) / len(images)))
+        out["prompt_accuracy_sem"] = float(np.sqrt(acc * (1 - acc) / len(prompts)))
         out["prompt_accuracy_per_class"] = per_class
         out["predicted_class_counts"] = counts
     if "clip_score" in m.quality:
         model, checkpoint, clip_config = clip_spec(config)
         got = q.guarded("cos", lambda: q.clip_cosines(
-            images, prompts_of(config), model, checkpoint, clip_config))  # fmt: skip
+            images, prompts, model, checkpoint, clip_config))  # fmt: skip
         if got["cos"] is None:
             out.update(clip_score=None, clip_score_unavailable=got["cos_unavailable"])
         else:

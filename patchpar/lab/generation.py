@@ -27,9 +27,29 @@ def get_pipeline(model: str, dtype: str, attention=None, quant: str = "none"):
 
 
 def image_size(pipe, config: RunConfig) -> tuple[int, int]:
-    size = pipe.unet.config.sample_size * pipe.latent_factor
-    h = config.sampler.height or size
-    return h, config.sampler.width or h
+    """(height, width) of an image, or of a video model's frame, in pixels."""
+    s = config.sampler
+    if getattr(pipe, "makes_video", False):
+        return pipe.default_size(s.height, s.width)
+    h = s.height or pipe.unet.config.sample_size * pipe.latent_factor
+    return h, s.width or h
+
+
+def at_run(pipe, config: RunConfig, plan, hw: tuple[int, int]):
+    """A video model's pipeline making the run's videos: sampler.frames (unset: the model's
+    own) of `hw` laid out by mesh.layout, checked against `plan`'s row patches (None: one
+    device); an image pipeline as it is."""
+    if not getattr(pipe, "makes_video", False):
+        return pipe
+    frames = config.sampler.frames or pipe.unet.default_frames
+    return pipe.at(frames, config.mesh.layout, *hw, plan)
+
+
+def final_latents(pipe, final) -> np.ndarray:
+    """A call's final latents as float32: a video's (B, F, h, w, C), whatever its layout."""
+    if getattr(pipe, "makes_video", False):
+        final = pipe.from_tall(final)
+    return np.asarray(final, np.float32)
 
 
 def batches(config: RunConfig) -> list[list[tuple[str, int]]]:
@@ -57,12 +77,14 @@ def inputs(pipe, config: RunConfig, batch: list[tuple[str, int]], hw: tuple[int,
 
 
 def generate_all(pipe, config: RunConfig, plan, hw) -> tuple[np.ndarray, np.ndarray]:
-    """Images (N, H, W, 3) uint8 and final latents for every (prompt, seed), no timing."""
+    """Images (N, H, W, 3) uint8, or videos (N, T, H, W, 3), and final latents for every
+    (prompt, seed), no timing."""
     images, latents = [], []
     s = config.sampler
+    pipe = at_run(pipe, config, plan, hw)
     for batch in batches(config):
         cond, x = inputs(pipe, config, batch, hw)
         final = pipe.denoise(cond, x, s.name, s.steps, s.guidance_scale, plan)
         images.append(pipe.decode(final))
-        latents.append(np.asarray(final, np.float32))
+        latents.append(final_latents(pipe, final))
     return np.concatenate(images), np.concatenate(latents)

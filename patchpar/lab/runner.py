@@ -30,11 +30,18 @@ from patchpar.lab.baselines import (
     weights_sha256,
 )
 from patchpar.lab.calibrate import MEASURED, measured_plan
-from patchpar.lab.checks import Problems, check_plan_on_model, images_only
+from patchpar.lab.checks import Problems, check_plan_on_model, check_video_metrics
 from patchpar.lab.config import RunConfig, unused_options
 from patchpar.lab.configio import dump_config, point_config, to_dict
 from patchpar.lab.evaluate import check_quality_inputs, quality_metrics
-from patchpar.lab.generation import batches, get_pipeline, image_size, inputs
+from patchpar.lab.generation import (
+    at_run,
+    batches,
+    final_latents,
+    get_pipeline,
+    image_size,
+    inputs,
+)
 from patchpar.lab.launch import WorkerFailed, in_worker, launch
 from patchpar.lab.measures import Log, comm_metrics, timed_decode, timed_denoise, timed_encode
 from patchpar.lab.results import (
@@ -61,18 +68,27 @@ def point_key(config: RunConfig | dict) -> str:
 
 
 def checked_plan(config: RunConfig, pipe, devices_present: bool = True):
-    """The point's plan and image size (h, w), every check of the plan against the model done
-    (ValueError naming what does not fit). `devices_present=False` (a sweep's dry run of a
-    point that runs in launched processes): the mesh is not built here."""
+    """(the point's plan, image or frame size (h, w), the pipeline making the run's images or
+    videos: `at_run`), every check of the plan against the model done (ValueError naming what
+    does not fit). `devices_present=False` (a sweep's dry run of a point that runs in launched
+    processes): the mesh is not built here."""
     s = config.sampler
     plan = config.plan()
     hw = image_size(pipe, config)
-    pipe.check_size(*hw)
-    f = pipe.latent_factor
+    pipe = at_run(pipe, config, plan, hw)
+    latent = pipe.check_size(*hw)  # a video's: its frames' rows stacked
     gs = pipe.text.loop_scale(s.guidance_scale)  # the loop's CFG scale (FLUX.1: 1 or true CFG)
-    plan.validate(pipe.unet, (hw[0] // f, hw[1] // f), s.steps, gs, build_mesh=devices_present)
-    config.vae_plan().validate(pipe.vae, (hw[0] // f, hw[1] // f), len(batches(config)[0]))
-    return plan, hw
+    plan.validate(pipe.unet, latent, s.steps, gs, build_mesh=devices_present)
+    if getattr(pipe, "makes_video", False):  # as VideoPipeline.__call__ checks a vae_plan
+        from patchpar.parallel.vae import check_video_plan
+
+        check_video_plan(config.vae_plan(), pipe.vae, pipe.frame_size(*hw))
+        if pipe.vae is None:
+            config.vae_plan().validate(None, pipe.frame_size(*hw))
+    else:
+        f = pipe.latent_factor
+        config.vae_plan().validate(pipe.vae, (hw[0] // f, hw[1] // f), len(batches(config)[0]))
+    return plan, hw, pipe
 
 
 def preflight(config: RunConfig) -> None:
@@ -116,7 +132,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
     metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded
     metrics["quant"] = pipe.quant
-    plan, hw = checked_plan(config, pipe)
+    plan, hw, pipe = checked_plan(config, pipe)
     if config.mesh.patch_weights == MEASURED:  # timed on these devices now
         f = pipe.latent_factor
         plan, seconds = measured_plan(plan, pipe.unet, pipe.unet_params, (hw[0] // f, hw[1] // f),
@@ -159,7 +175,7 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
                 img = pipe.decode(final, vae_plan)
         if writer:
             images.append(img)
-        latents.append(np.asarray(final, np.float32))
+        latents.append(final_latents(pipe, final))
     if not writer:
         return metrics, []
     images, latents = np.concatenate(images), np.concatenate(latents)
@@ -188,12 +204,17 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     if m.save_images:
         from PIL import Image
 
+        from patchpar.lab.video import write_video
+
         run_dir.mkdir(parents=True, exist_ok=True)
         seeds = [seed for b in batches(config) for _, seed in b]
         n_prompts = len(config.prompts.prompts)
         for k, (img, seed) in enumerate(zip(images, seeds, strict=True)):
             path = run_dir / f"p{k % n_prompts}_s{seed}.png"
-            Image.fromarray(img).save(path)
+            if img.ndim == 4:  # a video: an animated GIF and its frames' grid
+                path = write_video(img, run_dir, path.stem)[0]
+            else:
+                Image.fromarray(img).save(path)
             paths.append(str(path.relative_to(run_dir.parent.parent)))
     return metrics, paths
 
@@ -257,12 +278,13 @@ def check_run(config: RunConfig) -> None:
     # starts with the field it names)
     if not any(line.startswith(SECTIONS_ON_MODEL) for line in problems.lines):
         with problems.check():
-            images_only(m.name, "run")
             check_plan_on_model(  # the plan against the model's config.json
                 m.name, config.plan(), s.height, s.width, s.steps, s.guidance_scale,
                 s.true_cfg_scale, build_mesh=not config.mesh.processes,
-                scan_blocks=m.scan_blocks, layout=config.mesh.layout,
+                scan_blocks=m.scan_blocks, frames=s.frames, layout=config.mesh.layout,
             )  # fmt: skip
+        with problems.check():
+            check_video_metrics(m.name, config.measure.quality)
     problems.raise_any()
 
 

@@ -6,6 +6,7 @@ step cache runs on it unchanged."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import jax
@@ -51,8 +52,17 @@ class VideoPipeline(Pipeline):
     ) -> VideoPipeline:
         """This pipeline making videos of `frames` frames, the latent laid out by `layout`,
         checked against a frame of `height` x `width` (default the model's) cut into `plan`'s
-        row patches; the placed weights' cache shared with this one."""
+        row patches; the placed weights' cache shared with this one. A warning where the
+        transformer's config names the clip lengths it was trained on (`trained_frames`) and
+        `frames` is not one of them."""
         h, w = self.frame_size(*self.default_size(height, width))
+        trained = self.unet.config.extra.get("trained_frames")
+        if trained and frames not in trained:
+            warnings.warn(
+                f"frames={frames}: this model was trained on clips of {sorted(trained)} frames "
+                f"only; a clip of another length is outside what it learnt",
+                stacklevel=2,
+            )
         patches = plan.patch if plan is not None and plan.splits_row_patches else None
         temporal = 1 if self.vae is None else self.vae.config.temporal_factor
         unet, _ = on_video(self.unet, frames, layout, temporal, (h, w), patches)
