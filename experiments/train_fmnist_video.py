@@ -10,7 +10,8 @@ umT5 of width 32 trained jointly.
   frame already comes from 4 x 4 pixel patches; without a VAE the clips are what the study
   measures, with no decoder's error in them and nothing else to train.
 - The transformer: WanTransformer3DModel, 6 blocks of 4 heads x 24 (3-D RoPE 8 + 8 + 8), 1 grey
-  channel, patches 1 x 4 x 4 (512 tokens a clip); its output projection starts at zero.
+  channel, patches 1 x 4 x 4 (512 tokens a clip); adaLN-Zero: its blocks start as the identity
+  and its output at zero.
 - The text: a sentencepiece BPE on the 60 captions and a 2-layer umT5 of width 32, its states
   zeroed after each caption's own tokens (WanPipeline's), 16 tokens.
 - Rectified flow (Wan's): x_s = (1 - s) x0 + s eps, the network predicts eps - x0, s ~
@@ -102,7 +103,7 @@ def recipe(cfg: TrainConfig) -> dict:
         "frames": FRAMES,
         "tokens": TOKENS,
         "flow": "rectified, logit-normal(0, 1) noise levels, eps - x0 target, timestep 1000 s",
-        "init": "flax, proj_out zero",
+        "init": "flax, adaLN-Zero (time_proj and proj_out zero)",
         "ema_warmup": "decay min(ema, (1 + t) / (10 + t)) at step t",
         "classifier": f"FashionCNN on item_crops, {CROPS_PER_CLIP} frames a clip, "
         f"{CLASSIFIER_EPOCHS} epochs",
@@ -166,10 +167,13 @@ def models():
 
 
 def initial_params(wan, t5, seed: int) -> dict:
-    """Flax's initialisers, the output projection at zero (the model starts predicting 0)."""
+    """Flax's initialisers, adaLN-Zero (DiT's): the timestep's projection to the blocks'
+    modulation at zero, so that every block starts as the identity (its gates 0; the
+    `scale_shift_table`s start at 0), and the output projection at zero (the model starts
+    predicting 0)."""
     flat = flatten_dict(wan.init(seed))
     for path in flat:
-        if path[0] == "proj_out":
+        if path[0] == "proj_out" or path[:2] == ("condition_embedder", "time_proj"):
             flat[path] = jnp.zeros_like(flat[path])
     t5_p = t5.module.init(jax.random.key(seed + 2), jnp.zeros((1, TOKENS), jnp.int32))["params"]
     return {"wan": unflatten_dict(flat), "t5": t5_p}
