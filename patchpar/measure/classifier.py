@@ -64,7 +64,9 @@ def save(folder: Path, params, width: int, test_accuracy: float) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    flat = {"/".join(k): np.asarray(v) for k, v in flatten_dict(params).items()}
+    # contiguous: safetensors writes an array's memory as it lies, and a TPU's arrays come back
+    # to the host in their own layout (a classifier saved there read back as noise)
+    flat = {"/".join(k): np.ascontiguousarray(v) for k, v in flatten_dict(params).items()}
     save_file(flat, str(folder / "model.safetensors"))
     config = {"architecture": "FashionCNN", "width": width, "classes": list(FASHION_MNIST_CLASSES)}
     config["test_accuracy"] = test_accuracy

@@ -128,14 +128,14 @@ PRESETS["tiny-wan"] = {  # Wan 2.1's layout: 2 blocks of 2 heads x 12, a 4-chann
     "scheduler": _SCHED,
 }
 # fmnist-video's architecture with random weights: a pixel-space Wan (no VAE: the "latent" is the
-# grey video in [-1, 1]) of 32 x 32 frames, 8 of them; 4 x 4 pixel patches (64 tokens a frame),
+# grey video in [-1, 1]) of 32 x 32 frames, 8 of them; 8 x 8 pixel patches (16 tokens a frame),
 # 6 blocks of 4 heads x 24 (RoPE parts t, h, w: 8, 8, 8), umT5 of width 32 (experiments/
 # train_fmnist_video.py trains both)
 PRESETS["fmnist-video-random"] = {
     "pipeline": {"_class_name": "WanPipeline", "max_sequence_length": 16},
     "transformer": {
         **_WAN_1_3B,
-        "patch_size": [1, 4, 4],
+        "patch_size": [1, 8, 8],
         "num_attention_heads": 4,
         "attention_head_dim": 24,
         "in_channels": 1,
