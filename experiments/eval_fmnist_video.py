@@ -61,6 +61,12 @@ def main(argv=None) -> int:
     ap.add_argument("--per-caption", type=int, default=2, help="videos of each caption")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--guidance-scale", type=float, default=5.0)
+    ap.add_argument(
+        "--first-seed",
+        type=int,
+        default=1000,
+        help="seeds from here (held out; the sampler's settings chosen on others)",
+    )
     ap.add_argument("--fid", action="store_true", help="also FID of the frames (InceptionV3)")
     ap.add_argument("--out", type=Path, default=Path("runs/eval_fmnist_video"))
     args = ap.parse_args(argv)
@@ -73,7 +79,9 @@ def main(argv=None) -> int:
     videos, labels, motions = [], [], []
     t0 = time.perf_counter()
     for r in tqdm(range(args.per_caption), desc="fmnist-video eval", unit="round"):
-        out = pipe(caps, steps=args.steps, guidance_scale=args.guidance_scale, seed=1000 + r)
+        out = pipe(
+            caps, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.first_seed + r
+        )
         videos.append(out.frames)
         labels += [c for c, _ in asked]
         motions += [m for _, m in asked]
@@ -88,6 +96,7 @@ def main(argv=None) -> int:
         "videos": len(videos),
         "steps": args.steps,
         "guidance_scale": args.guidance_scale,
+        "seeds": [args.first_seed, args.first_seed + args.per_caption - 1],
         "sampler": pipe.default_sampler,
         "classifier": str(classifier),
         "generated": measures(videos, labels, motions, classifier),

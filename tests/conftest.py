@@ -125,6 +125,7 @@ HEAVY_FIRST = (
     "test_wan_pipeline.py",
     "test_wan_models.py",
     "test_parallel_wan.py",
+    "test_video_run.py",
     "test_parallel_unet.py",
     "test_scan.py",
     "test_vae_parallel.py",

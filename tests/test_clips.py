@@ -123,3 +123,38 @@ def test_video_train_script_exports_resumes_and_refuses_another_recipe(
     assert "resumed at step 2" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
         train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
+
+
+def test_clip_frames_are_a_ground_truth(some):
+    """`fmnist-clips` (fid_gt's reference for fmnist-video) is the frames of the test clips of
+    seed 0, clip after clip, as RGB; an unknown split is an error naming the ones there are."""
+    from patchpar.lab.datasets import check_ground_truth, ground_truth
+
+    check_ground_truth("fmnist-clips")
+    frames = ground_truth("fmnist-clips", 20)
+    assert frames.shape == (20, SIZE, SIZE, 3) and frames.dtype == np.uint8
+    np.testing.assert_array_equal(frames[:FRAMES, ..., 0], some[0][0])
+    np.testing.assert_array_equal(frames[FRAMES : 2 * FRAMES, ..., 1], some[0][1])
+    with pytest.raises(
+        ValueError, match=r"unknown split 'val'; use .*fmnist-clips\[:test\|:train\]"
+    ):
+        check_ground_truth("fmnist-clips:val")
+
+
+def test_a_classifier_saved_from_non_contiguous_arrays_reads_back(tmp_path):
+    """`classifier.save` writes each array in its logical order: a TPU hands arrays back to the
+    host in its own layout (here a transposed view stands in), and safetensors writes memory as
+    it lies."""
+    import jax
+    import jax.numpy as jnp
+
+    from patchpar.measure import classifier as clf
+
+    module = clf.FashionCNN()
+    params = module.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))["params"]
+    kernel = np.asarray(params["Dense_0"]["kernel"])
+    params["Dense_0"]["kernel"] = np.asfortranarray(kernel)  # same values, other memory order
+    assert not params["Dense_0"]["kernel"].flags.c_contiguous
+    clf.save(tmp_path, params, module.width, 0.0)
+    _, loaded = clf.load.__wrapped__(str(tmp_path))
+    np.testing.assert_array_equal(loaded["Dense_0"]["kernel"], kernel)

@@ -73,3 +73,25 @@ def test_bad_video_runs_are_one_line_errors(tmp_path, over, message):
     with pytest.raises(ValueError, match=message) as err:
         run(video_config(tmp_path, **over), raise_errors=True)
     assert "\n" not in str(err.value).strip()
+
+
+def test_a_clip_length_not_trained_is_a_warning(tmp_path):
+    """A folder whose transformer names the clip lengths it was trained on (`trained_frames`,
+    as fmnist-video's) warns, naming them, when asked for another length; its own is silent."""
+    import json
+    import shutil
+    import warnings
+
+    from patchpar.models.presets import preset_folder
+    from patchpar.pipelines import load_pipeline
+
+    folder = tmp_path / "model"
+    shutil.copytree(preset_folder("fmnist-video-random"), folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "trained_frames": [8]}))
+    pipe = load_pipeline(folder)
+    with pytest.warns(UserWarning, match=r"frames=9: this model was trained on clips of \[8\] "):
+        assert pipe(PROMPTS[:1], steps=1, frames=9).frames.shape[1] == 9
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(PROMPTS[:1], steps=1)
