@@ -37,7 +37,7 @@ def test_an_exact_video_run_is_single_measured_frame_by_frame(tmp_path):
     b, g = base["metrics"], grid["metrics"]
     assert grid["status"] == "ok" and g["layout"] is not None
     assert g["identical"] and g["latent_max_abs_diff"] <= 1e-4
-    assert g["psnr_by_frame"] == [None] * 8 and g["quality_frames"] == 16
+    assert g["psnr_by_frame"] == [None] * 8 and g["quality_frames"] == 16 and g["frames"] == 8
     assert g["quality_samples"] == 2
     for k in ("prev_frame_psnr", "prev_frame_ssim", "motion_accuracy", "temporal_error"):
         assert g[k] == pytest.approx(b[k], abs=1e-6), k

@@ -166,7 +166,8 @@ def quality_metrics(config: RunConfig, images: np.ndarray, ref: np.ndarray, log:
         shown = images if videos is None else vq.item_crops_of(videos)  # a video: each item
         acc, per_class, counts = prompt_accuracy_by_class(folder, shown, prompts)
         out["prompt_accuracy"] = acc
-        out["prompt_accuracy_sem"] = float(np.sqrt(acc * (1 - acc) / len(prompts)))
+        # a video's frames are far from independent draws: its standard error counts clips
+        out["prompt_accuracy_sem"] = float(np.sqrt(acc * (1 - acc) / len(prompts_of(config))))
         out["prompt_accuracy_per_class"] = per_class
         out["predicted_class_counts"] = counts
     if "clip_score" in m.quality:

@@ -132,14 +132,17 @@ def _execute(config: RunConfig, run_dir: Path, log: Log, writer: bool = True):
     metrics["compute_dtype"] = jax.numpy.dtype(pipe.unet.module.dtype).name
     metrics["attention"] = pipe.unet.module.attn.impl  # resolved when the UNet was loaded
     metrics["quant"] = pipe.quant
-    plan, hw, pipe = checked_plan(config, pipe)
+    plan, hw, sized = checked_plan(config, pipe)
     if config.mesh.patch_weights == MEASURED:  # timed on these devices now
-        f = pipe.latent_factor
-        plan, seconds = measured_plan(plan, pipe.unet, pipe.unet_params, (hw[0] // f, hw[1] // f),
+        # on the loaded denoiser, as `generate` times it (a video model's: its tall latent)
+        plan, seconds = measured_plan(plan, pipe.unet, pipe.unet_params, sized.check_size(*hw),
                                       log)  # fmt: skip
         metrics["measured_seconds_per_step"] = seconds
         metrics["patch_weights"] = list(plan.patch_weights)
+    pipe = sized
     metrics["height"], metrics["width"] = hw
+    if getattr(pipe, "makes_video", False):
+        metrics["frames"] = s.frames or pipe.unet.default_frames
     metrics["strategy"] = plan.strategy.describe()
     metrics["mesh_degrees"] = plan.degrees()  # data x cfg x patch x model
     metrics["warmup_phase_steps"] = (
