@@ -158,3 +158,17 @@ def test_a_classifier_saved_from_non_contiguous_arrays_reads_back(tmp_path):
     clf.save(tmp_path, params, module.width, 0.0)
     _, loaded = clf.load.__wrapped__(str(tmp_path))
     np.testing.assert_array_equal(loaded["Dense_0"]["kernel"], kernel)
+
+
+def test_an_rgb_clip_measures_as_its_grey_one(some):
+    """A pipeline's frames are RGB uint8 (grey repeated): every measure reads them as the grey
+    clip (the scale comes from the dtype given, before the channels are averaged)."""
+    from patchpar.measure.motion import item_crops
+
+    for clip in some[0][:12]:
+        rgb = np.repeat(clip[..., None], 3, axis=-1)
+        np.testing.assert_allclose(track(rgb)[0], track(clip)[0], atol=1e-4)
+        np.testing.assert_array_equal(track(rgb)[1], track(clip)[1])
+        assert classify_motion(rgb) == classify_motion(clip)
+        assert temporal_error(rgb) == pytest.approx(temporal_error(clip), abs=1e-5)
+        np.testing.assert_array_equal(item_crops(rgb), item_crops(clip))

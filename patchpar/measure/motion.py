@@ -16,11 +16,12 @@ ZOOM_LOG_AREA = 0.6  # |log(last area / first area)| above this is a zoom (the c
 def _frames(clip: np.ndarray) -> np.ndarray:
     """(F, H, W) float in [0, 1] of a (F, H, W[, C]) clip (uint8, or float in [-1, 1])."""
     x = np.asarray(clip)
+    # the scale by the dtype given, before a mean over channels makes any clip float
+    x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else (x.astype(np.float32) + 1) / 2
     if x.ndim == 4:
         x = x.mean(-1)
     if x.ndim != 3:
         raise ValueError(f"a clip is (F, H, W) or (F, H, W, C); got shape {x.shape}")
-    x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else (x.astype(np.float32) + 1) / 2
     return np.clip(x, 0.0, 1.0)
 
 
