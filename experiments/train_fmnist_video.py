@@ -11,8 +11,8 @@ umT5 of width 32 trained jointly.
   measures, with no decoder's error in them and nothing else to train.
 - The transformer: WanTransformer3DModel, 6 blocks of 4 heads x 24 (3-D RoPE 8 + 8 + 8), 1 grey
   channel, patches 1 x 8 x 8 (4 x 4 tokens a frame, 128 a clip: with 4 x 4 patches, 512 tokens
-  a clip, a step cost 8x more and 4000 steps at batch 16 still drew no item); adaLN-Zero: its blocks start as the identity
-  and its output at zero.
+  a clip, a step costs 8x more, 1.9 s at batch 16 on 2 cores); adaLN-Zero: its blocks start as
+  the identity and its output at zero.
 - The text: a sentencepiece BPE on the 60 captions and a 2-layer umT5 of width 32, its states
   zeroed after each caption's own tokens (WanPipeline's), 16 tokens.
 - Rectified flow (Wan's): x_s = (1 - s) x0 + s eps, the network predicts eps - x0, s ~
@@ -21,8 +21,8 @@ umT5 of width 32 trained jointly.
 - The class measure's classifier (`classifier/`): the fmnist CNN refitted to items cut out of
   clip frames (`clip_classifier`), made first.
 - Adam with clipping and warm-up, EMA of the weights (exported; its decay warms up as
-  (1 + t) / (10 + t) to 0.999: after 926 steps a plain 0.999 EMA was still 40% the initial
-  weights, whose output is zero, and sampled noise); deterministic from --seed, resumed or not
+  (1 + t) / (10 + t) to 0.999: after 926 steps a plain 0.999 EMA is still 40% the initial
+  weights, whose output is zero); deterministic from --seed, resumed or not
   (step t's clips and noise come from (seed, t)). --work holds the checkpoint and loss log (a
   folder of another recipe is refused); --out the WanPipeline folder without vae/.
 """
