@@ -10,8 +10,7 @@ frames are measured by `patchpar/measure/motion.py`: the class of every frame's 
 (`item_crops` and the model's classifier/, else fmnist's), the motion its track shows
 (`classify_motion`), the frames' error once the tracked motion is undone (`temporal_error`);
 with `--fid`, InceptionV3 FID of all generated frames against as many ground-truth test
-frames. Writes <out>/records.jsonl
-(one record per run) and prints it.
+frames. Writes <out>/records.jsonl (one record per run) and prints it.
 """
 
 from __future__ import annotations

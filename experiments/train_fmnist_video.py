@@ -71,8 +71,8 @@ CROPS_PER_CLIP, CLASSIFIER_EPOCHS = 2, 2
 @dataclass(frozen=True)
 class TrainConfig:
     max_steps: int = 7000
-    """Updates in all (a larger count resumes a shorter run's work); about 0.45 s each on 2
-    cores at batch 32: under an hour."""
+    """Updates in all (a larger count resumes a shorter run's work); 0.5-0.7 s each on 2
+    cores at batch 32: about an hour."""
     minutes: float = 90.0
     """Wall-clock safety budget for this invocation (resume adds to it)."""
     batch: int = 32
@@ -132,9 +132,9 @@ def training_clips(cfg: TrainConfig):
 def clip_classifier(cfg: TrainConfig, x: np.ndarray, caps: np.ndarray) -> Path:
     """The classifier of the class measure, in --work/classifier (made once): the fmnist CNN
     fitted to the items cut out of clip frames by `item_crops` (CROPS_PER_CLIP frames of each
-    training clip), tested on every frame of 10,000 test clips (--clips of them if set). fmnist's own classifier,
-    trained on whole 28 x 28 items, reads an item of 12-24 pixels blown up to 28 right only
-    ~80% of the time on ground-truth clips."""
+    training clip), tested on every frame of 10,000 test clips (--clips of them if set).
+    fmnist's own classifier, trained on whole 28 x 28 items, reads an item of 12-24 pixels
+    blown up to 28 right only ~80% of the time on ground-truth clips."""
     folder = cfg.work / "classifier"
     if (folder / "model.safetensors").is_file():
         return folder
