@@ -29,8 +29,7 @@ def video_config(tmp_path, **over) -> RunConfig:
 
 def test_an_exact_video_run_is_single_measured_frame_by_frame(tmp_path):
     """sync_patch over a 2 x 2 grid of frames x rows on 4 devices makes single's videos: every
-    frame identical, the same frame-to-frame PSNR and the same motion and temporal measures;
-    a distrifusion run on frames differs from them, frame by frame."""
+    frame identical, the same frame-to-frame PSNR and the same motion and temporal measures."""
     base = run(video_config(tmp_path), raise_errors=True)
     grid = run(video_config(tmp_path, **{"strategy.name": "sync_patch", "mesh.devices": 4,
                                          "mesh.layout": "2x2"}), raise_errors=True)  # fmt: skip
@@ -43,6 +42,11 @@ def test_an_exact_video_run_is_single_measured_frame_by_frame(tmp_path):
         assert g[k] == pytest.approx(b[k], abs=1e-6), k
     assert set(g["motion_accuracy_by_motion"]) == {"moving left", "zooming in"}
     assert all(p.endswith(".gif") for p in grid["images"])
+
+
+@pytest.mark.slow  # a third compile: the stale run
+def test_a_stale_video_run_differs_frame_by_frame(tmp_path):
+    """DistriFusion over frames on 2 devices differs from single's videos, frame by frame."""
     stale = run(video_config(tmp_path, **{"strategy": {"name": "distrifusion",
                                                        "warmup_steps": 0},
                                           "mesh.devices": 2}), raise_errors=True)  # fmt: skip

@@ -156,7 +156,7 @@ def check_video_metrics(model: str | Path, quality) -> None:
     if video and not model_family(model).video:
         raise ValueError(
             f"measure.quality has {video}: measures of a video model's frames; {model} makes "
-            f"images (drop them, or run a video model: fmnist-video, tiny-wan, ...)"
+            f"images (drop them, or run a video model: tiny-wan, a Wan folder, ...)"
         )
 
 
