@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from patchpar.lab.clips import MOTIONS, caption, clips, parse_prompt
 from patchpar.lab.results import append_record, provenance
+from patchpar.lab.video_quality import item_crops_of, motion_metrics
 from patchpar.measure.classifier import FASHION_MNIST_CLASSES, predict
-from patchpar.measure.motion import classify_motion, item_crops, temporal_error
 from patchpar.models.presets import SHIPPED
 
 
@@ -37,20 +37,14 @@ def classifier_of(model: str) -> Path:
     return own if own.is_dir() else SHIPPED["fmnist"] / "classifier"
 
 
-def measures(videos: np.ndarray, labels, motions, classifier: Path) -> dict:
-    """Class accuracy over every frame, motion accuracy, mean temporal error of (N, F, H, W[, C])
-    uint8 videos asked for `labels` and `motions`."""
-    labels, motions = np.asarray(labels), np.asarray(motions)
-    crops = np.concatenate([item_crops(v) for v in videos])
-    got = predict(classifier, crops).reshape(len(videos), -1)
-    tracked = np.array([classify_motion(v) for v in videos])
+def measures(videos: np.ndarray, prompts: list[str], classifier: Path) -> dict:
+    """Class accuracy over every frame, and `lab.video_quality.motion_metrics` (motion accuracy,
+    per motion, temporal error), of (N, F, H, W[, C]) uint8 videos made for `prompts`."""
+    labels = np.array([parse_prompt(p)[0] for p in prompts])
+    got = predict(classifier, item_crops_of(videos)).reshape(len(videos), -1)
     return {
         "class_accuracy": float((got == labels[:, None]).mean()),
-        "motion_accuracy": float((tracked == motions).mean()),
-        "temporal_error": float(np.mean([temporal_error(v) for v in videos])),
-        "motion_accuracy_by_motion": {
-            MOTIONS[m]: float((tracked[motions == m] == m).mean()) for m in np.unique(motions)
-        },
+        **motion_metrics(videos, prompts, ("motion_accuracy", "temporal_error")),
     }
 
 
@@ -74,16 +68,14 @@ def main(argv=None) -> int:
 
     pipe = load_pipeline(args.model)
     caps = [caption(c, m) for c in range(len(FASHION_MNIST_CLASSES)) for m in range(len(MOTIONS))]
-    asked = [parse_prompt(c) for c in caps]
-    videos, labels, motions = [], [], []
+    videos, prompts = [], []
     t0 = time.perf_counter()
     for r in tqdm(range(args.per_caption), desc="fmnist-video eval", unit="round"):
         out = pipe(
             caps, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.first_seed + r
         )
         videos.append(out.frames)
-        labels += [c for c, _ in asked]
-        motions += [m for _, m in asked]
+        prompts += caps
     videos = np.concatenate(videos)
     classifier = classifier_of(args.model)
     trained = Path(SHIPPED.get(args.model, args.model)) / "training.json"
@@ -98,11 +90,11 @@ def main(argv=None) -> int:
         "seeds": [args.first_seed, args.first_seed + args.per_caption - 1],
         "sampler": pipe.default_sampler,
         "classifier": str(classifier),
-        "generated": measures(videos, labels, motions, classifier),
+        "generated": measures(videos, prompts, classifier),
         "sample_s": round(time.perf_counter() - t0, 1),
     }
-    gt, gt_labels, gt_motions, _ = clips("test", len(videos), seed=0)
-    record["ground_truth"] = measures(gt, gt_labels, gt_motions, classifier)
+    gt, _, _, gt_prompts = clips("test", len(videos), seed=0)
+    record["ground_truth"] = measures(gt, gt_prompts, classifier)
     if args.fid:
         from patchpar.lab.datasets import to_rgb
         from patchpar.measure.features import inception_features
