@@ -16,7 +16,8 @@ umT5 of width 32 trained jointly.
 - The text: a sentencepiece BPE on the 60 captions and a 2-layer umT5 of width 32, its states
   zeroed after each caption's own tokens (WanPipeline's), 16 tokens.
 - Rectified flow (Wan's): x_s = (1 - s) x0 + s eps, the network predicts eps - x0, s ~
-  logit-normal(0, 1), the transformer's timestep 1000 s; 10% empty captions (classifier-free
+  uniform(0, 1) (--noise-levels; logit-normal(0, 1) leaves speckle in pixel space), the
+  transformer's timestep 1000 s; 10% empty captions (classifier-free
   guidance). The scheduler shipped is the flow UniPC with shift 1.
 - The class measure's classifier (`classifier/`): the fmnist CNN refitted to items cut out of
   clip frames (`clip_classifier`), made first.
@@ -80,6 +81,9 @@ class TrainConfig:
     ema: float = 0.999
     p_uncond: float = 0.1
     """Share of empty captions (classifier-free guidance)."""
+    noise_levels: str = "uniform"
+    """How s is drawn: "uniform" on (0, 1), or "logit-normal" (0, 1) as SD3 and Wan (rarely near
+    0 or 1; in pixel space the last steps' noise then stays as speckle)."""
     seed: int = 0
     clips: int = 0
     """Train on the clips of the first N training images (0: all 60,000; tests use a few)."""
@@ -94,7 +98,7 @@ class TrainConfig:
 
 def recipe(cfg: TrainConfig) -> dict:
     """What the checkpoint depends on; resuming with anything else would mix two models."""
-    keep = ("batch", "lr", "ema", "p_uncond", "seed")
+    keep = ("batch", "lr", "ema", "p_uncond", "seed", "noise_levels")
     return {
         "recipe": "fmnist-video",
         "transformer": TRANSFORMER,
@@ -103,7 +107,7 @@ def recipe(cfg: TrainConfig) -> dict:
         "motions": list(MOTIONS),
         "frames": FRAMES,
         "tokens": TOKENS,
-        "flow": "rectified, logit-normal(0, 1) noise levels, eps - x0 target, timestep 1000 s",
+        "flow": "rectified, eps - x0 target, timestep 1000 s",
         "init": "flax, adaLN-Zero (time_proj and proj_out zero)",
         "ema_warmup": "decay min(ema, (1 + t) / (10 + t)) at step t",
         "classifier": f"FashionCNN on item_crops, {CROPS_PER_CLIP} frames a clip, "
@@ -201,7 +205,10 @@ def train(cfg: TrainConfig, x: np.ndarray, caps: np.ndarray):
     @jax.jit
     def update(params, ema, opt_state, x0, cap, key, t):
         ks, kn = jax.random.split(key)
-        s = jax.nn.sigmoid(jax.random.normal(ks, (x0.shape[0],)))  # logit-normal(0, 1)
+        if cfg.noise_levels == "uniform":
+            s = jax.random.uniform(ks, (x0.shape[0],))
+        else:
+            s = jax.nn.sigmoid(jax.random.normal(ks, (x0.shape[0],)))  # logit-normal(0, 1)
         noise = jax.random.normal(kn, x0.shape)
         xs = (1 - s)[:, None, None, None, None] * x0 + s[:, None, None, None, None] * noise
         target = wan.video.to_tall(noise - x0, row)
@@ -288,6 +295,8 @@ def export(cfg: TrainConfig, state, losses) -> None:
 
 
 def main(cfg: TrainConfig) -> None:
+    if cfg.noise_levels not in ("uniform", "logit-normal"):
+        raise SystemExit(f"--noise-levels {cfg.noise_levels!r}: use 'uniform' or 'logit-normal'")
     cfg.work.mkdir(parents=True, exist_ok=True)
     cfg.plots.mkdir(parents=True, exist_ok=True)
     check_work(cfg.work, recipe(cfg))

@@ -34,7 +34,8 @@
 #   video_shards  shard_timing.py: the per-device program of Wan 2.1 1.3B at 480p x 81 frames on
 #              N = 1, 2, 4, 8 patches (frames layout), sync_patch, DistriFusion and PCPP
 #   video_train  train_video_curve.py: the fmnist-video recipe trained to TRAIN_STEPS= (default
-#              1000 2000 4000), each measured by eval_fmnist_video.py; needs Debian's four
+#              1000 2000 4000), each measured by eval_fmnist_video.py, once per noise-level law
+#              of TRAIN_NOISE= (default uniform; TRAIN_STEPS_<law>= its own); needs Debian's four
 #              Fashion-MNIST files carried (PATCHPAR_FASHION_MNIST=) and EXTRA_PACKAGES="tqdm
 #              matplotlib sentencepiece tokenizers"
 #   compile    compile_timing.py: sync_patch's and DistriFusion's phase programs compiled, the
@@ -157,8 +158,17 @@ for p in "${PARTS[@]}"; do
                     --repeats 3 --models ${VIDEO_MODELS:-"${VMODELS[0]}"} \
                     --resolutions ${VIDEO_SIZES:-"${VSIZES[0]}"} --patches ${SHARD_PATCHES:-1 2 4 8} \
                     --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion pcpp} --attention $PK ;;
-    video_train) part video_train 540 $PY experiments/device/train_video_curve.py \
-                   --steps ${TRAIN_STEPS:-1000 2000 4000} ;;
+    video_train)  # one curve per TRAIN_NOISE level; work (the clips: 0.5 GB) in /tmp, shared
+      first=
+      for nl in ${TRAIN_NOISE:-uniform}; do
+        work=/tmp/video_train_work_$nl
+        mkdir -p "$work"
+        [ -n "$first" ] && cp -r "$first"/clips-*.npz "$first"/classifier "$work"/ 2>/dev/null
+        steps_var=TRAIN_STEPS_${nl//-/_}
+        part video_train_$nl ${TRAIN_LIMIT:-540} $PY experiments/device/train_video_curve.py --work "$work" \
+          --noise-levels "$nl" --steps ${!steps_var:-${TRAIN_STEPS:-1000 2000 4000}}
+        first=$work
+      done ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \
                --models ${COMPILE_MODELS:-"${DITS[0]}"} "${CT[@]}" ;;
     *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer video video_shards video_train compile"

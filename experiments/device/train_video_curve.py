@@ -35,8 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--per-caption", type=int, default=2)
     ap.add_argument("--batch", type=int, default=train.TrainConfig.batch)
     ap.add_argument("--lr", type=float, default=train.TrainConfig.lr)
+    ap.add_argument("--noise-levels", default=train.TrainConfig.noise_levels)
     ap.add_argument("--clips", type=int, default=0, help="train on N clips (0: all; checks)")
     ap.add_argument("--out", type=Path, default=Path("runs/train_video_curve"))
+    ap.add_argument("--work", type=Path, help="checkpoint, clips, classifier (default: out/work)")
     ap.add_argument("--budget-s", type=float, default=3600.0)
     args = ap.parse_args(argv)
     deadline = time.monotonic() + args.budget_s
@@ -46,13 +48,15 @@ def main(argv=None) -> int:
             print(f"stopping before {steps} steps: {left:.0f} s of the budget left")
             break
         cfg = train.TrainConfig(max_steps=steps, batch=args.batch, lr=args.lr, clips=args.clips,
-                                minutes=(left - 60) / 60, work=args.out / "work",
+                                noise_levels=args.noise_levels,
+                                minutes=(left - 60) / 60, work=args.work or args.out / "work",
                                 out=args.out / "weights", plots=args.out / "plots")  # fmt: skip
         t0 = time.perf_counter()
         train.main(cfg)
         done = json.loads((cfg.out / "training.json").read_text())["trained_steps"]
         append_record(args.out / "curve.jsonl", {"trained_steps": done, "batch": args.batch,
                                                  "lr": args.lr,
+                                                 "noise_levels": args.noise_levels,
                                                  "train_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
         evaluate.main(["--model", str(cfg.out), "--per-caption", str(args.per_caption),
                        "--out", str(args.out)])  # fmt: skip
