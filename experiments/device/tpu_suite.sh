@@ -35,7 +35,8 @@
 #              N = 1, 2, 4, 8 patches (frames layout), sync_patch, DistriFusion and PCPP
 #   video_train  train_video_curve.py: the fmnist-video recipe trained to TRAIN_STEPS= (default
 #              1000 2000 4000), each measured by eval_fmnist_video.py, once per noise-level law
-#              of TRAIN_NOISE= (default uniform; TRAIN_STEPS_<law>= its own); needs Debian's four
+#              of TRAIN_NOISE= (default uniform; TRAIN_STEPS_<law>= its own; TRAIN_ARGS= more of
+#              train_video_curve's options, TRAIN_CLASSIFIER= a fitted classifier/ to reuse); needs Debian's four
 #              Fashion-MNIST files carried (PATCHPAR_FASHION_MNIST=) and EXTRA_PACKAGES="tqdm
 #              matplotlib sentencepiece tokenizers"
 #   compile    compile_timing.py: sync_patch's and DistriFusion's phase programs compiled, the
@@ -164,9 +165,10 @@ for p in "${PARTS[@]}"; do
         work=/tmp/video_train_work_$nl
         mkdir -p "$work"
         [ -n "$first" ] && cp -r "$first"/clips-*.npz "$first"/classifier "$work"/ 2>/dev/null
+        [ -n "${TRAIN_CLASSIFIER:-}" ] && cp -r "$TRAIN_CLASSIFIER" "$work"/classifier
         steps_var=TRAIN_STEPS_${nl//-/_}
         part video_train_$nl ${TRAIN_LIMIT:-540} $PY experiments/device/train_video_curve.py --work "$work" \
-          --noise-levels "$nl" --steps ${!steps_var:-${TRAIN_STEPS:-1000 2000 4000}}
+          --noise-levels "$nl" --steps ${!steps_var:-${TRAIN_STEPS:-1000 2000 4000}} ${TRAIN_ARGS:-}
         first=$work
       done ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \
