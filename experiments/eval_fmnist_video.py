@@ -93,7 +93,10 @@ def main(argv=None) -> int:
         "generated": measures(videos, prompts, classifier),
         "sample_s": round(time.perf_counter() - t0, 1),
     }
-    gt, _, _, gt_prompts = clips("test", len(videos), seed=0)
+    made = json.loads(trained.read_text())["recipe"] if trained.is_file() else {}
+    profile = made.get("motion_profile", "constant")  # the ground truth paced as the training
+    gt, _, _, gt_prompts = clips("test", len(videos), seed=0, profile=profile)
+    record["motion_profile"] = profile
     record["ground_truth"] = measures(gt, gt_prompts, classifier)
     if args.fid:
         from patchpar.lab.datasets import to_rgb

@@ -39,6 +39,22 @@ def test_the_tracker_reads_every_clip(some):
     assert classify_motion(x[2][::-1]) == 3  # up, played backwards, is down
 
 
+def test_an_accelerating_clip_shows_the_arrow_of_time(some):
+    """The accelerating pace starts and ends where the constant one does, its steps grow frame
+    by frame (played backwards they shrink: no clip of the set), and the tracker reads it."""
+    x = some[0]
+    fast, _, motions, _ = clips("test", 12, seed=0, profile="accelerating")
+    for i in (0, 1):  # moving left, moving right: same first and last frame, another pace
+        assert (fast[i][[0, -1]] == x[i][[0, -1]]).all() and (fast[i] != x[i]).any()
+        steps = np.abs(np.diff(track(fast[i])[0][:, 1]))
+        assert (np.diff(steps) >= -0.5).all() and steps[-1] > steps[0] + 2, steps
+    areas = track(fast[4])[1]  # zooming in: the growth speeds up
+    assert areas[-1] - areas[-2] > areas[1] - areas[0]
+    assert motion_accuracy(fast, motions) == 1.0
+    with pytest.raises(ValueError, match="motion profile 'jerky'; known"):
+        clips("test", 2, profile="jerky")
+
+
 def test_temporal_error_is_what_the_motion_does_not_explain(some):
     x, labels, _, _ = some
     err = [temporal_error(c) for c in x[:24]]

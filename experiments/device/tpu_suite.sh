@@ -34,9 +34,10 @@
 #   video_shards  shard_timing.py: the per-device program of Wan 2.1 1.3B at 480p x 81 frames on
 #              N = 1, 2, 4, 8 patches (frames layout), sync_patch, DistriFusion and PCPP
 #   video_train  train_video_curve.py: the fmnist-video recipe trained to TRAIN_STEPS= (default
-#              1000 2000 4000), each measured by eval_fmnist_video.py, once per noise-level law
-#              of TRAIN_NOISE= (default uniform; TRAIN_STEPS_<law>= its own; TRAIN_ARGS= more of
-#              train_video_curve's options, TRAIN_CLASSIFIER= a fitted classifier/ to reuse); needs Debian's four
+#              1000 2000 4000), each measured by eval_fmnist_video.py and probe_fmnist_video.py,
+#              once per TRAIN_VARIANTS= noise law:motion profile (default uniform:constant; each
+#              at most TRAIN_LIMIT= s; TRAIN_ARGS= more of train_video_curve's options,
+#              TRAIN_CLASSIFIER= a fitted classifier/ to reuse); needs Debian's four
 #              Fashion-MNIST files carried (PATCHPAR_FASHION_MNIST=) and EXTRA_PACKAGES="tqdm
 #              matplotlib sentencepiece tokenizers"
 #   compile    compile_timing.py: sync_patch's and DistriFusion's phase programs compiled, the
@@ -159,16 +160,17 @@ for p in "${PARTS[@]}"; do
                     --repeats 3 --models ${VIDEO_MODELS:-"${VMODELS[0]}"} \
                     --resolutions ${VIDEO_SIZES:-"${VSIZES[0]}"} --patches ${SHARD_PATCHES:-1 2 4 8} \
                     --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion pcpp} --attention $PK ;;
-    video_train)  # one curve per TRAIN_NOISE level; work (the clips: 0.5 GB) in /tmp, shared
+    video_train)  # one curve per TRAIN_VARIANTS noise law:motion profile; work in /tmp, shared
       first=
-      for nl in ${TRAIN_NOISE:-uniform}; do
-        work=/tmp/video_train_work_$nl
+      for v in ${TRAIN_VARIANTS:-uniform:constant}; do
+        nl=${v%%:*} mp=${v##*:}
+        work=/tmp/video_train_work_${nl}_$mp
         mkdir -p "$work"
         [ -n "$first" ] && cp -r "$first"/clips-*.npz "$first"/classifier "$work"/ 2>/dev/null
         [ -n "${TRAIN_CLASSIFIER:-}" ] && cp -r "$TRAIN_CLASSIFIER" "$work"/classifier
-        steps_var=TRAIN_STEPS_${nl//-/_}
-        part video_train_$nl ${TRAIN_LIMIT:-540} $PY experiments/device/train_video_curve.py --work "$work" \
-          --noise-levels "$nl" --steps ${!steps_var:-${TRAIN_STEPS:-1000 2000 4000}} ${TRAIN_ARGS:-}
+        part video_train_${nl}_$mp ${TRAIN_LIMIT:-540} $PY experiments/device/train_video_curve.py \
+          --work "$work" --noise-levels "$nl" --motion-profile "$mp" \
+          --steps ${TRAIN_STEPS:-1000 2000 4000} ${TRAIN_ARGS:-}
         first=$work
       done ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \

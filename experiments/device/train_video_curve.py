@@ -1,6 +1,7 @@
 """The `fmnist-video` recipe's learning curve on one accelerator: experiments/train_fmnist_video.py
 trained to each of --steps in turn (each a resume of the last), exported, and measured by
-experiments/eval_fmnist_video.py (class and motion accuracy on held-out seeds). A TPU chip runs
+experiments/eval_fmnist_video.py (class and motion accuracy on held-out seeds) and probed by
+experiments/probe_fmnist_video.py (which parts of the caption the loss reads). A TPU chip runs
 the recipe in minutes where 2 CPU cores take an hour: it says how many updates the recipe needs
 before an hour of CPU is spent on them. Its weights are not the shipped ones (those are trained
 on the CPU by the command in training.json).
@@ -24,6 +25,7 @@ HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
 import eval_fmnist_video as evaluate  # noqa: E402
+import probe_fmnist_video as probe  # noqa: E402
 import train_fmnist_video as train  # noqa: E402
 
 from patchpar.lab.results import append_record  # noqa: E402
@@ -36,6 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=train.TrainConfig.batch)
     ap.add_argument("--lr", type=float, default=train.TrainConfig.lr)
     ap.add_argument("--noise-levels", default=train.TrainConfig.noise_levels)
+    ap.add_argument("--motion-profile", default=train.TrainConfig.motion_profile)
     ap.add_argument("--clips", type=int, default=0, help="train on N clips (0: all; checks)")
     ap.add_argument("--out", type=Path, default=Path("runs/train_video_curve"))
     ap.add_argument("--work", type=Path, help="checkpoint, clips, classifier (default: out/work)")
@@ -49,6 +52,7 @@ def main(argv=None) -> int:
             break
         cfg = train.TrainConfig(max_steps=steps, batch=args.batch, lr=args.lr, clips=args.clips,
                                 noise_levels=args.noise_levels,
+                                motion_profile=args.motion_profile,
                                 minutes=(left - 60) / 60, work=args.work or args.out / "work",
                                 out=args.out / "weights", plots=args.out / "plots")  # fmt: skip
         t0 = time.perf_counter()
@@ -57,9 +61,12 @@ def main(argv=None) -> int:
         append_record(args.out / "curve.jsonl", {"trained_steps": done, "batch": args.batch,
                                                  "lr": args.lr,
                                                  "noise_levels": args.noise_levels,
+                                                 "motion_profile": args.motion_profile,
                                                  "train_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
         evaluate.main(["--model", str(cfg.out), "--per-caption", str(args.per_caption),
                        "--out", str(args.out)])  # fmt: skip
+        probe.main(["--checkpoint", str(cfg.work / "checkpoint.msgpack"),
+                    "--out", str(args.out / "probe")])  # fmt: skip
         if done < steps:
             break
     return 0

@@ -1,7 +1,7 @@
 """Short Fashion-MNIST clips for the `fmnist-video` model, made reproducibly from Debian's
 Fashion-MNIST (`datasets.fashion_mnist`): one item on a black 32 x 32 canvas, 8 frames, moving
-left, right, up or down by 2 pixels a frame, or zooming in or out (its side 12 -> 24 pixels or
-back); the caption names the class and the motion ("a sneaker moving left"). 8 frames split
+left, right, up or down by 14 pixels in all, or zooming in or out (its side 12 -> 24 pixels or
+back), at a constant pace (2 pixels a frame) or accelerating from rest (`PROFILES`); the caption names the class and the motion ("a sneaker moving left"). 8 frames split
 evenly over 2, 4 and 8 devices in every layout (frames, rows, 2 x 2 and 2 x 4 grids).
 
 A clip is drawn from (split, index, seed) alone: the item is the split's image `index`, its
@@ -23,6 +23,18 @@ ITEM = 16  # a moving item's side
 STEP = 2  # pixels a frame
 ZOOM = (12, 24)  # a zooming item's side, first -> last frame (zooming out: last -> first)
 MOTIONS = ("moving left", "moving right", "moving up", "moving down", "zooming in", "zooming out")
+PROFILES = ("constant", "accelerating")
+"""How a clip's motion runs: at a constant speed (a clip played backwards is another clip of the
+set: the set has no arrow of time), or from rest, the travel or zoom growing with the square of
+the time (played backwards, no clip of the set: the frames' order shows in every clip)."""
+
+
+def _progress(f: int, profile: str) -> float:
+    """The share of the travel or zoom done by frame f."""
+    frac = f / (FRAMES - 1)
+    if profile not in PROFILES:
+        raise ValueError(f"motion profile {profile!r}; known: {list(PROFILES)}")
+    return frac if profile == "constant" else frac * frac
 
 
 def caption(label: int, motion: int) -> str:
@@ -47,8 +59,11 @@ def _paste(canvas: np.ndarray, item: np.ndarray, top: int, left: int) -> None:
     )
 
 
-def make_clip(image: np.ndarray, motion: int, rng: np.random.Generator) -> np.ndarray:
-    """(FRAMES, SIZE, SIZE) uint8: `image` (28 x 28) moving or zooming by `motion`."""
+def make_clip(
+    image: np.ndarray, motion: int, rng: np.random.Generator, profile: str = "constant"
+) -> np.ndarray:
+    """(FRAMES, SIZE, SIZE) uint8: `image` (28 x 28) moving or zooming by `motion`, at the
+    `profile`'s pace (PROFILES)."""
     clip = np.zeros((FRAMES, SIZE, SIZE), np.float32)
     travel = STEP * (FRAMES - 1)  # 14 pixels
     free = SIZE - ITEM  # 16 pixels of room
@@ -59,7 +74,7 @@ def make_clip(image: np.ndarray, motion: int, rng: np.random.Generator) -> np.nd
         sign = -1 if motion in (0, 2) else 1  # left and up decrease the coordinate
         start = start if sign < 0 else free - start
         for f in range(FRAMES):
-            along = start + sign * STEP * f
+            along = start + sign * round(travel * _progress(f, profile))
             top, left = (across, along) if motion < 2 else (along, across)
             _paste(clip[f], item, top, left)
     else:
@@ -67,15 +82,16 @@ def make_clip(image: np.ndarray, motion: int, rng: np.random.Generator) -> np.nd
         half = hi // 2
         cy, cx = (int(v) for v in rng.integers(half, SIZE - half + 1, size=2))
         for f in range(FRAMES):
-            frac = f / (FRAMES - 1)
-            side = round(lo + (hi - lo) * (frac if motion == 4 else 1 - frac))
+            done = _progress(f, profile)
+            side = round(lo + (hi - lo) * done if motion == 4 else hi - (hi - lo) * done)
             _paste(clip[f], _resized(image, side), cy - side // 2, cx - side // 2)
     return np.round(clip * 255).astype(np.uint8)
 
 
-def clips(split: str, count: int, seed: int = 0, start: int = 0):
+def clips(split: str, count: int, seed: int = 0, start: int = 0, profile: str = "constant"):
     """(clips (N, FRAMES, SIZE, SIZE) uint8, labels (N,), motions (N,), captions) of the
-    split's images start .. start + count (Fashion-MNIST's `train` or `test`)."""
+    split's images start .. start + count (Fashion-MNIST's `train` or `test`), their motion at
+    the `profile`'s pace."""
     from patchpar.lab.datasets import fashion_mnist
 
     images, labels = fashion_mnist(split)
@@ -88,7 +104,7 @@ def clips(split: str, count: int, seed: int = 0, start: int = 0):
     motions = idx % len(MOTIONS)
     out = np.stack(
         [
-            make_clip(images[i], int(m), np.random.default_rng((seed, int(i))))
+            make_clip(images[i], int(m), np.random.default_rng((seed, int(i))), profile)
             for i, m in zip(idx, motions, strict=True)
         ]  # fmt: skip
     )
