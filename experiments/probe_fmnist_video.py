@@ -3,7 +3,9 @@ The caption-swap probe: the training loss on held-out test clips at a few noise 
 each clip's own caption, with its motion reversed ("moving left" for "moving right", "zooming
 out" for "zooming in"), with its motion turned a quarter ("moving up" for "moving left") and with
 another class. A model that ignores a part of the caption has the same loss with it swapped: the
-gap says what it has learned long before sampled clips show it.
+gap says what it has learned long before sampled clips show it. With it, how far the model is
+from equivariant under playing its input backwards (a model that cannot tell the frames' order)
+and under a mirror image.
 
     .venv/bin/python experiments/probe_fmnist_video.py \\
         --checkpoint runs/train_fmnist_video/work/checkpoint.msgpack
@@ -68,6 +70,33 @@ def caption_swap(checkpoint: Path, count: int = 96, seed: int = 0) -> dict:
     return out
 
 
+def symmetry_gaps(checkpoint: Path, seed: int = 0) -> dict:
+    """How far the model is from equivariant under playing its input backwards, and under a
+    mirror image (left-right): max |f(g x) - g f(x)| / max |f(x)| on noise inputs at s = 0.5
+    with random contexts. Relative positions alone (Wan's RoPE) give the frames no first one;
+    0 would mean the model cannot tell a clip from itself played backwards."""
+    import jax
+    import jax.numpy as jnp
+    import train_fmnist_video as recipe
+    from flax import serialization
+
+    wan, _ = recipe.models()
+    params = serialization.msgpack_restore(Path(checkpoint).read_bytes())["ema"]["wan"]
+    row = wan.row_multiple
+    x = jax.random.normal(jax.random.key(seed + 1), (2, recipe.FRAMES, 32, 32, 1))
+    ctx = jax.random.normal(jax.random.key(seed + 2), (2, recipe.TOKENS, recipe.TEXT["d_model"]))
+
+    def f(v):
+        out = wan(params, wan.video.to_tall(v, row), jnp.full((2,), 500.0), ctx)
+        return wan.video.from_tall(out, row)
+
+    out = f(x)
+    scale = float(jnp.abs(out).max())
+    backwards = float(jnp.abs(f(x[:, ::-1]) - out[:, ::-1]).max()) / scale
+    mirror = float(jnp.abs(f(x[:, :, :, ::-1]) - out[:, :, :, ::-1]).max()) / scale
+    return {"played_backwards": round(backwards, 5), "mirrored": round(mirror, 5)}
+
+
 def main(argv=None) -> int:
     from patchpar.lab.results import append_record, provenance
 
@@ -89,10 +118,12 @@ def main(argv=None) -> int:
         "noise_levels": list(LEVELS),
         "clips": args.clips,
         "loss": caption_swap(args.checkpoint, args.clips),
+        "equivariance_gap": symmetry_gaps(args.checkpoint),
         "provenance": provenance(),
     }
     append_record(args.out / "records.jsonl", record)
-    print({"trained_steps": step, "noise_levels": list(LEVELS), **record["loss"]})
+    print({"trained_steps": step, "noise_levels": list(LEVELS), **record["loss"],
+           **record["equivariance_gap"]})  # fmt: skip
     return 0
 
 
