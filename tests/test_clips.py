@@ -139,6 +139,35 @@ def test_video_train_script_exports_resumes_and_refuses_another_recipe(
     assert "resumed at step 2" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"different recipe \(differs in \['lr'\]\)"):
         train.main(train.TrainConfig(**{**vars(cfg), "lr": 2e-3}))
+    import probe_fmnist_video as probe  # the caption-swap probe reads the recipe's checkpoint
+
+    probe.main(["--checkpoint", str(cfg.work / "checkpoint.msgpack"), "--clips", "6",
+                "--out", str(tmp_path / "probe")])  # fmt: skip
+    record = json.loads((tmp_path / "probe" / "records.jsonl").read_text())
+    assert record["trained_steps"] == 3 and set(record["loss"]) == {
+        "right", "motion_reversed", "motion_turned", "other_class"}  # fmt: skip
+    assert all(len(v) == len(probe.LEVELS) and np.isfinite(v).all()
+               for v in record["loss"].values())  # fmt: skip
+    assert set(record["equivariance_gap"]) == {"played_backwards", "mirrored"}
+
+
+def test_the_probe_swaps_each_motion_for_its_reverse_and_its_quarter_turn():
+    """probe_fmnist_video's swaps: left <-> right, up <-> down, in <-> out reversed; a quarter
+    turn takes a direction to the other axis (a zoom to the other zoom)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "probe_fmnist_video.py"
+    spec = importlib.util.spec_from_file_location("probe_fmnist_video", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    words = [m.split()[1] for m in MOTIONS]
+    opposite = {"left": "right", "right": "left", "up": "down", "down": "up", "in": "out",
+                "out": "in"}  # fmt: skip
+    assert [words[r] for r in probe.REVERSED] == [opposite[w] for w in words]
+    axis = {"left": "h", "right": "h", "up": "v", "down": "v", "in": "z", "out": "z"}
+    for m, t in enumerate(probe.TURNED):
+        assert t != m and (axis[words[t]] != axis[words[m]] or axis[words[m]] == "z")
 
 
 def test_clip_frames_are_a_ground_truth(some):
