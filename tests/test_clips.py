@@ -33,17 +33,19 @@ def test_the_tracker_reads_every_clip(some):
     assert motion_accuracy(x, motions) == 1.0
     centroids, areas = track(x[4])  # zooming in: the area grows
     assert areas[-1] > 2 * areas[0]
-    right = x[1]  # moving right: the centroid's column grows 2 pixels a frame
-    c, _ = track(right)
+    steady, *_ = clips("test", 2, seed=0, profile="constant")
+    c, _ = track(steady[1])  # moving right at a constant pace: 2 pixels a frame
     assert np.allclose(np.diff(c[:, 1]), 2, atol=0.5)
     assert classify_motion(x[2][::-1]) == 3  # up, played backwards, is down
 
 
 def test_an_accelerating_clip_shows_the_arrow_of_time(some):
-    """The accelerating pace starts and ends where the constant one does, its steps grow frame
-    by frame (played backwards they shrink: no clip of the set), and the tracker reads it."""
-    x = some[0]
+    """The accelerating pace (the default) starts and ends where the constant one does, its
+    steps grow frame by frame (played backwards they shrink: no clip of the set), and the
+    tracker reads it."""
+    x, *_ = clips("test", 12, seed=0, profile="constant")
     fast, _, motions, _ = clips("test", 12, seed=0, profile="accelerating")
+    assert (fast == some[0][:12]).all()
     for i in (0, 1):  # moving left, moving right: same first and last frame, another pace
         assert (fast[i][[0, -1]] == x[i][[0, -1]]).all() and (fast[i] != x[i]).any()
         steps = np.abs(np.diff(track(fast[i])[0][:, 1]))

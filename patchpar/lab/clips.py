@@ -1,8 +1,9 @@
 """Short Fashion-MNIST clips for the `fmnist-video` model, made reproducibly from Debian's
 Fashion-MNIST (`datasets.fashion_mnist`): one item on a black 32 x 32 canvas, 8 frames, moving
 left, right, up or down by 14 pixels in all, or zooming in or out (its side 12 -> 24 pixels or
-back), at a constant pace (2 pixels a frame) or accelerating from rest (`PROFILES`); the caption names the class and the motion ("a sneaker moving left"). 8 frames split
-evenly over 2, 4 and 8 devices in every layout (frames, rows, 2 x 2 and 2 x 4 grids).
+back), accelerating from rest (the default) or at a constant pace (`PROFILES`); the caption
+names the class and the motion ("a sneaker moving left"). 8 frames split evenly over 2, 4 and
+8 devices in every layout (frames, rows, 2 x 2 and 2 x 4 grids).
 
 A clip is drawn from (split, index, seed) alone: the item is the split's image `index`, its
 motion `index % len(MOTIONS)` (every motion equally often, each class in every motion), its
@@ -20,13 +21,15 @@ from patchpar.measure.classifier import FASHION_MNIST_CLASSES
 FRAMES = 8
 SIZE = 32  # the canvas, pixels a side
 ITEM = 16  # a moving item's side
-STEP = 2  # pixels a frame
+STEP = 2  # pixels a frame at a constant pace (14 in all)
 ZOOM = (12, 24)  # a zooming item's side, first -> last frame (zooming out: last -> first)
 MOTIONS = ("moving left", "moving right", "moving up", "moving down", "zooming in", "zooming out")
-PROFILES = ("constant", "accelerating")
-"""How a clip's motion runs: at a constant speed (a clip played backwards is another clip of the
-set: the set has no arrow of time), or from rest, the travel or zoom growing with the square of
-the time (played backwards, no clip of the set: the frames' order shows in every clip)."""
+PROFILES = ("accelerating", "constant")
+"""How a clip's motion runs: from rest, the travel or zoom growing with the square of the time
+(played backwards, no clip of the set: the frames' order shows in every clip), or at a
+constant speed (a clip played backwards is the reversed motion's: the set has no arrow of time,
+and a Wan, whose RoPE is relative, learns the motion's axis but not its direction;
+results/fmnist_video_recipe)."""
 
 
 def _progress(f: int, profile: str) -> float:
@@ -60,7 +63,7 @@ def _paste(canvas: np.ndarray, item: np.ndarray, top: int, left: int) -> None:
 
 
 def make_clip(
-    image: np.ndarray, motion: int, rng: np.random.Generator, profile: str = "constant"
+    image: np.ndarray, motion: int, rng: np.random.Generator, profile: str = "accelerating"
 ) -> np.ndarray:
     """(FRAMES, SIZE, SIZE) uint8: `image` (28 x 28) moving or zooming by `motion`, at the
     `profile`'s pace (PROFILES)."""
@@ -88,7 +91,7 @@ def make_clip(
     return np.round(clip * 255).astype(np.uint8)
 
 
-def clips(split: str, count: int, seed: int = 0, start: int = 0, profile: str = "constant"):
+def clips(split: str, count: int, seed: int = 0, start: int = 0, profile: str = "accelerating"):
     """(clips (N, FRAMES, SIZE, SIZE) uint8, labels (N,), motions (N,), captions) of the
     split's images start .. start + count (Fashion-MNIST's `train` or `test`), their motion at
     the `profile`'s pace."""
