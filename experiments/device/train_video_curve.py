@@ -2,9 +2,8 @@
 trained to each of --steps in turn (each a resume of the last), exported, and measured by
 experiments/eval_fmnist_video.py (class and motion accuracy on held-out seeds) and probed by
 experiments/probe_fmnist_video.py (which parts of the caption the loss reads). A TPU chip runs
-the recipe in minutes where 2 CPU cores take an hour: it says how many updates the recipe needs
-before an hour of CPU is spent on them. Its weights are not the shipped ones (those are trained
-on the CPU by the command in training.json).
+the recipe in minutes where 2 CPU cores take hours: it says how many updates the recipe needs
+and what each stage has learned (results/fmnist_video_recipe).
 
     PATCHPAR_FASHION_MNIST=runs/fmnist-data \\
         python experiments/device/train_video_curve.py --steps 1000 2000 4000 --out DIR
