@@ -79,11 +79,10 @@ def main(argv=None) -> int:
     videos = np.concatenate(videos)
     classifier = classifier_of(args.model)
     trained = Path(SHIPPED.get(args.model, args.model)) / "training.json"
+    info = json.loads(trained.read_text()) if trained.is_file() else {}
     record = {
         "model": str(args.model),
-        "trained_steps": json.loads(trained.read_text())["trained_steps"]
-        if trained.is_file()
-        else None,
+        "trained_steps": info.get("trained_steps"),
         "videos": len(videos),
         "steps": args.steps,
         "guidance_scale": args.guidance_scale,
@@ -93,8 +92,9 @@ def main(argv=None) -> int:
         "generated": measures(videos, prompts, classifier),
         "sample_s": round(time.perf_counter() - t0, 1),
     }
-    made = json.loads(trained.read_text())["recipe"] if trained.is_file() else {}
-    profile = made.get("motion_profile", "constant")  # the ground truth paced as the training
+    profile = info.get("recipe", {}).get(
+        "motion_profile", "constant"
+    )  # the ground truth paced as the training
     gt, _, _, gt_prompts = clips("test", len(videos), seed=0, profile=profile)
     record["motion_profile"] = profile
     record["ground_truth"] = measures(gt, gt_prompts, classifier)

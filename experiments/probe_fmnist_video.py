@@ -30,19 +30,17 @@ TURNED = np.array([2, 3, 0, 1, 5, 4])  # left -> up, right -> down, up -> left, 
 LEVELS = (0.9, 0.7, 0.5, 0.3)
 
 
-def caption_swap(checkpoint: Path, count: int = 96, seed: int = 0) -> dict:
+def caption_swap(params: dict, work: Path, count: int = 96, seed: int = 0) -> dict:
     """{swap: [loss at each of LEVELS]} for swap in right, motion_reversed, motion_turned,
-    other_class; `count` test clips, one noise draw per level from `seed`."""
+    other_class, of a checkpoint's EMA `params` ({"wan", "t5"}) from the work folder `work`;
+    `count` test clips at the recipe's pace, one noise draw per level from `seed`."""
     import jax
     import jax.numpy as jnp
     import train_fmnist_video as recipe
-    from flax import serialization
 
     from patchpar.lab.clips import MOTIONS, clips
 
     wan, t5 = recipe.models()
-    params = serialization.msgpack_restore(Path(checkpoint).read_bytes())["ema"]
-    work = Path(checkpoint).parent
     _, ids, mask = recipe.captions_and_tokens(work)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
     ctx = t5(params["t5"], ids, mask)["last_hidden_state"] * mask[..., None]
@@ -70,18 +68,18 @@ def caption_swap(checkpoint: Path, count: int = 96, seed: int = 0) -> dict:
     return out
 
 
-def symmetry_gaps(checkpoint: Path, seed: int = 0) -> dict:
+def symmetry_gaps(params: dict, seed: int = 0) -> dict:
     """How far the model is from equivariant under playing its input backwards, and under a
     mirror image (left-right): max |f(g x) - g f(x)| / max |f(x)| on noise inputs at s = 0.5
     with random contexts. Relative positions alone (Wan's RoPE) give the frames no first one;
-    0 would mean the model cannot tell a clip from itself played backwards."""
+    0 would mean the model cannot tell a clip from itself played backwards. `params`: the
+    checkpoint's EMA weights ({"wan", "t5"})."""
     import jax
     import jax.numpy as jnp
     import train_fmnist_video as recipe
-    from flax import serialization
 
     wan, _ = recipe.models()
-    params = serialization.msgpack_restore(Path(checkpoint).read_bytes())["ema"]["wan"]
+    params = params["wan"]
     row = wan.row_multiple
     x = jax.random.normal(jax.random.key(seed + 1), (2, recipe.FRAMES, 32, 32, 1))
     ctx = jax.random.normal(jax.random.key(seed + 2), (2, recipe.TOKENS, recipe.TEXT["d_model"]))
@@ -110,15 +108,16 @@ def main(argv=None) -> int:
                          f"folder's checkpoint.msgpack)")  # fmt: skip
     from flax import serialization
 
-    step = int(serialization.msgpack_restore(args.checkpoint.read_bytes())["step"])
+    state = serialization.msgpack_restore(args.checkpoint.read_bytes())
+    step = int(state["step"])
     record = {
         "checkpoint": str(args.checkpoint),
         "trained_steps": step,
         "recipe": json.loads((args.checkpoint.parent / "recipe.json").read_text()),
         "noise_levels": list(LEVELS),
         "clips": args.clips,
-        "loss": caption_swap(args.checkpoint, args.clips),
-        "equivariance_gap": symmetry_gaps(args.checkpoint),
+        "loss": caption_swap(state["ema"], args.checkpoint.parent, args.clips),
+        "equivariance_gap": symmetry_gaps(state["ema"]),
         "provenance": provenance(),
     }
     append_record(args.out / "records.jsonl", record)

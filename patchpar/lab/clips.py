@@ -35,8 +35,6 @@ results/fmnist_video_recipe)."""
 def _progress(f: int, profile: str) -> float:
     """The share of the travel or zoom done by frame f."""
     frac = f / (FRAMES - 1)
-    if profile not in PROFILES:
-        raise ValueError(f"motion profile {profile!r}; known: {list(PROFILES)}")
     return frac if profile == "constant" else frac * frac
 
 
@@ -67,6 +65,8 @@ def make_clip(
 ) -> np.ndarray:
     """(FRAMES, SIZE, SIZE) uint8: `image` (28 x 28) moving or zooming by `motion`, at the
     `profile`'s pace (PROFILES)."""
+    if profile not in PROFILES:
+        raise ValueError(f"motion profile {profile!r}; known: {list(PROFILES)}")
     clip = np.zeros((FRAMES, SIZE, SIZE), np.float32)
     travel = STEP * (FRAMES - 1)  # 14 pixels
     free = SIZE - ITEM  # 16 pixels of room
