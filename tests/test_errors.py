@@ -125,7 +125,7 @@ def test_missing_tokenizer_files(tmp_path):
 def test_unknown_preset_and_weightless_preset():
     with pytest.raises(
         ValueError,
-        match=r"unknown preset 'sd3'; known: \['flux-dev', 'flux-schnell', 'fmnist', 'fmnist-dit', 'fmnist-flux', 'fmnist-random', 'fmnist-video-random', 'pixart-alpha', 'pixart-sigma', 'sd15', 'sd21', 'sd3-medium', 'sd3\.5-large', 'sd3\.5-medium', 'sdxl', 'tiny', 'tiny-dit', 'tiny-flux', 'tiny-sd3', 'tiny-wan', 'tiny-xl', 'wan2\.1-1\.3b', 'wan2\.1-14b', 'wan2\.2-5b'\]",
+        match=r"unknown preset 'sd3'; known: \['flux-dev', 'flux-schnell', 'fmnist', 'fmnist-dit', 'fmnist-flux', 'fmnist-random', 'fmnist-video', 'fmnist-video-random', 'pixart-alpha', 'pixart-sigma', 'sd15', 'sd21', 'sd3-medium', 'sd3\.5-large', 'sd3\.5-medium', 'sdxl', 'tiny', 'tiny-dit', 'tiny-flux', 'tiny-sd3', 'tiny-wan', 'tiny-xl', 'wan2\.1-1\.3b', 'wan2\.1-14b', 'wan2\.2-5b'\]",
     ):
         get_preset("sd3")
     with pytest.raises(ValueError, match="preset 'sdxl' has full shapes but no weights here"):

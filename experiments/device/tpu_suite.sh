@@ -167,7 +167,8 @@ for p in "${PARTS[@]}"; do
         work=/tmp/video_train_work_${nl}_$mp
         mkdir -p "$work"
         [ -n "$first" ] && cp -r "$first"/clips-*.npz "$first"/classifier "$work"/ 2>/dev/null
-        [ -n "${TRAIN_CLASSIFIER:-}" ] && cp -r "$TRAIN_CLASSIFIER" "$work"/classifier
+        [ -n "${TRAIN_CLASSIFIER:-}" ] && [ ! -d "$work"/classifier ] \
+          && cp -r "$TRAIN_CLASSIFIER" "$work"/classifier
         part video_train_${nl}_$mp ${TRAIN_LIMIT:-540} $PY experiments/device/train_video_curve.py \
           --work "$work" --noise-levels "$nl" --motion-profile "$mp" \
           --steps ${TRAIN_STEPS:-1000 2000 4000} ${TRAIN_ARGS:-}

@@ -26,9 +26,12 @@ FULL_SIZE = tuple(name for fam in families().values() for name in fam.full_size)
 
 # Presets with trained weights committed in the repository (experiments/train_fmnist.py,
 # experiments/train_fmnist_dit.py: a PixArt-architecture DiT, experiments/train_fmnist_flux.py:
-# a FLUX.1-architecture MMDiT on a small VAE's latent).
+# a FLUX.1-architecture MMDiT on a small VAE's latent, experiments/train_fmnist_video.py: a
+# pixel-space Wan making 8-frame clips).
 _WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
-SHIPPED = {name: _WEIGHTS / name for name in ("fmnist", "fmnist-dit", "fmnist-flux")}
+SHIPPED = {
+    name: _WEIGHTS / name for name in ("fmnist", "fmnist-dit", "fmnist-flux", "fmnist-video")
+}
 # CLIP models committed in the repository (open_clip local-dir folders), by name
 # (experiments/train_clip_fmnist.py).
 CLIP_MODELS = {"fmnist-clip": _WEIGHTS / "fmnist-clip"}
