@@ -142,3 +142,25 @@ def test_quant_notebook(tmp_path, monkeypatch, run_notebook):
     for name in found:
         plot = "quant_speed" if "speed" in name else "quant_quality"
         assert (tmp_path / name / "plots" / f"{plot}.png").stat().st_size > 0
+
+
+VIDEO = ("video_key", "video_layouts", "video_warmup", "video_methods", "speedup_cpu_video")
+
+
+@pytest.mark.skipif(
+    not (RESULTS / "speedup_cpu_video" / "runs.jsonl").is_file(), reason="no video records"
+)
+@pytest.mark.slow  # three notebooks stay in the default tier
+def test_video_study_notebook(tmp_path, monkeypatch, run_notebook):
+    """The video study: its tables, and each figure where its sweep has records."""
+    found = copy_records(tmp_path, *VIDEO)
+    monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
+    text, _ = run_notebook(NOTEBOOKS / "video_study.ipynb")
+    assert "| single | — |" in text and "| pcpp send=band | rows |" in text
+    plots = {"video_key": "psnr_by_frame", "video_layouts": "layouts", "video_warmup": "warmup"}
+    for name, plot in plots.items():
+        png = tmp_path / name / "plots" / f"{plot}.png"
+        if name in found:
+            assert png.stat().st_size > 0
+        else:
+            assert f"{name}: no records" in text and not png.exists()
