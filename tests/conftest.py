@@ -132,6 +132,7 @@ HEAVY_FIRST = (
     "test_asyncdiff.py",
     "test_cli.py",
     "test_readme.py",
+    "test_clips.py",
     "test_deepcache.py",
     "test_parallel_dit.py",
     "test_parallel_tensor.py",
