@@ -225,7 +225,7 @@ def test_the_shipped_fmnist_video_makes_the_prompted_item_and_motion():
     """The committed fmnist-video (experiments/train_fmnist_video.py), on its tuned sampler,
     makes for every class two of the six motions: clips whose tracked motion is the prompt's
     and whose frames its classifier reads as the prompt's class (published on 240 held-out
-    clips: paper_repro.md, "The fmnist-video model"; its random-weight twin scores 15% and 10%)."""
+    clips: paper_repro.md, "The fmnist-video model")."""
     from patchpar.lab.defaults import default_guidance
     from patchpar.lab.video_quality import item_crops_of
     from patchpar.measure.classifier import predict

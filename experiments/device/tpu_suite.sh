@@ -167,6 +167,7 @@ for p in "${PARTS[@]}"; do
         work=/tmp/video_train_work_${nl}_$mp
         mkdir -p "$work"
         [ -n "$first" ] && cp -r "$first"/clips-*.npz "$first"/classifier "$work"/ 2>/dev/null
+        # a resumed work folder keeps the classifier it has (TRAIN_CLASSIFIER only seeds a new one)
         [ -n "${TRAIN_CLASSIFIER:-}" ] && [ ! -d "$work"/classifier ] \
           && cp -r "$TRAIN_CLASSIFIER" "$work"/classifier
         part video_train_${nl}_$mp ${TRAIN_LIMIT:-540} $PY experiments/device/train_video_curve.py \
