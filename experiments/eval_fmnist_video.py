@@ -92,9 +92,7 @@ def main(argv=None) -> int:
         "generated": measures(videos, prompts, classifier),
         "sample_s": round(time.perf_counter() - t0, 1),
     }
-    profile = info.get("recipe", {}).get(
-        "motion_profile", "constant"
-    )  # the ground truth paced as the training
+    profile = info.get("recipe", {}).get("motion_profile", "constant")  # the training's pace
     gt, _, _, gt_prompts = clips("test", len(videos), seed=0, profile=profile)
     record["motion_profile"] = profile
     record["ground_truth"] = measures(gt, gt_prompts, classifier)

@@ -14,6 +14,15 @@ NOTEBOOKS = REPO / "experiments" / "notebooks"
 ABLATIONS = ("fmnist_groupnorm", "fmnist_warmup", "fmnist_portion", "fmnist_baselines")
 
 
+def run_on_records(tmp_path, monkeypatch, run_notebook, notebook: str, *experiments: str):
+    """Run experiments/notebooks/<notebook>.ipynb on a copy of the experiments' records under
+    tmp_path: (the experiments that had records, the printed text)."""
+    found = copy_records(tmp_path, *experiments)
+    monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
+    text, _ = run_notebook(NOTEBOOKS / f"{notebook}.ipynb")
+    return found, text
+
+
 def copy_records(root: Path, *experiments: str) -> list[str]:
     """Copy results/<experiment>/runs.jsonl under root; the experiments that had records."""
     found = []
@@ -113,9 +122,7 @@ CACHES = ("cache_fmnist_dit", "cache_fmnist", "cache_fmnist_flux", "speedup_cach
 )
 @pytest.mark.slow  # three notebooks stay in the default tier
 def test_caches_notebook(tmp_path, monkeypatch, run_notebook):
-    found = copy_records(tmp_path, *CACHES)
-    monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
-    text, _ = run_notebook(NOTEBOOKS / "caches.ipynb")
+    found, text = run_on_records(tmp_path, monkeypatch, run_notebook, "caches", *CACHES)
     assert "| distrifusion + fbcache threshold=0.1 |" in text
     if "asyncdiff_fmnist_dit" in found:
         assert "| asyncdiff warmup_steps=9 | 2 |" in text
@@ -153,9 +160,7 @@ VIDEO = ("video_key", "video_layouts", "video_warmup", "video_methods", "speedup
 @pytest.mark.slow  # three notebooks stay in the default tier
 def test_video_study_notebook(tmp_path, monkeypatch, run_notebook):
     """The video study: its tables, and each figure where its sweep has records."""
-    found = copy_records(tmp_path, *VIDEO)
-    monkeypatch.setenv("PATCHPAR_RESULTS_ROOT", str(tmp_path))
-    text, _ = run_notebook(NOTEBOOKS / "video_study.ipynb")
+    found, text = run_on_records(tmp_path, monkeypatch, run_notebook, "video_study", *VIDEO)
     assert "| single | — |" in text and "| pcpp send=band | rows |" in text  # the speed table
     if "video_key" in found:
         assert "| distrifusion | 4 | rows |" in text
