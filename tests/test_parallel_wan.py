@@ -88,6 +88,42 @@ def test_distrifusion_on_a_video(layout):
     assert np.abs(stale - exact).max() > 1e-3 * np.abs(exact).max()  # stale: not exact
 
 
+@pytest.mark.parametrize(
+    "layout, devices, frames, rows",
+    [
+        ("frames", 3, 1, 8),  # a frame each
+        ("3x2", 6, 1, 4),  # a frame's half each
+        pytest.param("rows", 2, 3, 4, marks=pytest.mark.slow),  # every frame's half each
+    ],
+)
+def test_naive_patch_on_a_video_is_each_block_denoised_alone(layout, devices, frames, rows):
+    """Each device denoises its slab as a video of its own: every block of `frames` frames x
+    `rows` latent rows equals `single` on that block alone, its positions its own."""
+    naive = sample(layout, "naive_patch", devices)
+    fn, params = micro("frames")
+    x, cond = inputs()
+    smp = get_sampler("unipc")
+    sched = smp.schedule(SchedulerConfig(flow=True, shift=3.0), STEPS)
+    alone_fn = fn.with_video(Video(frames))
+    for f0 in range(0, 3, frames):
+        for r0 in range(0, 8, rows):
+            block = x[:, f0 : f0 + frames, r0 : r0 + rows]
+            out, _ = denoise(alone_fn, Plan(make_strategy("single"), 1), smp, params, cond, sched,
+                             alone_fn.video.to_tall(block, 2), GUIDANCE)  # fmt: skip
+            alone = np.asarray(alone_fn.video.from_tall(out, 2))
+            got = naive[:, f0 : f0 + frames, r0 : r0 + rows]
+            assert np.abs(got - alone).max() <= rounding(alone), (f0, r0)
+    assert np.abs(naive - sample(layout, "single", 1)).max() > 1e-3  # seams: not exact
+
+
+def test_naive_patch_refuses_a_video_slab_that_cuts_a_frame():
+    with pytest.raises(ValueError, match=r"3 latent frames do not split into 2 whole videos; "
+                                         r"devices that divide them: \[3\]"):  # fmt: skip
+        run_of("frames", "naive_patch", 2)
+    with pytest.raises(ValueError, match=r"naive_patch on a video over uneven patches \(6, 6, 4,"):
+        run_of("frames", "naive_patch", 5)
+
+
 def test_hlo_bytes_equal_the_analytic_model_on_a_video():
     from patchpar.measure.cost import measure
 

@@ -105,6 +105,11 @@ class Denoiser(Protocol):
 
     def with_ops(self, ops: SiteOps) -> Denoiser: ...
 
+    def as_patch(self, rows: tuple[int, ...]) -> Denoiser:
+        """The denoiser each row patch (of `rows` latent rows each) runs as a whole input of
+        its own (naive patch): an image model itself; a video model on its slab's video."""
+        ...
+
     def with_attention(self, spec: AttentionSpec) -> Denoiser: ...
 
     def with_scan(self, on: bool = True) -> Denoiser:

@@ -33,6 +33,12 @@ class ModuleDenoiser(Scannable):
         """The same denoiser with other site ops (`models.sites.SiteOps`)."""
         return dataclasses.replace(self, module=self.module.clone(ops=ops))
 
+    def as_patch(self, rows: tuple[int, ...]):
+        """The denoiser each row patch (of `rows` latent rows each) runs as a whole input of
+        its own (naive patch): itself, a slab of an image being an image."""
+        del rows
+        return self
+
     def with_attention(self, spec):
         """The same denoiser with another attention kernel (`models.attention.AttentionSpec`)."""
         return dataclasses.replace(self, module=self.module.clone(attn=spec))

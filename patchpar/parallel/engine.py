@@ -266,6 +266,8 @@ class StepProgram(Program):
             rows = plan.row_split(latent_hw[0], unet)  # first (a trace below would fail on it)
             if not is_even(rows):
                 uneven_supported(plan, rows)
+            if not hasattr(s.ops("warmup", plan.patch), "with_rows"):  # slabs run alone:
+                unet.as_patch(tuple(rows))  # a video's must be whole videos of their own
         if build_mesh and (groups := s.packed_groups()) is not None and groups > 1:
             check_groups(groups, stale_sites(unet, plan, tuple(latent_hw)))
         if (coded := s.coded()) is not None:  # a wire or codec names only sites the model has

@@ -81,8 +81,8 @@ def make_step(
         with jax.named_scope("pp_cache"):
             return lax.psum(v, (DATA, CFG, PATCH))
 
-    def program(ops, rows=None):  # one device's program with these site ops
-        module = unet.module.clone(ops=ops)
+    def program(ops, rows=None, fn=unet):  # one device's program of `fn` with these site ops
+        module = fn.module.clone(ops=ops)
         # uneven patches in a steady phase whose exchanges all follow the call: each device
         # computes its own rows alone (a branch per patch size); padded slabs otherwise
         whole = not hasattr(ops, "with_rows")  # identity sites: each slab a whole image
@@ -99,7 +99,7 @@ def make_step(
 
             def branch(i, r):
                 def call(x):
-                    module_r = unet.module.clone(ops=ops if whole else ops.with_rows(rows, slab=r))
+                    module_r = fn.module.clone(ops=ops if whole else ops.with_rows(rows, slab=r))
 
                     def apply(*a, **k):
                         return module_r.apply(variables, *a, **k, mutable=mutable)
@@ -185,7 +185,9 @@ def make_step(
             rows = plan.patch_rows(x.shape[1], unet) if axis == "row" else None
         uneven = not is_even(rows)  # every slab padded to the largest patch's rows
         sited = uneven and hasattr(ops, "with_rows")  # (identity sites: slabs whole images)
-        local = program(ops.with_rows(rows) if sited else ops, rows if uneven else None)
+        alone = rows is not None and len(rows) > 1 and not hasattr(ops, "with_rows")
+        fn = unet.as_patch(tuple(rows)) if alone else unet  # each slab a whole input: a video's
+        local = program(ops.with_rows(rows) if sited else ops, rows if uneven else None, fn)
         if uneven and padded is None:
             x = pad_rows(x, rows)
         params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program

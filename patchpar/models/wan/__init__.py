@@ -81,6 +81,20 @@ class WanFn(TokenDenoiser):
         """The same denoiser on another video layout (frames, order)."""
         return dataclasses.replace(self, module=self.module.clone(video=video))
 
+    def as_patch(self, rows: tuple[int, ...]) -> WanFn:
+        """The denoiser each row patch of the tall image (`rows` latent rows each) runs alone
+        (naive patch): on the video its slab holds (`Video.patch`), positions its own;
+        ValueError for uneven patches (a slab of another size or cutting a frame)."""
+        video, n = self.video, len(rows)
+        if len(set(rows)) > 1:
+            raise ValueError(
+                f"naive_patch on a video over uneven patches ({', '.join(map(str, rows))} latent "
+                f"rows): each device denoises its slab alone as a whole video, so the slabs "
+                f"must be equal blocks of it; use a device count that divides the layout's "
+                f"frames or token rows, or an exact strategy"
+            )
+        return self.with_video(video.patch(n, sum(rows) // self.row_multiple // video.frames))
+
     def image_tokens(self, h: int, w: int) -> int:
         p = self.config.spatial_patch
         return (h // p) * (w // p)

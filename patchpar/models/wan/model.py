@@ -176,6 +176,33 @@ class Video:
                 f"video's {f} latent frames x {token_rows} token rows per frame ({fit})"
             )
 
+    def patch(self, n: int, token_rows: int) -> Video:
+        """The video each of `n` even row patches of the tall image holds, as a whole video of
+        its own (naive patch: each device denoises its slab alone, its positions its own):
+        `frames` a run of F / n frames, `rows` every frame's Hp / n token rows, a grid's block
+        F / fb frames x Hp / rb rows (laid out as frames); ValueError where the slabs are not
+        such videos (a slab cutting a frame), naming what fits. `token_rows`: Hp a frame."""
+        f, fb = self.frames, grid(self.layout)[0]
+        if n == 1:
+            return self
+        if self.layout == "frames" and f % n:
+            fits = [d for d in range(2, f + 1) if f % d == 0]
+            raise ValueError(
+                f"layout='frames' with each of {n} patches denoised alone (naive_patch): "
+                f"{f} latent frames do not split into {n} whole videos; devices that divide "
+                f"them: {fits}, or layout 'rows' or a grid"
+            )
+        if self.layout == "rows" and token_rows % n:
+            fits = [d for d in range(2, token_rows + 1) if token_rows % d == 0]
+            raise ValueError(
+                f"layout='rows' with each of {n} patches denoised alone (naive_patch): "
+                f"{token_rows} token rows a frame do not split into {n} whole videos; devices "
+                f"that divide them: {fits}, or layout 'frames' or a grid"
+            )
+        if self.layout == "rows":
+            return self
+        return Video(f // (n if self.layout == "frames" else fb), "frames")
+
     def units(self, rows: int, p: int) -> np.ndarray:
         """(rows / p,) the (frame, token row) of each token row of a tall image of `rows`
         latent rows (p latent rows per token row), in the layout's order: (n, 2) int."""
