@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parallel_helpers import GUIDANCE, inputs, micro_unet
+from parallel_helpers import GUIDANCE, inputs, micro_unet, rounding
 
 from patchpar.measure.cost import measure
 from patchpar.parallel.codecs import NAMES, pack, parse, unpack
@@ -236,15 +236,25 @@ def test_extrapolation_changes_a_stale_run_and_an_exact_warm_up_leaves_it_exact(
         ),
     ],
 )
-def test_compressed_packed_equals_per_site_bit_for_bit(strategy, options, patch, groups):
+def test_compressed_packed_equals_per_site(strategy, options, patch, groups):
+    """The final latent within float32 rounding (`rounding`), as uncompressed packing's
+    (test_parallel_exchange.py): the exchange only moves the codes, but the two programs'
+    compute is compiled apart, and bit identity holds only where XLA compiles them alike (with
+    XLA:CPU's older loop emitters at -O0, lowrank-1 with extrapolation lands 1.9e-5 from the
+    per-site latent after 4 steps, 0.04 of the bound; bit for bit with XLA's default flags).
+    The stale buffers are not compared: a coded one is a quantizer's output, and an ulp that
+    crosses a level moves an element by a whole step (134 x `reordered` after 2 steps at
+    int2). A packing off by one element fails the bound by orders of magnitude
+    (test_parallel_exchange.py::test_a_packing_off_by_one_element_fails)."""
     opts = {"warmup_steps": 0, **options}
     per_site = tuple(sorted({**opts, "comm_groups": "per_site"}.items()))
     ref, ref_state = _run(strategy, per_site, patch)
     for g in groups:
         out, state = _run(strategy, tuple(sorted({**opts, "comm_groups": g}.items())), patch)
-        np.testing.assert_array_equal(out, ref)
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert np.abs(out - ref).max() <= rounding(ref)
+        assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+    sync, _ = _run("sync_patch", (), patch)
+    assert np.abs(ref - sync).max() > 100 * rounding(ref)  # coded and stale: far from exact
 
 
 # ------------------------------------------------------------------ bytes: HLO == analytic

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parallel_helpers import GUIDANCE, inputs, micro_unet
+from parallel_helpers import GUIDANCE, inputs, micro_unet, reordered, rounding
 
 from patchpar.models.attention import XLA
 from patchpar.parallel.engine import Plan, denoise, make_step
@@ -169,7 +169,11 @@ def test_each_phase_is_one_compiled_loop(strategy, options, loops):
 @pytest.mark.slow  # ~60 s; the runner's phase timing checks the chaining on every run
 def test_phases_chained_equal_the_whole_denoising():
     """`denoise_phase` programs run one after the other (as the runner times them) give
-    `denoise`'s latent and state exactly: a dpmpp_2m history crosses the phase boundary."""
+    `denoise`'s latent and state: a dpmpp_2m history crosses the phase boundary. Within float32
+    rounding (`rounding`; each stale buffer within 10 x `reordered`), as any two programs of
+    the same arithmetic: bit for bit where XLA compiles them alike (with XLA's default flags),
+    9.5e-6 apart at a scale of 48 with the older loop emitters at -O0. A phase that dropped or
+    repeated a step, or lost the sampler's history, would be orders of magnitude off."""
     from patchpar.parallel.engine import denoise_phase, phase_steps
 
     unet, params = micro_unet("sd")
@@ -182,9 +186,9 @@ def test_phases_chained_equal_the_whole_denoising():
     y, loop = x, None
     for phase in phase_steps(plan, 4):
         y, loop = denoise_phase(unet, plan, smp, phase, params, cond, sched, y, loop, GUIDANCE)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(whole))
+    assert np.abs(np.asarray(y) - np.asarray(whole)).max() <= rounding(whole)
     for a, b in zip(jax.tree.leaves(loop[1]), jax.tree.leaves(state), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 10 * reordered(b)
 
 
 @pytest.mark.parametrize(
