@@ -93,6 +93,7 @@ def test_distrifusion_on_a_video(layout):
     [
         ("frames", 3, 1, 8),  # a frame each
         ("3x2", 6, 1, 4),  # a frame's half each
+        ("1x2", 2, 3, 4),  # every frame's half each, as a block (frame after frame)
         pytest.param("rows", 2, 3, 4, marks=pytest.mark.slow),  # every frame's half each
     ],
 )
@@ -122,6 +123,8 @@ def test_naive_patch_refuses_a_video_slab_that_cuts_a_frame():
         run_of("frames", "naive_patch", 2)
     with pytest.raises(ValueError, match=r"naive_patch on a video over uneven patches \(6, 6, 4,"):
         run_of("frames", "naive_patch", 5)
+    with pytest.raises(ValueError, match=r"layout='3x2': 3 x 2 = 6 blocks for 2 patch devices"):
+        run_of("3x2", "naive_patch", 2)  # a grid of other blocks than devices
 
 
 def test_hlo_bytes_equal_the_analytic_model_on_a_video():

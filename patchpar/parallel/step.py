@@ -186,8 +186,8 @@ def make_step(
         uneven = not is_even(rows)  # every slab padded to the largest patch's rows
         sited = uneven and hasattr(ops, "with_rows")  # (identity sites: slabs whole images)
         alone = rows is not None and len(rows) > 1 and not hasattr(ops, "with_rows")
-        fn = unet.as_patch(tuple(rows)) if alone else unet  # each slab a whole input: a video's
-        local = program(ops.with_rows(rows) if sited else ops, rows if uneven else None, fn)
+        slab_fn = unet.as_patch(tuple(rows)) if alone else unet  # a slab a whole input (video)
+        local = program(ops.with_rows(rows) if sited else ops, rows if uneven else None, slab_fn)
         if uneven and padded is None:
             x = pad_rows(x, rows)
         params = unet.prepare(params)  # as placed (`placed_params`), or stacked in the program

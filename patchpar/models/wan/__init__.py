@@ -86,14 +86,19 @@ class WanFn(TokenDenoiser):
         (naive patch): on the video its slab holds (`Video.patch`), positions its own;
         ValueError for uneven patches (a slab of another size or cutting a frame)."""
         video, n = self.video, len(rows)
+        token_rows = sum(rows) // self.row_multiple // video.frames  # a frame's
         if len(set(rows)) > 1:
+            cut = {"frames": video.frames, "rows": token_rows}.get(video.layout)
+            fits = "" if cut is None else (
+                f"; devices that divide the {video.layout}: "
+                f"{[d for d in range(2, cut + 1) if cut % d == 0]}"
+            )  # fmt: skip
             raise ValueError(
                 f"naive_patch on a video over uneven patches ({', '.join(map(str, rows))} latent "
                 f"rows): each device denoises its slab alone as a whole video, so the slabs "
-                f"must be equal blocks of it; use a device count that divides the layout's "
-                f"frames or token rows, or an exact strategy"
+                f"must be equal blocks of it; leave patch_weights unset{fits}"
             )
-        return self.with_video(video.patch(n, sum(rows) // self.row_multiple // video.frames))
+        return self.with_video(video.patch(n, token_rows))
 
     def image_tokens(self, h: int, w: int) -> int:
         p = self.config.spatial_patch

@@ -185,6 +185,7 @@ class Video:
         f, fb = self.frames, grid(self.layout)[0]
         if n == 1:
             return self
+        self.check(token_rows, n)  # a grid's blocks the devices, frames at least one each
         if self.layout == "frames" and f % n:
             fits = [d for d in range(2, f + 1) if f % d == 0]
             raise ValueError(
