@@ -186,19 +186,15 @@ class Video:
         if n == 1:
             return self
         self.check(token_rows, n)  # a grid's blocks the devices, frames at least one each
-        if self.layout == "frames" and f % n:
-            fits = [d for d in range(2, f + 1) if f % d == 0]
+        cut = {"frames": (f, "latent frames", "rows"), "rows": (token_rows, "token rows a frame",
+               "frames")}.get(self.layout)  # fmt: skip
+        if cut is not None and cut[0] % n:
+            count, what, other = cut
+            fits = [d for d in range(2, count + 1) if count % d == 0]
             raise ValueError(
-                f"layout='frames' with each of {n} patches denoised alone (naive_patch): "
-                f"{f} latent frames do not split into {n} whole videos; devices that divide "
-                f"them: {fits}, or layout 'rows' or a grid"
-            )
-        if self.layout == "rows" and token_rows % n:
-            fits = [d for d in range(2, token_rows + 1) if token_rows % d == 0]
-            raise ValueError(
-                f"layout='rows' with each of {n} patches denoised alone (naive_patch): "
-                f"{token_rows} token rows a frame do not split into {n} whole videos; devices "
-                f"that divide them: {fits}, or layout 'frames' or a grid"
+                f"layout={self.layout!r} with each of {n} patches denoised alone (naive_patch): "
+                f"{count} {what} do not split into {n} whole videos; devices that divide them: "
+                f"{fits}, or layout {other!r} or a grid"
             )
         if self.layout == "rows":
             return self
