@@ -91,8 +91,8 @@ def test_distrifusion_on_a_video(layout):
 @pytest.mark.parametrize(
     "layout, devices, frames, rows",
     [
-        ("frames", 3, 1, 8),  # a frame each
-        ("3x2", 6, 1, 4),  # a frame's half each
+        pytest.param("frames", 3, 1, 8, marks=pytest.mark.slow),  # a frame each
+        pytest.param("3x2", 6, 1, 4, marks=pytest.mark.slow),  # a frame's half each
         ("1x2", 2, 3, 4),  # every frame's half each, as a block (frame after frame)
         pytest.param("rows", 2, 3, 4, marks=pytest.mark.slow),  # every frame's half each
     ],
