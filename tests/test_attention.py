@@ -11,9 +11,12 @@ from parallel_helpers import inputs, micro_unet, single_guided
 
 from patchpar.models.attention import (
     AttentionSpec,
+    Keys,
     attend,
+    attend_keys,
     available,
     chunked_attention,
+    heads_kv,
     resolve,
     xla_attention,
 )
@@ -61,6 +64,35 @@ def test_splash_interpreted_equals_xla(shape):
     mask = _mask(tk) if masked else None
     out = attend(AttentionSpec("splash", 128, 128, interpret=True), q, k, v, h, mask)
     assert _rel(out, xla_attention(q, k, v, h, mask)) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["chunked", "xla", "splash"])
+@pytest.mark.parametrize("skip", [0, 2, 3], ids=lambda s: f"skip{s}")
+def test_sources_equal_their_keys_in_one_sequence(impl, skip):
+    """Keys read where they lie (a stale buffer's slots but the skipped own one, a fresh own
+    slot, a masked band) give the softmax over those keys joined in one sequence: slots of 70
+    keys in blocks of 32 (the last block of each starts early, its keys read before masked)."""
+    b, tq, h, d, t, slots = 2, 50, 2, 8, 70, 4
+    rng = np.random.RandomState(3)
+    q = jnp.asarray(rng.randn(b, tq, h * d), jnp.float32)
+    kv = [jnp.asarray(rng.randn(b, t, h * d), jnp.float32) for _ in range(2 * slots + 4)]
+    buffer = jnp.stack([heads_kv(kv[2 * i], kv[2 * i + 1], h) for i in range(slots)])
+    own_k, own_v, band_k, band_v = kv[-4:]
+    band_keep = _mask(t)
+    sources = [
+        Keys(buffer, skip=jnp.asarray(skip, jnp.int32)),
+        Keys.of(own_k, own_v, h),
+        Keys.of(band_k, band_v, h, band_keep),
+    ]
+    others = [i for i in range(slots) if i != skip]
+    keys = jnp.concatenate([kv[2 * i] for i in others] + [own_k, band_k], 1)
+    values = jnp.concatenate([kv[2 * i + 1] for i in others] + [own_v, band_v], 1)
+    mask = jnp.concatenate([jnp.ones(((slots - 1) * t + t,), bool), band_keep])
+    ref = xla_attention(q, keys, values, h, mask)
+    spec = AttentionSpec(impl, 128, 128, True) if impl == "splash" else AttentionSpec(impl, 16, 32)
+    out = jax.jit(lambda q, s: attend_keys(spec, q, h, s))(q, sources)
+    assert sources[0].tokens == (slots - 1) * t
+    assert _rel(out, ref) <= 1e-5
 
 
 def test_chunked_bfloat16_close_to_float32():

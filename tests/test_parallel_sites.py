@@ -146,6 +146,15 @@ def kv_of(mod_params, x):
     return jnp.stack([k, v])
 
 
+def as_tokens(buf):
+    """A K/V buffer as kept (the kernels' heads layout: (2, B, H, L, D), or the (n, ...) slots
+    of a gathered one) -> (2, B, n*L, H*D), tokens in order."""
+    if buf.ndim == 6:
+        buf = jnp.concatenate(list(buf), axis=3)
+    two, b, h, t, d = buf.shape
+    return buf.transpose(0, 1, 3, 2, 4).reshape(two, b, t, h * d)
+
+
 def test_stale_halo_reads_previous_step_and_refreshes():
     n, top = 4, 1
     x1, x2 = rand(B, H, W, C, seed=4), rand(B, H, W, C, seed=5)
@@ -202,37 +211,38 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send, align):
     params = init(Attention(2, 4, C), x1)
     length = tokens // n
     band = band_tokens(length, portion) if align == "tokens" else 2 * W
+    heads = (2, 4)  # the buffers in the kernels' heads layout: 2 heads of 4
     if kv == "stale":
-        state0 = {"kv": rand(n, 2, B, tokens, 8, seed=12)}
+        state0 = {"kv": rand(n, n, 2, B, *heads[:1], length, heads[1], seed=12)}
     else:
         state0 = {
-            "kv_above": rand(n, 2, B, band, 8, seed=12),
-            "kv_below": rand(n, 2, B, band, 8, seed=13),
+            "kv_above": rand(n, 2, B, heads[0], band, heads[1], seed=12),
+            "kv_below": rand(n, 2, B, heads[0], band, heads[1], seed=13),
         }
     _, state1 = sharded(mod, params, x1, n, state0, row=W)  # row: tokens per image row
     fresh1 = kv_of(params, x1)  # (2, B, T, D)
     for i in range(n):
         if kv == "stale":
-            np.testing.assert_allclose(state1["kv"][i], fresh1, atol=1e-5)
+            np.testing.assert_allclose(as_tokens(state1["kv"][i]), fresh1, atol=1e-5)
         else:
             above = fresh1[:, :, i * length - band : i * length] if i > 0 else None
             below = fresh1[:, :, (i + 1) * length : (i + 1) * length + band] if i < n - 1 else None
             if above is not None:
-                np.testing.assert_allclose(state1["kv_above"][i], above, atol=1e-5)
+                np.testing.assert_allclose(as_tokens(state1["kv_above"][i]), above, atol=1e-5)
             if below is not None:
-                np.testing.assert_allclose(state1["kv_below"][i], below, atol=1e-5)
+                np.testing.assert_allclose(as_tokens(state1["kv_below"][i]), below, atol=1e-5)
     out2, _ = sharded(mod, params, x2, n, state1, row=W)
     fresh2 = kv_of(params, x2)
     q = x2 @ params["to_q"]["kernel"]
     for i in range(n):
         own = fresh2[:, :, i * length : (i + 1) * length]
         if kv == "stale":
-            keys = state1["kv"][i].at[:, :, i * length : (i + 1) * length].set(own)
+            keys = as_tokens(state1["kv"][i]).at[:, :, i * length : (i + 1) * length].set(own)
         else:
             parts = (
-                ([state1["kv_above"][i]] if i > 0 else [])
+                ([as_tokens(state1["kv_above"][i])] if i > 0 else [])
                 + [own]
-                + ([state1["kv_below"][i]] if i < n - 1 else [])
+                + ([as_tokens(state1["kv_below"][i])] if i < n - 1 else [])
             )
             keys = jnp.concatenate(parts, axis=2)
         ref = attention_ref(q[:, i * length : (i + 1) * length], keys[0], keys[1], params)

@@ -20,6 +20,12 @@ patch's (the rows rounded up to whole token rows: an uneven split computes every
 it); records name its rows (`patch_rows`). A size is a square image's pixels or, for a video
 model, HxWxF (its latent frames laid out as one tall image, frame after frame). A point is skipped (recorded as such) once `--budget-s` has passed.
 Every program runs `--attention` (default `auto`, the backend's kernel; records name it).
+A stale strategy's steady program is timed twice (`--stale-exchange both`, the default): with
+its stale exchanges stood in by local copies on the core (`stand_in`, as every collective), and
+with them left out, the sends returned and the buffers kept as given (`left_out`,
+`Plan(stale_exchange=False)`): on a TPU or GPU those exchanges overlap the step on the
+interconnect's DMA engines, so `left_out` is the per-device compute the projection should use
+for them; records name which (`stale_exchange`).
 Records: <out>/records.jsonl (hardware = the profile name given, device kind, model,
 resolution, patches, strategy, phase, seconds per denoiser call); table: <out>/table.md. Needs
 only jax, flax, numpy and pyyaml.
@@ -32,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -70,6 +77,10 @@ def parse(argv):
         "--scan", action="store_true",
         help="every program with its runs of identical blocks scanned (model.scan_blocks)",
     )  # fmt: skip
+    p.add_argument(
+        "--stale-exchange", choices=("stand_in", "left_out", "both"), default="both",
+        help="a stale strategy's steady exchanges stood in on the core, left out, or both",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--hardware", default="h200-sxm", help="the profile these timings belong to")
@@ -94,6 +105,7 @@ def main(argv=None) -> None:
     from patchpar.models.presets import abstract_denoiser, latent_factor
     from patchpar.parallel.engine import make_step
     from patchpar.parallel.mesh import make_mesh
+    from patchpar.parallel.strategies import make_strategy
     from patchpar.parallel.strategies.base import StaleStrategy
 
     start = time.perf_counter()
@@ -106,15 +118,16 @@ def main(argv=None) -> None:
     kernel = resolve(kernel_spec(a.attention), dtype)
     rows = []
     weights = {}  # the model whose weights are on the device
-    for model, r, n, strategy in _points(a):
+    for model, r, n, strategy, stale_exchange in _points(a, StaleStrategy, make_strategy):
         name = "single" if n == 1 else strategy
         plan = build_plan(name, {} if n == 1 else _options(a.option), n, 1, comm=False)
         phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "warmup"
+        plan = replace(plan, stale_exchange=stale_exchange != "left_out")
         rec = {"hardware": a.hardware, "device_kind": dev.device_kind, "model": model,
                "resolution": r, "patches": n, "strategy": plan.strategy.describe(),
                "phase": phase, "dtype": a.dtype, "attention": kernel.impl,
                "block_q": kernel.block_q, "block_kv": kernel.block_kv,
-               "scan_blocks": a.scan}  # fmt: skip
+               "scan_blocks": a.scan, "stale_exchange": stale_exchange}  # fmt: skip
         if time.perf_counter() - start > a.budget_s:
             rec.update(status="skipped", error=f"time budget {a.budget_s:.0f} s spent")
             _emit(a, rec, rows, append_record, provenance)
@@ -144,15 +157,15 @@ def main(argv=None) -> None:
             t = jnp.asarray(500.0, jnp.float32)
             axis = plan.strategy.patch_axis(0)
             state = None
-            if phase == "steady":
+            fn = make_step(unet, plan, phase, axis, 5.0, mesh, padded)
+            if phase == "steady":  # the state a steady step carries (its own output's)
                 warm = make_step(unet, plan, "warmup", axis, 5.0, mesh, padded)
                 _, shapes = jax.eval_shape(warm, params, x, t, cond, None)
+                _, shapes = jax.eval_shape(fn, params, x, t, cond, shapes)
                 state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             # the stale buffers donated, as the denoising loop carries them (updated in place)
             donate = (4,) if state is not None else ()
-            step = jax.jit(
-                make_step(unet, plan, phase, axis, 5.0, mesh, padded), donate_argnums=donate
-            )
+            step = jax.jit(fn, donate_argnums=donate)
             t0 = time.perf_counter()
             compiled = step.lower(params, x, t, cond, state).compile()
             rec["compile_s"] = time.perf_counter() - t0
@@ -180,27 +193,33 @@ def main(argv=None) -> None:
         f"replaced by stand-ins, attention {kernel.impl} {kernel.block_q}x{kernel.block_kv}"
         + (", blocks scanned" if a.scan else ""),
         "",
-        "| model | resolution | patches | strategy | ms per denoiser call | status |",
-        "|---|---|---|---|---|---|",
+        "| model | resolution | patches | strategy | stale exchange | ms per denoiser call | "
+        "status |",
+        "|---|---|---|---|---|---|---|",
     ]
     for rec in rows:
         ms = rec.get("unet_call_s_median")
         lines.append(
             f"| {rec['model']} | {rec['resolution']} | {rec['patches']} | {rec['strategy']} | "
+            f"{rec['stale_exchange'] if rec['phase'] == 'steady' else '-'} | "
             f"{'-' if ms is None else f'{ms * 1e3:.1f}'} | {rec['status']} |"
         )
     (a.out / "table.md").write_text("\n".join(lines) + "\n")
     print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s -> {a.out}")
 
 
-def _points(a):
-    """(model, resolution, patches, strategy) in order: per model, its resolutions, patch
-    counts and strategies (N = 1 once: `single`)."""
+def _points(a, stale_class, make_strategy):
+    """(model, resolution, patches, strategy, stale exchange) in order: per model, its
+    resolutions, patch counts and strategies (N = 1 once: `single`), a stale strategy's steady
+    program with its exchanges stood in and left out (`--stale-exchange`)."""
+    both = ("stand_in", "left_out") if a.stale_exchange == "both" else (a.stale_exchange,)
     for model in a.models:
         for r in a.resolutions:
             for n in a.patches:
                 for strategy in a.strategies[:1] if n == 1 else a.strategies:
-                    yield model, r, n, strategy
+                    stale = n > 1 and isinstance(make_strategy(strategy), stale_class)
+                    for how in both if stale else ("stand_in",):
+                        yield model, r, n, strategy, how
 
 
 def _trace(root: Path, rec: dict, compiled, args, state) -> str:

@@ -20,8 +20,13 @@
 #   shards     shard_timing.py: one device's program of an N-way step (N = 1, 2, 4, 8; collectives
 #              stood in by local copies) per strategy, PixArt-α at 1024²: the compute that bounds
 #              every speedup (SHARD_MODELS=, SHARD_RESOLUTIONS=, SHARD_PATCHES=,
-#              SHARD_STRATEGIES= choose; SHARD_SCAN=1 scans the blocks; SHARD_PROFILE=1 traces
-#              two calls of each point into shards/trace/)
+#              SHARD_STRATEGIES= choose; SHARD_OPTIONS="k=v ..." strategy options;
+#              SHARD_STALE= stand_in, left_out or both (default) for a stale strategy's
+#              exchanges; SHARD_SCAN=1 scans the blocks; SHARD_PROFILE=1 traces two calls of each
+#              point into shards/trace/)
+#   shards_base  the same points run from BASE=<folder>, an earlier commit's tree (its
+#              patchpar and experiments/, e.g. `git archive <commit> patchpar experiments`):
+#              before and after timed on one chip in one call
 #   quant      quant_timing.py: PixArt-α (QUANT_MODELS= chooses) in bf16 against w8, int8 and
 #              fp8 (int8 on the MXU; QUANT_MODES= chooses)
 #   profile    family_timing.py --profile: SDXL and PixArt-α at 1024², splash 1024x1024, two calls
@@ -144,7 +149,14 @@ for p in "${PARTS[@]}"; do
     shards) part shards 400 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions ${SHARD_RESOLUTIONS:-"${RES[0]}"} \
               --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} \
-              ${SHARD_PROFILE:+--profile "$DEST/shards/trace"} ${SHARD_SCAN:+--scan} ;;
+              ${SHARD_PROFILE:+--profile "$DEST/shards/trace"} ${SHARD_SCAN:+--scan} \
+              ${SHARD_STALE:+--stale-exchange $SHARD_STALE} \
+              $(for o in ${SHARD_OPTIONS:-}; do echo --option "$o"; done) ;;
+    shards_base) [ -d "${BASE:-}" ] || { echo "tpu_suite: shards_base needs BASE=<tree>"; exit 2; }
+      part shards_base 400 $PY "$BASE/experiments/device/shard_timing.py" "${FT[@]:1}" \
+        --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions ${SHARD_RESOLUTIONS:-"${RES[0]}"} \
+        --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} \
+        ${SHARD_BASE_OPTIONS:-} ${SHARD_SCAN:+--scan} ;;
     quant) part quant 400 $PY experiments/device/quant_timing.py --models ${QUANT_MODELS:-"${DITS[0]}"} \
              ${QUANT_MODES:+--modes $QUANT_MODES} "${QT[@]}" ;;
     profile) part profile 300 $PY "${FTS[@]}" --models "${UNETS[@]}" "${DITS[0]}" --attention $PK \
@@ -177,7 +189,7 @@ for p in "${PARTS[@]}"; do
       done ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \
                --models ${COMPILE_MODELS:-"${DITS[0]}"} "${CT[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards quant profile profile_mmdit peer video video_shards video_train compile"
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards shards_base quant profile profile_mmdit peer video video_shards video_train compile"
        exit 2 ;;
   esac
 done

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +104,43 @@ def resolve(spec: AttentionSpec, dtype=jnp.float32, backend: str | None = None) 
     return AttentionSpec(impl, spec.block_q, spec.block_kv, spec.interpret)
 
 
+@dataclass(frozen=True)
+class Keys:
+    """Keys and values in the layout every kernel reads them, heads-major: `kv` (S, 2, B, H, T, D)
+    holds S slots of T tokens (a gathered buffer's patches in order, or one slot), keys at
+    [:, 0] and values at [:, 1], so that one array travels for both. `keep`: (S, B|1, T) bool,
+    the keys that exist (None: all). `skip`: a slot not read (a traced index: the own patch's
+    slot of a stale buffer, whose fresh keys come as a source of their own; None: read all).
+
+    The layout is what the `chunked` kernel reads block by block, so keys formatted once (by
+    whoever computed them, before they travel) are read where they arrive: no copy into heads,
+    no whole buffer rebuilt with one slot replaced (docs/design.md §5c)."""
+
+    kv: jax.Array
+    keep: jax.Array | None = None
+    skip: jax.Array | None = None
+
+    @classmethod
+    def of(cls, k: jax.Array, v: jax.Array, heads: int, mask: jax.Array | None = None) -> Keys:
+        """One slot from keys/values (B, T, H*D) and a (T,) or (B, T) mask."""
+        keep = None if mask is None else _keys_mask(mask)[None]
+        return cls(heads_kv(k, v, heads)[None], keep)
+
+    @property
+    def tokens(self) -> int:
+        """Keys read: T of every slot but a skipped one."""
+        slots = self.kv.shape[0] - (self.skip is not None)
+        return slots * self.kv.shape[4]
+
+
+jax.tree_util.register_dataclass(Keys, data_fields=["kv", "keep", "skip"], meta_fields=[])
+
+
+def heads_kv(k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
+    """Keys and values (B, T, H*D) -> one (2, B, H, T, D) array: the kernels' layout."""
+    return jnp.stack([_split(k, heads), _split(v, heads)])
+
+
 def attend(
     spec: AttentionSpec,
     q: jax.Array,
@@ -115,24 +151,61 @@ def attend(
 ) -> jax.Array:
     """Softmax attention with `spec`'s kernel. q: (B, Tq, H*D), k/v: (B, Tk, H*D), mask: (Tk,)
     or (B, Tk) bool keys that exist -> (B, Tq, H*D) in v's dtype."""
-    impl = spec.impl if spec.impl != "auto" else resolve(spec, q.dtype).impl
-    if impl == "xla":
-        return xla_attention(q, k, v, heads, mask)
-    if impl == "chunked":
-        return chunked_attention(q, k, v, heads, mask, spec.block_q, spec.block_kv)
-    if impl == "cudnn":
-        return _cudnn_attention(q, k, v, heads, mask)
-    return _splash_attention(q, k, v, heads, mask, spec)
+    return attend_keys(spec, q, heads, [Keys.of(k, v, heads, mask)])
 
 
 def attend_joint(spec, q, text_k, text_v, k, v, heads: int, mask=None) -> jax.Array:
     """`attend` over the text keys/values (all exist) followed by the image's (`mask`: (Tk,)
     of the image keys that exist, None: all): an MMDiT's joint attention."""
-    keys = jnp.concatenate([text_k, k], axis=1)
-    values = jnp.concatenate([text_v, v], axis=1)
-    if mask is not None:
-        mask = jnp.concatenate([jnp.ones(mask.shape[:-1] + (text_k.shape[1],), bool), mask], -1)
-    return attend(spec, q, keys, values, heads, mask)
+    sources = [Keys.of(text_k, text_v, heads), Keys.of(k, v, heads, mask)]
+    return attend_keys(spec, q, heads, sources)
+
+
+def attend_keys(spec: AttentionSpec, q: jax.Array, heads: int, sources) -> jax.Array:
+    """Softmax attention of q (B, Tq, H*D) over the keys of every source (`Keys`), as one
+    softmax -> (B, Tq, H*D) in the values' dtype. `chunked` reads each source where it lies
+    (their blocks folded into one online softmax); the other kernels read one sequence, the
+    sources joined into it (a copy)."""
+    dtype = sources[0].kv.dtype
+    impl = spec.impl if spec.impl != "auto" else resolve(spec, q.dtype).impl
+    if impl == "chunked":
+        state = OnlineSoftmax.start(q, heads, spec.block_q)
+        return state.update_keys(sources, spec.block_kv).finish(dtype)
+    kh, vh, keep = joined(sources)
+    if impl == "xla":
+        return _xla(q, kh, vh, heads, keep)
+    if impl == "cudnn":
+        return _cudnn_attention(q, kh, vh, heads, keep)
+    return _splash_attention(q, kh, vh, heads, keep, spec)
+
+
+def joined(sources) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The keys of every source as one sequence: keys and values (B, H, T, D) and the (B|1, T)
+    keys that exist (None: all); a skipped slot is left out (the others rotated to start after
+    it, as `chunked` reads them)."""
+    ks, vs, keeps = [], [], []
+    for src in sources:
+        kv, keep = src.kv, src.keep
+        if src.skip is not None:
+            kv = jnp.roll(kv, -(src.skip + 1), axis=0)[:-1]
+            keep = None if keep is None else jnp.roll(keep, -(src.skip + 1), axis=0)[:-1]
+        s, _, b, h, t, d = kv.shape
+        kv = kv.transpose(1, 2, 3, 0, 4, 5).reshape(2, b, h, s * t, d)  # slots in order
+        ks.append(kv[0])
+        vs.append(kv[1])
+        if keep is None:
+            keep = jnp.ones((1, s * t), bool)
+        else:
+            keep = keep.transpose(1, 0, 2).reshape(keep.shape[1], s * t)
+        keeps.append(keep)
+    if all(src.keep is None for src in sources):
+        keep = None
+    else:
+        width = max(k.shape[0] for k in keeps)
+        keep = jnp.concatenate([jnp.broadcast_to(k, (width, k.shape[1])) for k in keeps], 1)
+    if len(ks) == 1:
+        return ks[0], vs[0], keep
+    return jnp.concatenate(ks, 2), jnp.concatenate(vs, 2), keep
 
 
 def _keys_mask(mask: jax.Array) -> jax.Array:
@@ -152,15 +225,20 @@ def _merge(t: jax.Array) -> jax.Array:  # (B, H, T, D) -> (B, T, H*D)
 
 def xla_attention(q, k, v, heads: int, mask=None) -> jax.Array:
     """The whole logits at once; softmax in float32."""
+    keep = None if mask is None else _keys_mask(mask)
+    return _xla(q, _split(k, heads), _split(v, heads), heads, keep)
+
+
+def _xla(q, kh, vh, heads: int, keep=None) -> jax.Array:
+    """q (B, Tq, H*D), kh/vh (B, H, Tk, D), keep (B|1, Tk) -> (B, Tq, H*D)."""
     b, tq, inner = q.shape
     d = inner // heads
-    split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, d)  # noqa: E731
-    logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k), preferred_element_type=jnp.float32)
-    if mask is not None:
-        keep = _keys_mask(mask)[:, None, None, :]
-        logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits / math.sqrt(d), axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, split(v))
+    qh = q.reshape(b, tq, heads, d)
+    logits = jnp.einsum("bqhd,bhkd->bhqk", qh, kh, preferred_element_type=jnp.float32)
+    if keep is not None:
+        logits = jnp.where(keep[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits / math.sqrt(d), axis=-1).astype(vh.dtype)
+    out = jnp.einsum("bhqk,bhkd->bqhd", probs, vh)
     return out.reshape(b, tq, inner)
 
 
@@ -178,13 +256,14 @@ def chunked_attention(q, k, v, heads: int, mask=None, block_q: int = 512, block_
 
 @dataclass(frozen=True)
 class OnlineSoftmax:
-    """Flash attention's recurrence over any sequence of key/value chunks (the chunked kernel
-    feeds it one chunk; ring attention one chunk per hop): float32 running row maxima and
-    accumulators per query block, so chunks seen in any order give the same softmax."""
+    """Flash attention's recurrence over any sequence of key/value sources (the chunked kernel
+    feeds it a layer's sources; ring attention one per hop): float32 running row maxima, row
+    sums and accumulators per query block, so keys seen in any order give the same softmax."""
 
     qb: jax.Array  # (nq, B, H, bq, D) query blocks (padded queries at the end)
     m: jax.Array  # (nq, B, H, bq, 1) running max of the unscaled scores, float32
-    acc: jax.Array  # (nq, B, H, bq, D + 1) sum of p v, and of p in the last column, float32
+    s: jax.Array  # (nq, B, H, bq, 1) running sum of the exponentials, float32
+    acc: jax.Array  # (nq, B, H, bq, D) running sum of p v, float32
     tq: int  # queries before padding
 
     @classmethod
@@ -198,89 +277,102 @@ class OnlineSoftmax:
             qh = jnp.pad(qh, ((0, 0), (0, 0), (0, nq * bq - tq), (0, 0)))
         qb = qh.reshape(b, heads, nq, bq, d).transpose(2, 0, 1, 3, 4)  # blocks first
         m = jnp.full(qb.shape[:4] + (1,), -jnp.inf, jnp.float32)
-        return cls(qb, m, jnp.zeros(qb.shape[:4] + (d + 1,), jnp.float32), tq)
+        return cls(qb, m, jnp.zeros_like(m), jnp.zeros(qb.shape, jnp.float32), tq)
 
     def update(self, k: jax.Array, v: jax.Array, mask=None, block_kv: int = 1024):
         """The state after also attending to keys/values k, v (B, Tk, H*D), mask (Tk,) or
         (B, Tk) bool."""
-        nq, b, heads, bq, d = self.qb.shape
-        tk = k.shape[1]
-        nk, bk = _blocks(tk, block_kv)
-        kh, vh = _split(k, heads), _split(v, heads)  # (B, H, T, D)
-        keep = jnp.ones((1, tk), bool) if mask is None else _keys_mask(mask)  # (B or 1, Tk)
-        if nk * bk != tk:
-            pad = ((0, 0), (0, 0), (0, nk * bk - tk), (0, 0))
-            kh, vh = jnp.pad(kh, pad), jnp.pad(vh, pad)
-            keep = jnp.pad(keep, ((0, 0), (0, nk * bk - tk)))
-        # blocks first: (n, B, H, block, D)
-        kb = kh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
-        vb = vh.reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)
-        keepb = keep.reshape(-1, nk, bk).transpose(1, 0, 2)[
-            :, :, None, None, :
-        ]  # (nk, B|1, 1, 1, bk)
-        masked = mask is not None or nk * bk != tk
-        # v carries a column of ones: the matmul also gives the row sums of p (no reduce pass)
-        vb = jnp.concatenate([vb, jnp.ones(vb.shape[:-1] + (1,), vb.dtype)], -1)
-        m, acc = lax.map(
-            partial(_query_block, kb=kb, vb=vb, keepb=keepb if masked else None, scale=d**-0.5),
-            (self.qb, self.m, self.acc),
-        )
-        return OnlineSoftmax(self.qb, m, acc, self.tq)
+        return self.update_keys([Keys.of(k, v, self.qb.shape[2], mask)], block_kv)
+
+    def update_keys(self, sources, block_kv: int = 1024) -> OnlineSoftmax:
+        """The state after also attending to the keys of every source (`Keys`), each read in
+        blocks of at most `block_kv` keys where it lies."""
+        scale = self.qb.shape[-1] ** -0.5
+
+        def one(blk):  # one query block against every source's key blocks
+            qi, *carry = blk
+            for src in sources:
+                carry = _scan_source(carry, qi, src, block_kv, scale)
+            return tuple(carry)
+
+        m, s, acc = lax.map(one, (self.qb, self.m, self.s, self.acc))
+        return OnlineSoftmax(self.qb, m, s, acc, self.tq)
 
     def finish(self, dtype) -> jax.Array:
         """The attention output (B, Tq, H*D) in `dtype`."""
         nq, b, heads, bq, d = self.qb.shape
-        out = self.acc[..., :d] / self.acc[..., d:]  # (nq, B, H, bq, D)
+        out = self.acc / self.s  # (nq, B, H, bq, D)
         out = out.transpose(1, 2, 0, 3, 4).reshape(b, heads, nq * bq, d)[:, :, : self.tq]
         return _merge(out).astype(dtype)
 
 
 _KQ = (((3,), (3,)), ((0, 1), (0, 1)))  # k (B, H, bk, D) . q (B, H, bq, D) -> (B, H, bk, bq)
-_PTV = (((2,), (2,)), ((0, 1), (0, 1)))  # p (B, H, bk, bq) . v (B, H, bk, D+1) -> (B, H, bq, D+1)
+_PTV = (((2,), (2,)), ((0, 1), (0, 1)))  # p (B, H, bk, bq) . v (B, H, bk, D) -> (B, H, bq, D)
 
 
-def _query_block(blk, kb, vb, keepb, scale):
-    """One query block (B, H, bq, D) and its running (max, accumulator) against every key
-    block: flash attention's recurrence. The scores are laid out keys x queries, so the row
-    maxima reduce over the second-minor axis, element-wise across the queries: on XLA:CPU
-    that reduction and the exponential after it run several times faster than over the
-    minor axis (a block of 512 x 256: 1.0 against 6.8 ms for the max, one core)."""
-    qi, m0, acc0 = blk
+def _scan_source(carry, qi, src: Keys, block_kv: int, scale: float):
+    """One query block (B, H, bq, D) and its running (max, sum, accumulator) against every key
+    block of one source, read from its slots where they lie (a dynamic slice per block: no
+    copy of the source). A slot's T keys come in blocks of at most `block_kv`; where they do
+    not divide evenly the last block starts early (clamped to T - size) and its keys already
+    read are masked, so no key is padded or copied. Flash attention's recurrence; the scores
+    are laid out keys x queries, so the row maxima and sums reduce over the second-minor axis,
+    element-wise across the queries: on XLA:CPU that reduction and the exponential after it
+    run several times faster than over the minor axis (a block of 512 x 256: 1.0 against
+    6.8 ms for the max, one core)."""
+    slots_all, _, b, heads, t, d = src.kv.shape
+    nk, bk = _blocks(t, block_kv)
+    overlap = nk * bk - t  # keys of a slot's last block that the block before also read
+    slots = slots_all - (src.skip is not None)
+    rows = None if src.keep is None else src.keep.shape[1]
 
-    def step(carry, blk):
-        m, acc = carry  # m (B, H, bq, 1)
-        kk, vv, keep = blk
+    def step(carry, j):
+        m, s_sum, acc = carry  # m, s_sum (B, H, bq, 1); acc (B, H, bq, D)
+        i, blk = (j // nk, j % nk) if nk > 1 else (j, 0)
+        slot = i if src.skip is None else (src.skip + 1 + i) % slots_all
+        start = jnp.minimum(blk * bk, t - bk) if overlap else blk * bk
+        at = (slot, 0, 0, 0, start, 0)
+        kk = lax.dynamic_slice(src.kv, at, (1, 1, b, heads, bk, d)).reshape(b, heads, bk, d)
+        vv = lax.dynamic_slice(src.kv, (slot, 1) + at[2:], (1, 1, b, heads, bk, d))
+        vv = vv.reshape(b, heads, bk, d)
+        keep = None  # (B|1, bk)
+        if src.keep is not None:
+            keep = lax.dynamic_slice(src.keep, (slot, 0, start), (1, rows, bk))[0]
+        if overlap:  # the last block's keys the one before read
+            new = (start + jnp.arange(bk) >= blk * bk)[None]
+            keep = new if keep is None else keep & new
         # unscaled scores: the scale (> 0) commutes with the max and folds into the exp, which
         # saves a pass over the (bk, bq) block
-        s = lax.dot_general(kk, qi, _KQ, preferred_element_type=jnp.float32)  # (B, H, bk, bq)
-        if keep is not None:  # keep (B|1, 1, 1, bk) -> (B|1, 1, bk, 1)
-            s = jnp.where(jnp.swapaxes(keep, -1, -2), s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.swapaxes(s.max(-2, keepdims=True), -1, -2))
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a block with no key at all
-        p = jnp.exp((s - jnp.swapaxes(m_safe, -1, -2)) * scale)
+        sc = lax.dot_general(kk, qi, _KQ, preferred_element_type=jnp.float32)  # (B, H, bk, bq)
+        if keep is not None:  # (B|1, bk) -> (B|1, 1, bk, 1)
+            sc = jnp.where(keep[:, None, :, None], sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.swapaxes(sc.max(-2, keepdims=True), -1, -2))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # no key at all so far
+        p = jnp.exp((sc - jnp.swapaxes(m_safe, -1, -2)) * scale)  # (B, H, bk, bq)
         alpha = jnp.exp((m - m_safe) * scale)
+        s_new = alpha * s_sum + jnp.swapaxes(p.sum(-2, keepdims=True), -1, -2)
         pv = lax.dot_general(p.astype(vv.dtype), vv, _PTV, preferred_element_type=jnp.float32)
-        return (m_new, alpha * acc + pv), None
+        return (m_new, s_new, alpha * acc + pv), None
 
-    (m, acc), _ = lax.scan(step, (m0, acc0), (kb, vb, keepb))
-    return m, acc
+    carry, _ = lax.scan(step, tuple(carry), jnp.arange(slots * nk))
+    return carry
 
 
-def _cudnn_attention(q, k, v, heads: int, mask=None):
+def _cudnn_attention(q, kh, vh, heads: int, keep=None):
+    """q (B, Tq, H*D), kh/vh (B, H, Tk, D), keep (B|1, Tk) -> (B, Tq, H*D)."""
     b, tq, inner = q.shape
-    split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, inner // heads)  # noqa: E731
-    full = (
-        None
-        if mask is None
-        else jnp.broadcast_to(_keys_mask(mask)[:, None, None, :], (b, 1, tq, k.shape[1]))
-    )
+    tk = kh.shape[2]
+    tokens = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731  (B, H, T, D) -> (B, T, H, D)
+    full = None if keep is None else jnp.broadcast_to(keep[:, None, None, :], (b, 1, tq, tk))
     out = jax.nn.dot_product_attention(
-        split(q), split(k), split(v), mask=full, implementation="cudnn"
-    )
+        q.reshape(b, tq, heads, inner // heads), tokens(kh), tokens(vh), mask=full,
+        implementation="cudnn",
+    )  # fmt: skip
     return out.reshape(b, tq, inner)
 
 
-def _splash_attention(q, k, v, heads: int, mask, spec: AttentionSpec):
+def _splash_attention(q, kh, vh, heads: int, keep, spec: AttentionSpec):
+    """q (B, Tq, H*D), kh/vh (B, H, Tk, D), keep (B|1, Tk) -> (B, Tq, H*D)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -289,14 +381,15 @@ def _splash_attention(q, k, v, heads: int, mask, spec: AttentionSpec):
     )
 
     b, tq, inner = q.shape
-    tk = k.shape[1]
+    tk = kh.shape[2]
     d = inner // heads
     # pad both sequences to whole blocks; padded or masked keys get another segment id
     bq, bk = min(spec.block_q, _ceil(tq, 128)), min(spec.block_kv, _ceil(tk, 128))
     pq, pk = _ceil(tq, bq), _ceil(tk, bk)
     qh = jnp.pad(_split(q, heads) * jnp.asarray(d**-0.5, q.dtype), _pad_t(pq - tq))
-    kh, vh = jnp.pad(_split(k, heads), _pad_t(pk - tk)), jnp.pad(_split(v, heads), _pad_t(pk - tk))
-    keep = jnp.ones((1, tk), bool) if mask is None else _keys_mask(mask)
+    kh, vh = jnp.pad(kh, _pad_t(pk - tk)), jnp.pad(vh, _pad_t(pk - tk))
+    masked = keep is not None
+    keep = jnp.ones((1, tk), bool) if keep is None else keep
     keep = jnp.broadcast_to(jnp.pad(keep, ((0, 0), (0, pk - tk))), (b, pk))  # per image
     kv_ids = jnp.where(keep, 0, 1).astype(jnp.int32)
     kernel = splash.make_splash_mha_single_device(
@@ -305,7 +398,7 @@ def _splash_attention(q, k, v, heads: int, mask, spec: AttentionSpec):
         interpret=spec.interpret,
     )
 
-    if mask is None and pk == tk:  # every key exists: no segment ids (the kernel's fast path)
+    if not masked and pk == tk:  # every key exists: no segment ids (the kernel's fast path)
         out = jax.vmap(kernel)(qh, kh, vh)
     else:
 
@@ -314,7 +407,7 @@ def _splash_attention(q, k, v, heads: int, mask, spec: AttentionSpec):
             return kernel(qq, kk, vv, segment_ids=ids)
 
         out = jax.vmap(one)(qh, kh, vh, kv_ids)
-    return _merge(out[:, :, :tq]).astype(v.dtype)
+    return _merge(out[:, :, :tq]).astype(vh.dtype)
 
 
 def _ceil(n: int, block: int) -> int:

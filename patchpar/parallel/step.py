@@ -73,6 +73,10 @@ def make_step(
     # it read, so with a cache the warm-up reads them too (its sites only write them)
     reads_state = phase == "steady" or cache is not None
     groups = plan.strategy.packed_groups() if plan.strategy.packs(phase) else None
+    # the stale exchanges left out (`Plan.stale_exchange`): every stale send collected, none sent
+    left_out = not plan.stale_exchange and phase == "steady" and bool(ops.stale_buffers())
+    if left_out:
+        ops, groups = ops.with_packed(), 1
 
     def reduce_sum(v):  # over every device that holds other rows, halves or images
         if not plan.comm:  # stand-ins: this one's
@@ -126,6 +130,7 @@ def make_step(
             variables = {"params": unplaced(params, unet.logical, rules)}
             state = jax.tree.map(lambda a: a[0, 0, 0, 0], state or {})  # drop device axes
             cache_state = state.pop(CACHE, None)
+            state.pop(SEND, None)  # the sends of a step whose exchanges were left out
             if reads_state and state:
                 variables[STALE] = state
             mutable = [STALE, SEND] if groups else [STALE]
@@ -135,6 +140,8 @@ def make_step(
                 if not n_groups:
                     return stale
                 sends = mutated.get(SEND, {})
+                if left_out:  # the buffers as given, the sends out as they would leave
+                    return {**stale, SEND: sends}
                 n_groups = min(n_groups, max(1, sum(1 for _ in pending_sends(sends))))
                 return merged(stale, exchange_packed(sends, ops, n_groups, stale))
 

@@ -94,6 +94,14 @@ class PatchOps(SiteOps):
             if isinstance(op := getattr(self, f.name), PatchSite)
         })  # fmt: skip
 
+    def with_packed(self) -> PatchOps:
+        """The same ops with every stale send left for the engine (`packed`), not exchanged at
+        the site."""
+        return replace(self, **{
+            f.name: replace(op, packed=True) for f in fields(self)
+            if isinstance(op := getattr(self, f.name), PatchSite)
+        })  # fmt: skip
+
     def with_stand_ins(self) -> PatchOps:
         """Every collective replaced by a local stand-in of the same shape (`Plan(comm=False)`,
         and tracing outside a mesh)."""

@@ -19,6 +19,15 @@ padding are masked, or where the patches are gathered taken out (which slot hold
 is known: static), so each query attends to the image's keys alone. A slab of its patch's own
 tokens alone (`Rows.own_slab`) is padded here, for the buffers and sends, and its queries
 stay its own.
+
+Layout: where the split is even and nothing codes the wire (`in_heads`), K/V are formatted
+once, by the device that computed them, into the kernels' heads-major layout
+(`attention.Keys`: (2, B, H, L, D)), and travel, are kept and are read so: the stale buffer is
+what the exchange delivered ((n, 2, B, H, L, D) on more than 2 devices, the own slot skipped
+where it is read), and the own fresh K/V and the buffers attend as sources of one softmax
+(`attention.attend_keys`), none copied into a whole-image buffer. Uneven splits and codecs keep
+K/V in tokens ((2, B, L, D): padding taken out, codes per token) and join them into one
+sequence before the kernel, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from patchpar.models.attention import AttentionSpec, attend, attend_joint
+from patchpar.models.attention import AttentionSpec, Keys, attend_keys, heads_kv
 from patchpar.parallel.mesh import PATCH
 from patchpar.parallel.sites.common import STALE, PatchSite, exchange, nbytes, note
 
@@ -84,14 +93,100 @@ class KV(PatchSite):
 
     def __call__(self, mod, q, k, v, heads: int, spec: AttentionSpec, row=None) -> jax.Array:
         """Self-attention of the local queries (B, L, H*D) over the keys/values the mode gives."""
-        k, v, mask = self.keys(mod, k, v, row)
-        return attend(spec, q, k, v, heads, mask)
+        return attend_keys(spec, q, heads, self.sources(mod, k, v, heads, row))
 
     def joint(self, mod, q, text_k, text_v, k, v, heads: int, spec: AttentionSpec, row=None):
-        """An MMDiT's joint attention: the image keys/values as `keys` gives them, the text's
+        """An MMDiT's joint attention: the image keys/values as `sources` gives them, the text's
         (local on every device) in front (`SiteOps.joint_attention`)."""
-        k, v, mask = self.keys(mod, k, v, row)
-        return attend_joint(spec, q, text_k, text_v, k, v, heads, mask)
+        text = Keys.of(text_k, text_v, heads)
+        return attend_keys(spec, q, heads, [text, *self.sources(mod, k, v, heads, row)])
+
+    @property
+    def in_heads(self) -> bool:
+        """Whether K/V travel and are kept in the kernels' heads layout (module docstring): an
+        even split with nothing coded on the wire."""
+        return self.split is None and self.link is None and self.wire is None
+
+    def sources(self, mod, k: jax.Array, v: jax.Array, heads: int, row=None) -> list[Keys]:
+        """Local (B, L, H*D) keys/values -> the sources (`attention.Keys`) the local queries
+        attend to, in one softmax. `row`: tokens per image row (`align=rows`)."""
+        if not self.in_heads:
+            k, v, mask = self.keys(mod, k, v, row)
+            return [Keys.of(k, v, heads, mask)]
+        row = self._row(k.shape[1], row)
+        note(self, shape=(2,) + k.shape, itemsize=k.dtype.itemsize, row=row)
+        kv = heads_kv(k, v, heads)  # (2, B, H, L, D): formatted once, sent as it is
+        own = Keys(kv[None])
+        if self.mode == "local" or self.n == 1:
+            return [own]
+        if self.warmup or self.mode == "all":
+            got = exchange(self.kind, [self._others(kv)], self.n, self.local)[0]
+            if self.mode == "stale":
+                mod.put_variable(STALE, "kv", self.receive(got)["kv"])
+            elif self.mode == "band":
+                above, below = self._bands_exact(kv, got, row)
+                mod.put_variable(STALE, "kv_above", above)
+                mod.put_variable(STALE, "kv_below", below)
+            if self.n == 2:  # the own slot, then the other's
+                return [own, Keys(got["other"][None])]
+            return [Keys(got["gather"])]  # every patch in order, the own slot exact
+        if self.mode == "stale":
+            return self._stale_heads(mod, kv, own)
+        return self._band_heads(mod, kv, own, row)
+
+    def _index(self) -> jax.Array | int:
+        """This device's patch index (0 for a stand-in: one device's program alone)."""
+        return 0 if self.local else lax.axis_index(PATCH)
+
+    def _stale_heads(self, mod, kv, own: Keys) -> list[Keys]:
+        """DistriFusion's steady step: the own fresh K/V and every other patch's as at t-1,
+        read from the buffer the last exchange delivered, the own stale slot skipped."""
+        n = self.n
+        shape = ((2,) if n == 2 else (n, 2)) + kv.shape[1:]  # n = 2: the other patch's alone
+        buf = mod.variable(STALE, "kv", jnp.zeros, shape, kv.dtype)
+        stale = Keys(buf.value[None]) if n == 2 else Keys(buf.value, skip=self._index())
+        if self.exchange:
+            self.send(mod, self._others(kv))
+        return [own, stale]
+
+    def _band_heads(self, mod, kv, own: Keys, row) -> list[Keys]:
+        """PCPP's steady step: the band above (stale), the own fresh K/V, the band below."""
+        band = self._band(kv.shape[3], row)
+        shape = kv.shape[:3] + (band,) + kv.shape[4:]
+        above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
+        below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
+        idx = self._index()
+        if self.n == 2:  # one neighbour each: its band alone, nothing masked
+            sources = [own, Keys(jnp.where(idx == 0, below.value, above.value)[None])]
+        else:  # no band above device 0 or below the last
+            has = lambda exists: jnp.broadcast_to(exists, (1, 1, band))  # noqa: E731
+            sources = [
+                Keys(above.value[None], has(idx > 0)),
+                own,
+                Keys(below.value[None], has(idx < self.n - 1)),
+            ]
+        if self.exchange:  # after the reads: an unpacked send refreshes the buffers at once
+            self.send(mod, self._band_sends(kv, band, row))
+        return sources
+
+    def _bands_exact(self, kv, got, row) -> tuple[jax.Array, jax.Array]:
+        """Heads layout: the neighbours' bands out of an exact exchange (zeros where there is
+        no neighbour): the last `band` tokens of the patch above, the first of the patch below."""
+        n, length = self.n, kv.shape[3]
+        band = self._band(length, row)
+        idx = self._index()
+        if n == 2:
+            other = got["other"]
+            above, below = other[:, :, :, length - band :], other[:, :, :, :band]
+        else:
+            gathered = got["gather"]  # (n, 2, B, H, L, D)
+            size = (1,) + kv.shape[:3] + (band, kv.shape[4])
+            at = lambda i, t: (i, 0, 0, 0, t, 0)  # noqa: E731
+            above = lax.dynamic_slice(gathered, at(jnp.maximum(idx - 1, 0), length - band), size)[0]
+            below = lax.dynamic_slice(gathered, at(jnp.minimum(idx + 1, n - 1), 0), size)[0]
+        above = jnp.where(idx > 0, above, jnp.zeros_like(above))
+        below = jnp.where(idx < n - 1, below, jnp.zeros_like(below))
+        return above, below
 
     def keys(self, mod, k: jax.Array, v: jax.Array, row: int | None = None):
         """Local (B, L, D) keys/values -> (B, T, D) keys/values to attend to, and a (T,) mask of
@@ -215,15 +310,21 @@ class KV(PatchSite):
         """What a device sends its neighbours for their bands: down to the patch below, up to
         the patch above (`end`: uneven patches, the own tokens of the patch whose `kv` this is;
         None: this device's)."""
+        ax = self._tokens_axis()
         if self.sends == "full":  # PCPP's code: whole neighbour K/V, cropped at the receiver
-            # whole rows travel as (2, B, rows, row, D): the receiver crops rows
-            whole = kv if row is None else kv.reshape(kv.shape[:2] + (-1, row, kv.shape[3]))
+            # whole rows travel as (..., rows, row, D): the receiver crops rows
+            whole = kv if row is None else kv.reshape(kv.shape[:ax] + (-1, row, kv.shape[-1]))
             return {"down": whole, "up": whole}
-        length = kv.shape[2]  # only the rows used
+        length = kv.shape[ax]  # only the rows used
+        up = lax.slice_in_dim(kv, 0, band, axis=ax)
         if self.split is None:
-            return {"down": kv[:, :, length - band :], "up": kv[:, :, :band]}
+            return {"down": lax.slice_in_dim(kv, length - band, length, axis=ax), "up": up}
         end = self.split.mine(length) if end is None else end  # uneven: its last own token
-        return {"down": lax.dynamic_slice_in_dim(kv, end - band, band, 2), "up": kv[:, :, :band]}
+        return {"down": lax.dynamic_slice_in_dim(kv, end - band, band, ax), "up": up}
+
+    def _tokens_axis(self) -> int:
+        """The tokens' axis of a payload: (2, B, H, L, D) in heads layout, (2, B, L, D) else."""
+        return 3 if self.in_heads else 2
 
     def _start_band(self, mod, kv, full, row) -> None:
         """The link's bases after the exact warm-up: what the band sends of this patch and of
@@ -247,15 +348,21 @@ class KV(PatchSite):
 
     def receive(self, got):
         if self.mode == "stale":
-            return {"kv": got["other"] if self.n == 2 else _whole(got["gather"])}
-        # from the patches above, below: (2, B, L or band, D), or (2, B, rows, row, D) whole
+            if self.n == 2:
+                return {"kv": got["other"]}
+            return {"kv": got["gather"] if self.in_heads else _whole(got["gather"])}
+        # from the patches above, below: (..., L or band, D), or (..., rows, row, D) whole rows
         down, up = got["down"], got["up"]
         if self.split is not None:
             return self._receive_uneven(down, up)
-        band = band_tokens(down.shape[2], self.portion) if self.sends == "full" else down.shape[2]
-        above, below = down[:, :, down.shape[2] - band :], up[:, :, :band]
-        if above.ndim == 5:  # whole rows, cropped by rows
-            above, below = (a.reshape(a.shape[:2] + (-1, a.shape[4])) for a in (above, below))
+        ax = self._tokens_axis()
+        size = down.shape[ax]
+        band = band_tokens(size, self.portion) if self.sends == "full" else size
+        above = lax.slice_in_dim(down, size - band, size, axis=ax)
+        below = lax.slice_in_dim(up, 0, band, axis=ax)
+        if above.ndim == ax + 3:  # whole rows, cropped by rows
+            merge = lambda a: a.reshape(a.shape[:ax] + (-1, a.shape[-1]))  # noqa: E731
+            above, below = merge(above), merge(below)
         return {"kv_above": above, "kv_below": below}
 
     def _receive_uneven(self, down, up):
