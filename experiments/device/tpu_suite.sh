@@ -25,8 +25,9 @@
 #              exchanges; SHARD_SCAN=1 scans the blocks; SHARD_PROFILE=1 traces two calls of each
 #              point into shards/trace/)
 #   shards_base  the same points run from BASE=<folder>, an earlier commit's tree (its
-#              patchpar and experiments/, e.g. `git archive <commit> patchpar experiments`):
-#              before and after timed on one chip in one call
+#              patchpar and experiments/, e.g. `git archive <commit> patchpar experiments`;
+#              BASE_COMMIT=<commit> names it in the records): before and after timed on one
+#              chip in one call
 #   quant      quant_timing.py: PixArt-α (QUANT_MODELS= chooses) in bf16 against w8, int8 and
 #              fp8 (int8 on the MXU; QUANT_MODES= chooses)
 #   profile    family_timing.py --profile: SDXL and PixArt-α at 1024², splash 1024x1024, two calls
@@ -153,7 +154,8 @@ for p in "${PARTS[@]}"; do
               ${SHARD_STALE:+--stale-exchange $SHARD_STALE} \
               $(for o in ${SHARD_OPTIONS:-}; do echo --option "$o"; done) ;;
     shards_base) [ -d "${BASE:-}" ] || { echo "tpu_suite: shards_base needs BASE=<tree>"; exit 2; }
-      part shards_base 400 $PY "$BASE/experiments/device/shard_timing.py" "${FT[@]:1}" \
+      part shards_base 400 env PATCHPAR_GIT_COMMIT="${BASE_COMMIT:-base}" \
+        $PY "$BASE/experiments/device/shard_timing.py" "${FT[@]:1}" \
         --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions ${SHARD_RESOLUTIONS:-"${RES[0]}"} \
         --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} \
         ${SHARD_BASE_OPTIONS:-} ${SHARD_SCAN:+--scan} ;;
