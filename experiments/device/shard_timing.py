@@ -214,7 +214,8 @@ def _points(a, stale_class, make_strategy):
     program with its exchanges stood in and left out (`--stale-exchange`)."""
     both = ("stand_in", "left_out") if a.stale_exchange == "both" else (a.stale_exchange,)
     for model in a.models:
-        for r in a.resolutions:
+        for text in a.resolutions:  # a square image's pixels as a number, as records had them
+            r = int(text) if text.isdigit() else text
             for n in a.patches:
                 for strategy in a.strategies[:1] if n == 1 else a.strategies:
                     stale = n > 1 and isinstance(make_strategy(strategy), stale_class)
