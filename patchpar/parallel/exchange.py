@@ -2,7 +2,9 @@
 buffer and leaves what it would send in the Flax collection `send`; after the model call the
 engine exchanges those pending sends together, in `groups` groups of sites in layer order
 (distrifuser's `comm_checkpoint`), one collective per site kind, collective and dtype over one
-flat buffer per group, and lays what comes back into the buffers step t+1 reads.
+flat buffer per group (on a CPU; on a TPU or GPU each payload its own collective, issued with
+its group's: `sites.common.packs_flat`), and lays what comes back into the buffers step t+1
+reads.
 
 Group g's collectives depend only on its own sites' sends, so a backend with asynchronous
 collectives (GPU, TPU) may start them as soon as the group's last site has run and overlap them

@@ -16,6 +16,8 @@ bytes; over gloo a permute's latency is a fraction of an all-gather's or all-red
 `other` is one; `down` and `up` of the same dtype and size go as one; `mean` swaps and
 averages the two, (x + other) / 2, the same value on both devices, as the all-reduce's.
 A stand-in (`local`) does the same arithmetic on its own payload in place of the other's.
+One flat buffer per (collective, dtype) on a CPU; on a TPU or GPU every payload its own
+collective (`packs_flat`).
 """
 
 from __future__ import annotations
@@ -293,13 +295,16 @@ def exchange(
             if c == "other" and n != 2:
                 raise ValueError(f"collective 'other' needs a patch axis of 2, not {n}")
             groups.setdefault((c, jnp.dtype(a.dtype)), []).append(i)
+    if not packs_flat():  # each payload its own collective, issued together
+        groups = {(c, dt, i): [i] for (c, dt), members in groups.items() for i in members}
     with jax.named_scope(f"pp_{site}"):
-        for (c, dt), members in groups.items():
-            if c == "up" and n == 2 and ("down", dt) in groups:
+        for key, members in groups.items():
+            c, dt = key[:2]
+            if c == "up" and n == 2 and ("down", dt) + key[2:] in groups:
                 continue  # went with `down` as one swap
             flat = _pack([sends[i][c] for i in members])
-            if c == "down" and n == 2 and ("up", dt) in groups:
-                ups = groups[("up", dt)]
+            if c == "down" and n == 2 and ("up", dt) + key[2:] in groups:
+                ups = groups[("up", dt) + key[2:]]
                 flat_up = _pack([sends[i]["up"] for i in ups])
                 if flat_up.shape == flat.shape:
                     down, up = _swap(flat, flat_up, local)
@@ -309,6 +314,15 @@ def exchange(
                 _unpack(_collective("up", flat_up, n, local), ups, sends, "up", got)
             _unpack(_collective(c, flat, n, local), members, sends, c, got)
     return got
+
+
+def packs_flat() -> bool:
+    """Whether `exchange` packs the payloads of one collective kind and dtype into one flat
+    buffer: on a CPU, where each collective pays gloo's latency. On a TPU or GPU flattening is
+    a relayout copy of every payload at both ends (its tiled layout is not a flat one), and
+    the collectives are asynchronous and cheap to issue: each payload goes as a collective of
+    its own, all issued at the same point of the program."""
+    return jax.default_backend() == "cpu"
 
 
 def _pack(parts: list[jax.Array]) -> jax.Array:
