@@ -206,3 +206,24 @@ def test_device_script_in_miniature(micro_folder, tmp_path):
     assert recs[1]["max_abs_diff_vs_first"] <= 1e-4
     assert recs[1]["memory_compiled"]["total"] > 0
     assert "| chunked |" in (tmp_path / "table.md").read_text()
+
+
+def test_sources_script_in_miniature(tmp_path):
+    """experiments/device/attention_sources.py, as the TPU suite runs it, at a toy size."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments/device/attention_sources.py"
+    spec = importlib.util.spec_from_file_location("attention_sources", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(
+        [
+            "--tokens", "128", "--heads", "2", "--head-dim", "8", "--patches", "2", "--repeats",
+            "1", "--dtype", "float32", "--blocks", "32x32", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert [r["way"] for r in recs][-1] == "chunked, N = 2: own fresh + stale buffer"
+    assert len(recs) == 4 and all(r["status"] == "ok" and r["call_s_median"] > 0 for r in recs)

@@ -225,12 +225,13 @@ def test_the_tpu_suite_in_miniature(tmp_path):
            "OUT": str(tmp_path), "PATCHPAR_COMPILE_CACHE": str(tmp_path / "cc")}  # fmt: skip
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
-        ["bash", "experiments/device/tpu_suite.sh", "families", "flops", "blocks", "shards", "quant", "compile"],
+        ["bash", "experiments/device/tpu_suite.sh", "families", "flops", "blocks", "shards",
+         "attention_sources", "quant", "compile"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     dest = tmp_path / "tpu"
-    for part in ("families", "flops", "blocks", "shards", "quant", "compile"):
+    for part in ("families", "flops", "blocks", "shards", "attention_sources", "quant", "compile"):
         recs = [json.loads(x) for x in (dest / part / "records.jsonl").read_text().splitlines()]
         assert recs and all(r["status"] == "ok" for r in recs), (part, recs)
     assert (tmp_path / "tpu_suite.tgz").stat().st_size > 0

@@ -28,6 +28,8 @@
 #              patchpar and experiments/, e.g. `git archive <commit> patchpar experiments`;
 #              BASE_COMMIT=<commit> names it in the records): before and after timed on one
 #              chip in one call
+#   attention_sources  attention_sources.py: one PixArt-α attention call, chunked over keys
+#              formatted in the program, read in place, and an N-way stale step's sources
 #   quant      quant_timing.py: PixArt-α (QUANT_MODELS= chooses) in bf16 against w8, int8 and
 #              fp8 (int8 on the MXU; QUANT_MODES= chooses)
 #   profile    family_timing.py --profile: SDXL and PixArt-α at 1024², splash 1024x1024, two calls
@@ -116,6 +118,7 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   CT=(--dtype float32 --resolution 64)
   PEER=(--model tiny:norm_num_groups=32 --resolution 64 --dtype float32 --repeats 1 --ours xla
         --peer default --hardware cpu-gloo)
+  AT=(--tokens 256 --heads 2 --head-dim 8 --patches 2 --repeats 1 --dtype float32)
   VMODELS=(tiny-wan)
   VSIZES=(64x64x5 64x64x9)
 else
@@ -130,6 +133,7 @@ else
   QT=(--repeats 5)
   CT=()
   PEER=(--repeats 5 --ours ${OURS:-splash:1024x1024 xla} --peer ${PEERS:-default split_head_dim})
+  AT=(--patches 2 4 8)
   VMODELS=(wan2.1-1.3b)
   VSIZES=(480x832x81 720x1280x81)
 fi
@@ -159,6 +163,8 @@ for p in "${PARTS[@]}"; do
         --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions ${SHARD_RESOLUTIONS:-"${RES[0]}"} \
         --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} \
         ${SHARD_BASE_OPTIONS:-} ${SHARD_SCAN:+--scan} ;;
+    attention_sources) part attention_sources 150 $PY experiments/device/attention_sources.py \
+                         "${AT[@]}" ;;
     quant) part quant 400 $PY experiments/device/quant_timing.py --models ${QUANT_MODELS:-"${DITS[0]}"} \
              ${QUANT_MODES:+--modes $QUANT_MODES} "${QT[@]}" ;;
     profile) part profile 300 $PY "${FTS[@]}" --models "${UNETS[@]}" "${DITS[0]}" --attention $PK \
@@ -191,7 +197,7 @@ for p in "${PARTS[@]}"; do
       done ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \
                --models ${COMPILE_MODELS:-"${DITS[0]}"} "${CT[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards shards_base quant profile profile_mmdit peer video video_shards video_train compile"
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards shards_base attention_sources quant profile profile_mmdit peer video video_shards video_train compile"
        exit 2 ;;
   esac
 done

@@ -158,7 +158,9 @@ def shards(recs) -> list[str]:
         if r["patches"] == 1:
             key = (r["model"], r["resolution"], kernel(r))
             single.setdefault(key, {})[r["part"]] = r["unet_call_s_median"]
-    for r in sorted(rows, key=lambda r: (r["model"], r["resolution"], kernel(r), r["patches"])):
+    for r in sorted(
+        rows, key=lambda r: (r["model"], str(r["resolution"]), kernel(r), r["patches"])
+    ):
         ones = single.get((r["model"], r["resolution"], kernel(r)), {})
         part = r["part"] if r["part"] in ones else next(iter(ones), None)
         t = r["unet_call_s_median"]
@@ -166,6 +168,8 @@ def shards(recs) -> list[str]:
         if part and part != r["part"]:
             ratio += f" (single from `{part}/`)"
         strategy = r["strategy"].split("(")[0]
+        if r.get("stale_exchange") == "left_out":  # the program beside its overlapped exchange
+            strategy += ", stale exchange left out"
         out.append(
             f"| {r['model']} | {r['resolution']} | {kernel(r)} | {strategy} | {r['patches']} | "
             f"{t * 1e3:.1f} | {ratio} | `{r['part']}/` |"

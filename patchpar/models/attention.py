@@ -22,7 +22,8 @@ Scores, softmax statistics and accumulators are float32 whatever the compute dty
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -119,12 +120,15 @@ class Keys:
     kv: jax.Array
     keep: jax.Array | None = None
     skip: jax.Array | None = None
+    fresh: bool = field(default=False, metadata={"static": True})
+    """Formatted in this program from tokens (`of`): `chunked` lays it out in blocks in the
+    same copy. False: it arrived formatted, and is read where it lies."""
 
     @classmethod
     def of(cls, k: jax.Array, v: jax.Array, heads: int, mask: jax.Array | None = None) -> Keys:
         """One slot from keys/values (B, T, H*D) and a (T,) or (B, T) mask."""
         keep = None if mask is None else _keys_mask(mask)[None]
-        return cls(heads_kv(k, v, heads)[None], keep)
+        return cls(heads_kv(k, v, heads)[None], keep, fresh=True)
 
     @property
     def tokens(self) -> int:
@@ -133,7 +137,7 @@ class Keys:
         return slots * self.kv.shape[4]
 
 
-jax.tree_util.register_dataclass(Keys, data_fields=["kv", "keep", "skip"], meta_fields=[])
+jax.tree_util.register_dataclass(Keys, data_fields=["kv", "keep", "skip"], meta_fields=["fresh"])
 
 
 def heads_kv(k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
@@ -257,13 +261,12 @@ def chunked_attention(q, k, v, heads: int, mask=None, block_q: int = 512, block_
 @dataclass(frozen=True)
 class OnlineSoftmax:
     """Flash attention's recurrence over any sequence of key/value sources (the chunked kernel
-    feeds it a layer's sources; ring attention one per hop): float32 running row maxima, row
-    sums and accumulators per query block, so keys seen in any order give the same softmax."""
+    feeds it a layer's sources; ring attention one per hop): float32 running row maxima and
+    accumulators per query block, so keys seen in any order give the same softmax."""
 
     qb: jax.Array  # (nq, B, H, bq, D) query blocks (padded queries at the end)
     m: jax.Array  # (nq, B, H, bq, 1) running max of the unscaled scores, float32
-    s: jax.Array  # (nq, B, H, bq, 1) running sum of the exponentials, float32
-    acc: jax.Array  # (nq, B, H, bq, D) running sum of p v, float32
+    acc: jax.Array  # (nq, B, H, bq, D + 1) sum of p v, and of p in the last column, float32
     tq: int  # queries before padding
 
     @classmethod
@@ -277,7 +280,7 @@ class OnlineSoftmax:
             qh = jnp.pad(qh, ((0, 0), (0, 0), (0, nq * bq - tq), (0, 0)))
         qb = qh.reshape(b, heads, nq, bq, d).transpose(2, 0, 1, 3, 4)  # blocks first
         m = jnp.full(qb.shape[:4] + (1,), -jnp.inf, jnp.float32)
-        return cls(qb, m, jnp.zeros_like(m), jnp.zeros(qb.shape, jnp.float32), tq)
+        return cls(qb, m, jnp.zeros(qb.shape[:4] + (d + 1,), jnp.float32), tq)
 
     def update(self, k: jax.Array, v: jax.Array, mask=None, block_kv: int = 1024):
         """The state after also attending to keys/values k, v (B, Tk, H*D), mask (Tk,) or
@@ -285,77 +288,114 @@ class OnlineSoftmax:
         return self.update_keys([Keys.of(k, v, self.qb.shape[2], mask)], block_kv)
 
     def update_keys(self, sources, block_kv: int = 1024) -> OnlineSoftmax:
-        """The state after also attending to the keys of every source (`Keys`), each read in
-        blocks of at most `block_kv` keys where it lies."""
+        """The state after also attending to the keys of every source (`Keys`), each in blocks
+        of at most `block_kv` keys: a source formatted here (`Keys.fresh`) laid out in blocks
+        with the values' column of ones in the same copy; one that arrived formatted read where
+        it lies, block by block."""
         scale = self.qb.shape[-1] ** -0.5
+        scans = [_blocked(src, block_kv) if src.fresh else _in_place(src, block_kv)
+                 for src in sources]  # fmt: skip
 
         def one(blk):  # one query block against every source's key blocks
-            qi, *carry = blk
-            for src in sources:
-                carry = _scan_source(carry, qi, src, block_kv, scale)
-            return tuple(carry)
+            qi, m, acc = blk
+            for body, xs in scans:
+                (m, acc), _ = lax.scan(partial(body, qi=qi, scale=scale), (m, acc), xs)
+            return m, acc
 
-        m, s, acc = lax.map(one, (self.qb, self.m, self.s, self.acc))
-        return OnlineSoftmax(self.qb, m, s, acc, self.tq)
+        m, acc = lax.map(one, (self.qb, self.m, self.acc))
+        return OnlineSoftmax(self.qb, m, acc, self.tq)
 
     def finish(self, dtype) -> jax.Array:
         """The attention output (B, Tq, H*D) in `dtype`."""
         nq, b, heads, bq, d = self.qb.shape
-        out = self.acc / self.s  # (nq, B, H, bq, D)
+        out = self.acc[..., :d] / self.acc[..., d:]  # (nq, B, H, bq, D)
         out = out.transpose(1, 2, 0, 3, 4).reshape(b, heads, nq * bq, d)[:, :, : self.tq]
         return _merge(out).astype(dtype)
 
 
 _KQ = (((3,), (3,)), ((0, 1), (0, 1)))  # k (B, H, bk, D) . q (B, H, bq, D) -> (B, H, bk, bq)
-_PTV = (((2,), (2,)), ((0, 1), (0, 1)))  # p (B, H, bk, bq) . v (B, H, bk, D) -> (B, H, bq, D)
+_PTV = (((2,), (2,)), ((0, 1), (0, 1)))  # p (B, H, bk, bq) . v (B, H, bk, D+1) -> (B, H, bq, D+1)
 
 
-def _scan_source(carry, qi, src: Keys, block_kv: int, scale: float):
-    """One query block (B, H, bq, D) and its running (max, sum, accumulator) against every key
-    block of one source, read from its slots where they lie (a dynamic slice per block: no
-    copy of the source). A slot's T keys come in blocks of at most `block_kv`; where they do
-    not divide evenly the last block starts early (clamped to T - size) and its keys already
-    read are masked, so no key is padded or copied. Flash attention's recurrence; the scores
-    are laid out keys x queries, so the row maxima and sums reduce over the second-minor axis,
-    element-wise across the queries: on XLA:CPU that reduction and the exponential after it
-    run several times faster than over the minor axis (a block of 512 x 256: 1.0 against
-    6.8 ms for the max, one core)."""
+def _with_ones(v: jax.Array) -> jax.Array:
+    """v (..., D) -> (..., D + 1) with a column of ones: the product p v then also gives the
+    row sums of p (no reduction pass: on a TPU v5e that pass cost 18% of a PixArt-α call's
+    attention, where the extra column rides in the MXU's spare lanes)."""
+    return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], -1)
+
+
+def _blocked(src: Keys, block_kv: int):
+    """A source formatted in this program (one slot): its keys and values laid out blocks
+    first, the values with their column of ones, padded keys masked, in the copy that formats
+    them anyway. -> (scan body, its xs)."""
+    kv = src.kv[0]  # (2, B, H, T, D)
+    _, b, heads, t, d = kv.shape
+    nk, bk = _blocks(t, block_kv)
+    keep = None if src.keep is None else src.keep[0]  # (B|1, T)
+    if nk * bk != t:
+        kv = jnp.pad(kv, ((0, 0),) * 3 + ((0, nk * bk - t), (0, 0)))
+        keep = jnp.ones((1, t), bool) if keep is None else keep
+        keep = jnp.pad(keep, ((0, 0), (0, nk * bk - t)))
+    kb = kv[0].reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4)  # (nk, B, H, bk, D)
+    vb = _with_ones(kv[1].reshape(b, heads, nk, bk, d).transpose(2, 0, 1, 3, 4))
+    keepb = None if keep is None else keep.reshape(keep.shape[0], nk, bk).transpose(1, 0, 2)
+
+    def body(carry, blk, qi, scale):
+        kk, vv, kept = blk
+        return _fold(carry, qi, kk, vv, kept, scale), None
+
+    return body, (kb, vb, keepb)
+
+
+def _in_place(src: Keys, block_kv: int):
+    """A source that arrived formatted (a received or stale buffer): every block of every slot
+    but a skipped one read where it lies (a dynamic slice per block, no copy of the source;
+    the column of ones joined per block). A slot's T keys come in blocks of at most
+    `block_kv`; where they do not divide evenly the last block starts early (clamped to
+    T - size) and its keys already read are masked, so no key is padded. -> (scan body, xs)."""
     slots_all, _, b, heads, t, d = src.kv.shape
     nk, bk = _blocks(t, block_kv)
     overlap = nk * bk - t  # keys of a slot's last block that the block before also read
     slots = slots_all - (src.skip is not None)
     rows = None if src.keep is None else src.keep.shape[1]
 
-    def step(carry, j):
-        m, s_sum, acc = carry  # m, s_sum (B, H, bq, 1); acc (B, H, bq, D)
+    def body(carry, j, qi, scale):
         i, blk = (j // nk, j % nk) if nk > 1 else (j, 0)
         slot = i if src.skip is None else (src.skip + 1 + i) % slots_all
         start = jnp.minimum(blk * bk, t - bk) if overlap else blk * bk
         at = (slot, 0, 0, 0, start, 0)
         kk = lax.dynamic_slice(src.kv, at, (1, 1, b, heads, bk, d)).reshape(b, heads, bk, d)
         vv = lax.dynamic_slice(src.kv, (slot, 1) + at[2:], (1, 1, b, heads, bk, d))
-        vv = vv.reshape(b, heads, bk, d)
         keep = None  # (B|1, bk)
         if src.keep is not None:
             keep = lax.dynamic_slice(src.keep, (slot, 0, start), (1, rows, bk))[0]
         if overlap:  # the last block's keys the one before read
             new = (start + jnp.arange(bk) >= blk * bk)[None]
             keep = new if keep is None else keep & new
-        # unscaled scores: the scale (> 0) commutes with the max and folds into the exp, which
-        # saves a pass over the (bk, bq) block
-        sc = lax.dot_general(kk, qi, _KQ, preferred_element_type=jnp.float32)  # (B, H, bk, bq)
-        if keep is not None:  # (B|1, bk) -> (B|1, 1, bk, 1)
-            sc = jnp.where(keep[:, None, :, None], sc, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.swapaxes(sc.max(-2, keepdims=True), -1, -2))
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # no key at all so far
-        p = jnp.exp((sc - jnp.swapaxes(m_safe, -1, -2)) * scale)  # (B, H, bk, bq)
-        alpha = jnp.exp((m - m_safe) * scale)
-        s_new = alpha * s_sum + jnp.swapaxes(p.sum(-2, keepdims=True), -1, -2)
-        pv = lax.dot_general(p.astype(vv.dtype), vv, _PTV, preferred_element_type=jnp.float32)
-        return (m_new, s_new, alpha * acc + pv), None
+        return _fold(carry, qi, kk, _with_ones(vv.reshape(b, heads, bk, d)), keep, scale), None
 
-    carry, _ = lax.scan(step, tuple(carry), jnp.arange(slots * nk))
-    return carry
+    return body, jnp.arange(slots * nk)
+
+
+def _fold(carry, qi, kk, vv, keep, scale: float):
+    """Flash attention's recurrence: the running (max, accumulator) of a query block (B, H, bq,
+    D) after one key block kk (B, H, bk, D), vv (B, H, bk, D + 1), keep (B|1, bk) or None. The
+    scores are laid out keys x queries, so the row maxima reduce over the second-minor axis,
+    element-wise across the queries: on XLA:CPU that reduction and the exponential after it
+    run several times faster than over the minor axis (a block of 512 x 256: 1.0 against
+    6.8 ms for the max, one core)."""
+    m, acc = carry  # m (B, H, bq, 1)
+    # unscaled scores: the scale (> 0) commutes with the max and folds into the exp, which
+    # saves a pass over the (bk, bq) block
+    sc = lax.dot_general(kk, qi, _KQ, preferred_element_type=jnp.float32)  # (B, H, bk, bq)
+    if keep is not None:  # (B|1, bk) -> (B|1, 1, bk, 1)
+        sc = jnp.where(keep[:, None, :, None], sc, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.swapaxes(sc.max(-2, keepdims=True), -1, -2))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # no key at all so far
+    p = jnp.exp((sc - jnp.swapaxes(m_safe, -1, -2)) * scale)
+    alpha = jnp.exp((m - m_safe) * scale)
+    pv = lax.dot_general(p.astype(vv.dtype), vv, _PTV, preferred_element_type=jnp.float32)
+    return m_new, alpha * acc + pv
 
 
 def _cudnn_attention(q, kh, vh, heads: int, keep=None):

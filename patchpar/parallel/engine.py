@@ -82,6 +82,13 @@ class Plan:
     """Each patch device's share of the latent rows (`parallel.split`), in order; None: equal
     shares (an even split where the rows divide, else the most even one)."""
 
+    uneven_compute: str = "auto"
+    """Uneven patches: `own`, each device computes its own rows alone where no collective runs
+    inside the model call (the packed steady phase of a stale strategy); `padded`, every
+    device computes the largest patch's rows (what every phase with a collective inside does);
+    `auto`, own where patch weights are given (devices of different speeds), padded on the
+    most even split (equal devices: the largest patch sets the pace either way)."""
+
     stale_exchange: bool = True
     """With `comm=False`, False leaves the steady phase's stale exchanges out, not even stood in:
     each step returns its stale sends as outputs (`SEND` in the state) and keeps the stale
@@ -89,13 +96,6 @@ class Plan:
     beside exchanges that overlap it (on a TPU or GPU the interconnect's DMA engines carry them,
     not the core): what the projection charges to compute for a stale strategy. A stand-in
     instead copies what the exchange would deliver on the core."""
-
-    uneven_compute: str = "auto"
-    """Uneven patches: `own`, each device computes its own rows alone where no collective runs
-    inside the model call (the packed steady phase of a stale strategy); `padded`, every
-    device computes the largest patch's rows (what every phase with a collective inside does);
-    `auto`, own where patch weights are given (devices of different speeds), padded on the
-    most even split (equal devices: the largest patch sets the pace either way)."""
 
     def __post_init__(self):
         if self.comm and not self.stale_exchange:
