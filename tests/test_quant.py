@@ -115,17 +115,19 @@ def test_a_parallelism_bug_fails_the_quantized_contract(family, mode, monkeypatc
     two patches' K/V crossed (each patch's keys with the other's values) fails it."""
     import patchpar.parallel.sites.kv as kv
 
-    pair = kv._pair
+    sources = kv.KV.sources
 
-    def crossed(own, other):  # (2, B, 2L, D): values of the two patches swapped
-        k, v = pair(own, other)
-        n = own.shape[2]
-        return jnp.stack([k, jnp.concatenate([v[:, n:], v[:, :n]], axis=1)])
+    def crossed(self, *args, **kwargs):  # on 2 devices: the own slot, then the other's
+        own, other = (s.kv for s in sources(self, *args, **kwargs))  # (1, 2, B, H, L, D) each
+        return [
+            kv.Keys(jnp.concatenate([own[:, :1], other[:, 1:]], axis=1)),  # the other's values
+            kv.Keys(jnp.concatenate([other[:, :1], own[:, 1:]], axis=1)),
+        ]
 
     fn, params, x, t, cond, scale = _micro(family)
     qf, qp = quantize(fn, params, mode)
     one = _call(qf, qp, x, t, cond, scale)
-    monkeypatch.setattr(kv, "_pair", crossed)
+    monkeypatch.setattr(kv.KV, "sources", crossed)
     got = _call(qf, qp, x, t, cond, scale, "sync_patch", 2)
     with pytest.raises(AssertionError):
         _assert_within_quantization(got, one, _call(fn, params, x, t, cond, scale))
