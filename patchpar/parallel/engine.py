@@ -90,20 +90,14 @@ class Plan:
     most even split (equal devices: the largest patch sets the pace either way)."""
 
     stale_exchange: bool = True
-    """With `comm=False`, False leaves the steady phase's stale exchanges out, not even stood in:
-    each step returns its stale sends as outputs (`SEND` in the state) and keeps the stale
-    buffers it was given, as if the exchange had delivered them. That is one device's program
-    beside exchanges that overlap it (on a TPU or GPU the interconnect's DMA engines carry them,
-    not the core): what the projection charges to compute for a stale strategy. A stand-in
-    instead copies what the exchange would deliver on the core."""
+    """False (with `comm=False`): the steady phase's stale exchanges left out, not stood in: a
+    step returns its sends (`SEND` in the state) and keeps the buffers given, as if delivered:
+    one device's program beside exchanges that overlap it on the interconnect."""
 
     def __post_init__(self):
         if self.comm and not self.stale_exchange:
-            raise ValueError(
-                "stale_exchange=False leaves the stale exchanges out of a program timed alone "
-                "(comm=False); with comm=True the exchanges run: set comm=False or leave "
-                "stale_exchange True"
-            )
+            raise ValueError("stale_exchange=False leaves exchanges out of a program timed alone: "
+                             "it needs comm=False")  # fmt: skip
         if self.uneven_compute not in UNEVEN_COMPUTE:
             known = list(UNEVEN_COMPUTE)
             raise ValueError(f"uneven_compute={self.uneven_compute!r}; known: {known}")

@@ -89,16 +89,16 @@ class PatchOps(SiteOps):
     def with_rows(self, rows: tuple[int, ...] | None, slab: int | None = None) -> PatchOps:
         """The same ops on patches of `rows` latent rows each (`parallel.split`; None: even);
         `slab`: the rows of a slab that holds its patch's alone (None: padded slabs)."""
-        return replace(self, **{
-            f.name: replace(op, rows=rows, slab=slab) for f in fields(self)
-            if isinstance(op := getattr(self, f.name), PatchSite)
-        })  # fmt: skip
+        return self._with_patch_sites(rows=rows, slab=slab)
 
     def with_packed(self) -> PatchOps:
         """The same ops with every stale send left for the engine (`packed`), not exchanged at
         the site."""
+        return self._with_patch_sites(packed=True)
+
+    def _with_patch_sites(self, **changes) -> PatchOps:
         return replace(self, **{
-            f.name: replace(op, packed=True) for f in fields(self)
+            f.name: replace(op, **changes) for f in fields(self)
             if isinstance(op := getattr(self, f.name), PatchSite)
         })  # fmt: skip
 
