@@ -260,23 +260,18 @@ def test_comm_groups_from_a_config_file_and_the_command_line():
 def test_accelerator_exchange_issues_each_payload_apart(monkeypatch):
     """On a TPU or GPU (`packs_flat` false) a packed group's payloads go as collectives of
     their own, issued together (no flat buffer: a relayout copy at both ends there): the same
-    bytes and buffers as the flat packing, more collectives."""
+    bytes as the flat packing, more collectives."""
     from patchpar.parallel.sites import common
 
     unet, params = micro_unet("sd")
     plan = Plan(make_strategy("distrifusion", comm_groups=1), 4, 1)
     flat = measure(unet, plan, (16, 16), params=params, flops=False)
     one = _steady_collectives("distrifusion", 4, comm_groups=1)
-    out, state = _run("distrifusion", (("comm_groups", 1), ("warmup_steps", 0)), 4, 1, 1, False)
-    jax.clear_caches()
     try:
         monkeypatch.setattr(common, "packs_flat", lambda: False)
         apart = measure(unet, plan, (16, 16), params=params, flops=False)
         each = _steady_collectives("distrifusion", 4, comm_groups=1)
-        out2, state2 = _run.__wrapped__(
-            "distrifusion", (("comm_groups", 1), ("warmup_steps", 0)), 4, 1, 1, False
-        )
-    finally:
+    finally:  # no program traced without flat packing is left for a later test
         monkeypatch.undo()
         jax.clear_caches()
     for phase in ("warmup", "steady"):
@@ -285,6 +280,23 @@ def test_accelerator_exchange_issues_each_payload_apart(monkeypatch):
     sites = stale_sites(unet, plan, (16, 16))
     assert sum(each.values()) > sum(one.values()) and each[("all-gather", "kv")] > 1
     assert sum(each.values()) >= sites
+
+
+@pytest.mark.slow
+def test_accelerator_exchange_equals_the_flat_one(monkeypatch):
+    """The payloads exchanged apart (`packs_flat` false) give the flat packing's latent and
+    stale buffers, within the rounding bound of another program."""
+    from patchpar.parallel.sites import common
+
+    key = ("distrifusion", (("comm_groups", 1), ("warmup_steps", 0)), 4, 1, 1, False)
+    out, state = _run(*key)
+    jax.clear_caches()
+    try:
+        monkeypatch.setattr(common, "packs_flat", lambda: False)
+        out2, state2 = _run.__wrapped__(*key)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
     assert np.abs(out2 - out).max() <= rounding(out)
     for a, b in zip(jax.tree.leaves(state2), jax.tree.leaves(state), strict=True):
         assert np.abs(a - b).max() <= 10 * reordered(b)
