@@ -91,7 +91,6 @@ def test_sources_equal_their_keys_in_one_sequence(impl, skip):
     ref = xla_attention(q, keys, values, h, mask)
     spec = AttentionSpec(impl, 128, 128, True) if impl == "splash" else AttentionSpec(impl, 16, 32)
     out = jax.jit(lambda q, s: attend_keys(spec, q, h, s))(q, sources)
-    assert sources[0].tokens == (slots - 1) * t
     assert _rel(out, ref) <= 1e-5
 
 

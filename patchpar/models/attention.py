@@ -130,12 +130,6 @@ class Keys:
         keep = None if mask is None else _keys_mask(mask)[None]
         return cls(heads_kv(k, v, heads)[None], keep, fresh=True)
 
-    @property
-    def tokens(self) -> int:
-        """Keys read: T of every slot but a skipped one."""
-        slots = self.kv.shape[0] - (self.skip is not None)
-        return slots * self.kv.shape[4]
-
 
 jax.tree_util.register_dataclass(Keys, data_fields=["kv", "keep", "skip"], meta_fields=["fresh"])
 

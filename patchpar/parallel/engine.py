@@ -88,16 +88,13 @@ class Plan:
     device computes the largest patch's rows (what every phase with a collective inside does);
     `auto`, own where patch weights are given (devices of different speeds), padded on the
     most even split (equal devices: the largest patch sets the pace either way)."""
-
     stale_exchange: bool = True
-    """False (with `comm=False`): the steady phase's stale exchanges left out, not stood in: a
-    step returns its sends (`SEND` in the state) and keeps the buffers given, as if delivered:
-    one device's program beside exchanges that overlap it on the interconnect."""
+    """False (with `comm=False`): stale exchanges left out, sends returned (`SEND` in the state),
+    buffers kept as given: a program beside exchanges that overlap it on the interconnect."""
 
     def __post_init__(self):
         if self.comm and not self.stale_exchange:
-            raise ValueError("stale_exchange=False leaves exchanges out of a program timed alone: "
-                             "it needs comm=False")  # fmt: skip
+            raise ValueError("stale_exchange=False (exchanges left out) needs comm=False")
         if self.uneven_compute not in UNEVEN_COMPUTE:
             known = list(UNEVEN_COMPUTE)
             raise ValueError(f"uneven_compute={self.uneven_compute!r}; known: {known}")
@@ -383,14 +380,8 @@ def stale_sites(unet: Denoiser, plan: Plan, latent_hw: tuple[int, int]) -> int:
     if not plan.strategy.packs("steady") or not names:
         return 0
     x, t, cond = abstract_inputs(unet, latent_hw, plan.data)
-    warm = make_step(
-        unet,
-        plan,
-        "warmup",
-        plan.strategy.patch_axis(0),
-        5.0 if plan.cfg == 2 else 1.0,
-        plan.mesh(),
-    )
+    axis, scale = plan.strategy.patch_axis(0), 5.0 if plan.cfg == 2 else 1.0
+    warm = make_step(unet, plan, "warmup", axis, scale, plan.mesh())
     with shapes_only():
         _, state = jax.eval_shape(warm, param_shapes(unet), x, t, cond, None)
 
