@@ -3,8 +3,9 @@
 values' column of ones in the formatting copy, as `single` reads them), over the same keys as a
 source that arrived formatted (read block by block where it lies: a gathered buffer), and over
 one device's N-way sources (its own fresh queries' keys plus a stale buffer of N slots with its
-own skipped, as DistriFusion's steady step reads them), beside the `xla` kernel. Default: a
-PixArt-α layer at 1024² (CFG pair, 4096 tokens, 16 heads of 72), bf16.
+own skipped, as DistriFusion's steady step reads them; or all N slots gathered, as sync_patch
+reads them), beside the `xla` kernel. Default: a PixArt-α layer at 1024² (CFG pair, 4096
+tokens, 16 heads of 72), bf16.
 
     device run: python experiments/device/attention_sources.py --out $OUT/attention_sources
     here, in miniature: python experiments/device/attention_sources.py --tokens 256 --heads 2 \
@@ -74,6 +75,8 @@ def main(argv=None) -> None:
 
         args = (q[:, :own], k[:, :own], v[:, :own], buffer, jnp.asarray(0, jnp.int32))
         ways[f"chunked, N = {n}: own fresh + stale buffer"] = (stale, args)
+        ways[f"chunked, N = {n}: gathered buffer (sync_patch)"] = (
+            lambda q, buf: attend_keys(chunked, q, h, [Keys(buf)]), (q[:, :own], buffer))
     a.out.mkdir(parents=True, exist_ok=True)
     dev = jax.devices()[0]
     rows = []
