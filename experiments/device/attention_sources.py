@@ -76,7 +76,9 @@ def main(argv=None) -> None:
         args = (q[:, :own], k[:, :own], v[:, :own], buffer, jnp.asarray(0, jnp.int32))
         ways[f"chunked, N = {n}: own fresh + stale buffer"] = (stale, args)
         ways[f"chunked, N = {n}: gathered buffer (sync_patch)"] = (
-            lambda q, buf: attend_keys(chunked, q, h, [Keys(buf)]), (q[:, :own], buffer))
+            lambda q, buf: attend_keys(chunked, q, h, [Keys(buf)]),
+            (q[:, :own], buffer),
+        )
     a.out.mkdir(parents=True, exist_ok=True)
     dev = jax.devices()[0]
     rows = []
