@@ -224,5 +224,8 @@ def test_sources_script_in_miniature(tmp_path):
         ]
     )  # fmt: skip
     recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert [r["way"] for r in recs][-1] == "chunked, N = 2: own fresh + stale buffer"
-    assert len(recs) == 4 and all(r["status"] == "ok" and r["call_s_median"] > 0 for r in recs)
+    assert [r["way"] for r in recs][-2:] == [
+        "chunked, N = 2: own fresh + stale buffer",
+        "chunked, N = 2: gathered buffer (sync_patch)",
+    ]
+    assert len(recs) == 5 and all(r["status"] == "ok" and r["call_s_median"] > 0 for r in recs)
