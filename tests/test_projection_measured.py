@@ -58,7 +58,7 @@ def test_device_script_in_miniature_feeds_the_projection(micro_folder, tmp_path,
     assert timed_compute([other, recs[1]], "cpu-gloo", wl) is None
 
 
-TPU_PROJECTION = REPO / "results" / "tpu_v5e" / "projection_chunked"
+TPU_PROJECTION = REPO / "results" / "tpu_v5e" / "projection_in_place"
 
 
 @pytest.mark.skipif(

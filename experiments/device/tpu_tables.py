@@ -49,7 +49,8 @@ def main(argv=None) -> None:
     flops = {(r["model"], r["resolution"]): r["flops"] for r in recs if r["part"] == "flops"}
     timed = defaultdict(dict)  # (model, res) -> kernel -> record (the last run of each)
     for r in recs:
-        if r.get("status") == "ok" and r.get("call_s_median") and "implementation" not in r:
+        ok = r.get("status") == "ok" and r.get("call_s_median")
+        if ok and "model" in r and "implementation" not in r:  # attention_sources': no model
             r["flops"] = r.get("flops") if r.get("flops") == r.get("flops") else None
             r["flops"] = r["flops"] or flops.get((r["model"], r["resolution"]))
             timed[(r["model"], r["resolution"])][kernel(r)] = r
