@@ -6,8 +6,9 @@ Modes: `all` (every patch's fresh K/V, all-gathered every step), `local` (own on
 or on a patch axis of 2 the other patch's alone, (2, B, L, D)),
 `band` (own fresh + the last `portion` of the patch above and the first `portion` of the patch
 below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each; on a patch
-axis of 2 each patch attends to its one neighbour's band alone, where the missing band would be
-masked keys costing compute: L + 2 x band keys for L + band, 1.5x at portion 1). During
+axis of 2 each patch keeps and attends to its one neighbour's band alone, `kv_band`, where the
+missing band would be memory and masked keys costing compute: L + 2 x band keys for L + band,
+1.5x at portion 1). During
 warm-up `stale` and `band` gather exactly and write their buffers. `send=full` sends the whole
 neighbour K/V and crops at the receiver (PCPP's code); `send=band` only the rows used. The band
 is `portion` of the patch's tokens (`align=tokens`, PCPP's code) or of its image rows, rounded
@@ -74,7 +75,7 @@ def _pair(own: jax.Array, other: jax.Array) -> jax.Array:
 @dataclass(frozen=True)
 class KV(PatchSite):
     kind = "kv"
-    buffers = ("kv", "kv_above", "kv_below")
+    buffers = ("kv", "kv_above", "kv_below", "kv_band")
     mode: str = "all"
     portion: float = 1.0  # band: share of each neighbour patch's tokens kept
     sends: str = "full"  # band: send whole K/V and crop at the receiver, or only the band
@@ -124,9 +125,7 @@ class KV(PatchSite):
             if self.mode == "stale":
                 mod.put_variable(STALE, "kv", self.receive(got)["kv"])
             elif self.mode == "band":
-                above, below = self._bands_exact(kv, got, row)
-                mod.put_variable(STALE, "kv_above", above)
-                mod.put_variable(STALE, "kv_below", below)
+                self._keep_bands(mod, *self._bands_exact(kv, got, row))
             if self.n == 2:  # the own slot, then the other's
                 return [own, Keys(got["other"][None])]
             return [Keys(got["gather"])]  # every patch in order, the own slot exact
@@ -153,12 +152,13 @@ class KV(PatchSite):
         """PCPP's steady step: the band above (stale), the own fresh K/V, the band below."""
         band = self._band(kv.shape[3], row)
         shape = kv.shape[:3] + (band,) + kv.shape[4:]
-        above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
-        below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
         idx = self._index()
         if self.n == 2:  # one neighbour each: its band alone, nothing masked
-            sources = [own, Keys(jnp.where(idx == 0, below.value, above.value)[None])]
+            other = mod.variable(STALE, "kv_band", jnp.zeros, shape, kv.dtype)
+            sources = [own, Keys(other.value[None])]
         else:  # no band above device 0 or below the last
+            above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
+            below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
             has = lambda exists: jnp.broadcast_to(exists, (1, 1, band))  # noqa: E731
             sources = [
                 Keys(above.value[None], has(idx > 0)),
@@ -213,9 +213,7 @@ class KV(PatchSite):
             if self.mode == "stale":
                 mod.put_variable(STALE, "kv", self.receive(got)["kv"])
             elif self.mode == "band":
-                above, below = self._bands_from_full(full, kv.shape[2], row)
-                mod.put_variable(STALE, "kv_above", above)
-                mod.put_variable(STALE, "kv_below", below)
+                self._keep_bands(mod, *self._bands_from_full(full, kv.shape[2], row))
                 if self.link is not None:
                     self._start_band(mod, kv, full, row)
             return self._image_keys(full, kv.shape[2])
@@ -289,17 +287,18 @@ class KV(PatchSite):
         length = kv.shape[2]
         band = self._band(length, row)
         shape = kv.shape[:2] + (band,) + kv.shape[3:]
-        above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
-        below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
         own = None if self.split is None else self.split.own_mask(length)  # else all
         if self.n == 2:  # one neighbour each: its band alone beside the own K/V, nothing masked
             first = lax.axis_index(PATCH) == 0
-            keys = _pair(kv, jnp.where(first, below.value, above.value))  # (2, B, L+band, D)
+            other = mod.variable(STALE, "kv_band", jnp.zeros, shape, kv.dtype)
+            keys = _pair(kv, other.value)  # (2, B, L+band, D)
             mask = None
             if own is not None:  # but the own padding
                 ones = jnp.ones((band,), bool)
                 mask = jnp.where(first, jnp.concatenate([own, ones]), jnp.concatenate([ones, own]))
         else:
+            above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
+            below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
             keys = jnp.concatenate([above.value, kv, below.value], axis=2)  # (2, B, L+2band, D)
             mask = self._band_mask(band, length, own)
         if self.exchange:  # after the reads: an unpacked send refreshes the buffers at once
@@ -363,7 +362,7 @@ class KV(PatchSite):
         if above.ndim == ax + 3:  # whole rows, cropped by rows
             merge = lambda a: a.reshape(a.shape[:ax] + (-1, a.shape[-1]))  # noqa: E731
             above, below = merge(above), merge(below)
-        return {"kv_above": above, "kv_below": below}
+        return self._bands(above, below)
 
     def _receive_uneven(self, down, up):
         """Uneven patches: the band above is the last of the above patch's own tokens (a whole
@@ -375,12 +374,24 @@ class KV(PatchSite):
         else:
             row = None
         if self.sends == "band":
-            return {"kv_above": down, "kv_below": up}
+            return self._bands(down, up)
         length = down.shape[2]
         band = self._band(length, row)
         end = jnp.asarray(self.split.counts(length), jnp.int32)[self._neighbour(-1)]
         above = lax.dynamic_slice_in_dim(down, end - band, band, axis=2)
-        return {"kv_above": above, "kv_below": up[:, :, :band]}
+        return self._bands(above, up[:, :, :band])
+
+    def _bands(self, above: jax.Array, below: jax.Array) -> dict[str, jax.Array]:
+        """PCPP's buffers from the bands of the patches above and below: `kv_above` and
+        `kv_below`; on a patch axis of 2, where each patch has one neighbour, that neighbour's
+        band alone (`kv_band`: below for patch 0, above for patch 1), half the memory."""
+        if self.n == 2:
+            return {"kv_band": jnp.where(self._index() == 0, below, above)}
+        return {"kv_above": above, "kv_below": below}
+
+    def _keep_bands(self, mod, above: jax.Array, below: jax.Array) -> None:
+        for name, value in self._bands(above, below).items():
+            mod.put_variable(STALE, name, value)
 
     def _bands_from_full(self, full, length, row):
         """The neighbours' bands out of an exact all-gather (zeros where there is no neighbour)."""
