@@ -78,6 +78,17 @@ def test_exact_strategies_on_a_video_equal_single(layout, name, devices):
     assert np.abs(sample(layout, name, devices) - want).max() <= rounding(want)
 
 
+def test_weights_sharded_at_rest_on_a_video_equal_single():
+    """FSDP (`Plan(fsdp=True)`): every parameterised layer of Wan, the condition embedder's
+    time and text projections too, gathers its weights where it runs."""
+    fn, params, _, smp, sched, cond, tall = run_of("rows", "single", 1)
+    plan = Plan(make_strategy("sync_patch"), 2, 1, fsdp=True)
+    plan.validate(fn, tall.shape[1:3], STEPS, GUIDANCE)
+    out, _ = denoise(fn, plan, smp, params, cond, sched, tall, GUIDANCE)
+    want = sample("rows", "single", 1)
+    assert np.abs(np.asarray(fn.video.from_tall(out, 2)) - want).max() <= rounding(want)
+
+
 @pytest.mark.parametrize("layout", ["frames", pytest.param("rows", marks=pytest.mark.slow)])
 def test_distrifusion_on_a_video(layout):
     exact = sample(layout, "sync_patch", 3 if layout == "frames" else 2)

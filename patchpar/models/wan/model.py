@@ -248,15 +248,16 @@ class ConditionEmbedder(nn.Module):
         self.time_proj = dense(6 * d, "time_proj", dt)
         self.text_embedder = TextProjection(d, dt)
 
-    def time(self, timesteps: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(B,) -> ((B, 6, D) modulations, (B, D) temb)."""
-        e = timestep_embedding(timesteps, self.config.freq_dim, True, 0.0)
+    def __call__(self, x: jax.Array, what: str):
+        """what="time": timesteps (B,) -> ((B, 6, D) modulations, (B, D) temb); "text": the
+        text states (B, S, D_text) -> (B, S, D). One entry point, so that FSDP's wrapper
+        (which maps `__call__` alone) gathers the weights of both."""
+        if what == "text":
+            return self.text_embedder(x.astype(self.dtype))
+        e = timestep_embedding(x, self.config.freq_dim, True, 0.0)
         temb = self.time_embedder(e.astype(self.dtype))
         t6 = self.time_proj(nn.silu(temb))
         return t6.reshape(temb.shape[0], 6, -1), temb
-
-    def text(self, states: jax.Array) -> jax.Array:
-        return self.text_embedder(states.astype(self.dtype))
 
 
 class TextProjection(nn.Module):  # PixArtAlphaTextProjection with tanh GELU
@@ -351,11 +352,11 @@ class WanTransformer3DModel(nn.Module):
 
     def time(self, timesteps) -> tuple[jax.Array, jax.Array]:
         """((B, 6, D) block modulations, (B, D) temb)."""
-        return self.condition_embedder.time(timesteps)
+        return self.condition_embedder(timesteps, "time")
 
     def context(self, encoder_hidden_states) -> jax.Array:
         """The projected text (B, S, D): step-invariant."""
-        return self.condition_embedder.text(encoder_hidden_states)
+        return self.condition_embedder(encoder_hidden_states, "text")
 
     def block(self, i: int, x, ctx, t6, rope, row: int) -> jax.Array:
         """Block i on (B, T, D) tokens; `row`: tokens per row of the tall image (W / p)."""
