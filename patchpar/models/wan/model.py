@@ -237,27 +237,28 @@ class WanBlock(nn.Module):
 class ConditionEmbedder(nn.Module):
     """diffusers WanTimeTextImageEmbedding (text-to-video): the timestep's sinusoid through
     `time_embedder` (temb), its SiLU through `time_proj` (the six block modulations), and the
-    text through `text_embedder` (linear, tanh GELU, linear)."""
+    text through `text_embedder` (linear, tanh GELU, linear). Each of the three is a layer of
+    its own for FSDP (`ops.layer`): a call gathers the weights it uses, not the others'."""
 
     config: WanConfig
     dtype: jnp.dtype = jnp.float32
+    ops: SiteOps = IDENTITY
 
     def setup(self):
-        d, dt = self.config.inner_dim, self.dtype
-        self.time_embedder = TimestepEmbedding(d, dt)
-        self.time_proj = dense(6 * d, "time_proj", dt)
-        self.text_embedder = TextProjection(d, dt)
+        d, dt, layer = self.config.inner_dim, self.dtype, self.ops.layer
+        self.time_embedder = layer(TimestepEmbedding)(d, dt)
+        self.time_proj = layer(nn.Dense)(6 * d, dtype=dt, param_dtype=dt)
+        self.text_embedder = layer(TextProjection)(d, dt)
 
-    def __call__(self, x: jax.Array, what: str):
-        """what="time": timesteps (B,) -> ((B, 6, D) modulations, (B, D) temb); "text": the
-        text states (B, S, D_text) -> (B, S, D). One entry point, so that FSDP's wrapper
-        (which maps `__call__` alone) gathers the weights of both."""
-        if what == "text":
-            return self.text_embedder(x.astype(self.dtype))
-        e = timestep_embedding(x, self.config.freq_dim, True, 0.0)
+    def time(self, timesteps: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(B,) -> ((B, 6, D) modulations, (B, D) temb)."""
+        e = timestep_embedding(timesteps, self.config.freq_dim, True, 0.0)
         temb = self.time_embedder(e.astype(self.dtype))
         t6 = self.time_proj(nn.silu(temb))
         return t6.reshape(temb.shape[0], 6, -1), temb
+
+    def text(self, states: jax.Array) -> jax.Array:
+        return self.text_embedder(states.astype(self.dtype))
 
 
 class TextProjection(nn.Module):  # PixArtAlphaTextProjection with tanh GELU
@@ -288,7 +289,7 @@ class WanTransformer3DModel(nn.Module):
         p = cfg.spatial_patch
         self.patch_embedding = layer(PatchEmbed3D)(cfg.inner_dim, p, dt, name="patch_embedding")
         self.rope = WanRope(cfg, self.video, ops)
-        self.condition_embedder = layer(ConditionEmbedder)(cfg, dt)
+        self.condition_embedder = ConditionEmbedder(cfg, dt, ops)  # its layers: FSDP's each
         scan.build(self, BLOCKS, [0] * cfg.num_layers,
                    lambda i: (layer(WanBlock), (cfg, dt, ops, self.attn)))  # fmt: skip
         d = cfg.inner_dim
@@ -352,11 +353,11 @@ class WanTransformer3DModel(nn.Module):
 
     def time(self, timesteps) -> tuple[jax.Array, jax.Array]:
         """((B, 6, D) block modulations, (B, D) temb)."""
-        return self.condition_embedder(timesteps, "time")
+        return self.condition_embedder.time(timesteps)
 
     def context(self, encoder_hidden_states) -> jax.Array:
         """The projected text (B, S, D): step-invariant."""
-        return self.condition_embedder(encoder_hidden_states, "text")
+        return self.condition_embedder.text(encoder_hidden_states)
 
     def block(self, i: int, x, ctx, t6, rope, row: int) -> jax.Array:
         """Block i on (B, T, D) tokens; `row`: tokens per row of the tall image (W / p)."""
