@@ -105,7 +105,7 @@ def write_table(records: list[dict], path: Path) -> None:
         name = r["strategy"].split("(")[0] + (" band" if "band" in r["strategy"] else "")
         if r["status"] != "ok":
             lines.append(f"| {r['model']} | {h}x{w}x{frames} | {mesh} | "
-                         f"{'FSDP' if r['fsdp'] else 'whole'} | {name} | {r['error'][:80]} |||||")  # fmt: skip
+                         f"{'FSDP' if r['fsdp'] else 'whole'} | {name} | {r['error'][:80]} ||||")  # fmt: skip
             continue
         floor = r["floor_gib"]
         lines.append(

@@ -193,17 +193,19 @@ def test_stale_groupnorm_buffers_hold_previous_step_statistics():
 
 
 @pytest.mark.parametrize(
-    "kv, send, align",
+    "kv, send, align, n",
     [
-        ("stale", "full", "tokens"),
-        ("band", "full", "tokens"),
-        ("band", "band", "tokens"),
-        ("band", "full", "rows"),  # whole rows: 2 of each patch's 4 rows of W tokens, not 8 tokens
-        ("band", "band", "rows"),
+        ("stale", "full", "tokens", 4),
+        ("band", "full", "tokens", 4),
+        ("band", "band", "tokens", 4),
+        ("band", "full", "rows", 4),  # whole rows: 2 of each patch's 4 rows of W tokens, not 8
+        ("band", "band", "rows", 4),
+        ("band", "full", "tokens", 2),  # one neighbour each: its band alone, `kv_band`
+        ("band", "band", "tokens", 2),
     ],
 )
-def test_stale_kv_reads_previous_step_and_refreshes(kv, send, align):
-    n, portion = 4, 0.3
+def test_stale_kv_reads_previous_step_and_refreshes(kv, send, align, n):
+    portion = 0.3
     tokens = H * W
     x1, x2 = rand(B, tokens, C, seed=10), rand(B, tokens, C, seed=11)
     ops = patch_ops(n, "steady", kv=kv, portion=portion, send=send, align=align)
@@ -214,6 +216,8 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send, align):
     heads = (2, 4)  # the buffers in the kernels' heads layout: 2 heads of 4
     if kv == "stale":
         state0 = {"kv": rand(n, n, 2, B, *heads[:1], length, heads[1], seed=12)}
+    elif n == 2:
+        state0 = {"kv_band": rand(n, 2, B, heads[0], band, heads[1], seed=12)}
     else:
         state0 = {
             "kv_above": rand(n, 2, B, heads[0], band, heads[1], seed=12),
@@ -227,6 +231,10 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send, align):
         else:
             above = fresh1[:, :, i * length - band : i * length] if i > 0 else None
             below = fresh1[:, :, (i + 1) * length : (i + 1) * length + band] if i < n - 1 else None
+            if n == 2:  # below for patch 0, above for patch 1
+                want = below if i == 0 else above
+                np.testing.assert_allclose(as_tokens(state1["kv_band"][i]), want, atol=1e-5)
+                continue
             if above is not None:
                 np.testing.assert_allclose(as_tokens(state1["kv_above"][i]), above, atol=1e-5)
             if below is not None:
@@ -238,6 +246,10 @@ def test_stale_kv_reads_previous_step_and_refreshes(kv, send, align):
         own = fresh2[:, :, i * length : (i + 1) * length]
         if kv == "stale":
             keys = as_tokens(state1["kv"][i]).at[:, :, i * length : (i + 1) * length].set(own)
+        elif n == 2:
+            band_i = as_tokens(state1["kv_band"][i])
+            parts = [own, band_i] if i == 0 else [band_i, own]
+            keys = jnp.concatenate(parts, axis=2)
         else:
             parts = (
                 ([as_tokens(state1["kv_above"][i])] if i > 0 else [])

@@ -1,7 +1,8 @@
 """One self-attention call of a patch-parallel layer, timed per way of reading its keys: the
-`chunked` kernel over keys formatted in the program (`Keys.of`: laid out in blocks with the
-values' column of ones in the formatting copy, as `single` reads them), over the same keys as a
-source that arrived formatted (read block by block where it lies: a gathered buffer), and over
+`chunked` kernel over keys formatted in the program (`Keys.of`, the heads layout made inside the
+timed call, as `single` reads them; up to e4c0904 laid out in blocks with the values' column of
+ones in that copy), over the same keys as a source that arrived formatted (read block by block
+where it lies: a gathered buffer), and over
 one device's N-way sources (its own fresh queries' keys plus a stale buffer of N slots with its
 own skipped, as DistriFusion's steady step reads them; or all N slots gathered, as sync_patch
 reads them), beside the `xla` kernel. Default: a PixArt-α layer at 1024² (CFG pair, 4096

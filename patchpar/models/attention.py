@@ -8,10 +8,11 @@ Scores, softmax statistics and accumulators are float32 whatever the compute dty
 - `xla`: the whole (B, H, Tq, Tk) logits at once (`einsum` + `softmax`): the reference. Memory
   grows with Tq x Tk: SDXL at 3840x3840 needs 265 GB of logits in one call.
 - `chunked`: blockwise attention with an online softmax (flash attention's recurrence written
-  in JAX): a `lax.map` over query blocks, a `lax.scan` over key/value blocks carrying the row
-  maximum, the row sum and a float32 accumulator. Memory O(block_q x block_kv) per (batch, head);
-  pure JAX, every backend. Token counts that are not multiples of the blocks are padded (padded
-  keys masked, padded queries dropped).
+  in JAX): a `lax.scan` over each key source's key/value blocks, read where they lie, around a
+  `lax.map` over query blocks, carrying per query block the row maximum and a float32
+  accumulator whose last column is the row sum. Memory O(block_q x block_kv) per (batch,
+  head); pure JAX, every backend. Queries that are not a multiple of the block are padded (and
+  dropped); keys that are not start their last block early, the keys read twice masked.
 - `cudnn`: `jax.nn.dot_product_attention(..., implementation="cudnn")`, NVIDIA GPUs, bf16/fp16.
 - `splash`: the Pallas TPU splash-attention kernel (block sizes as MaxDiffusion's
   `flash_block_sizes`), TPUs; masked and padded keys through segment ids.

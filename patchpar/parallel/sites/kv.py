@@ -5,7 +5,8 @@ Modes: `all` (every patch's fresh K/V, all-gathered every step), `local` (own on
 (own fresh + every other patch's as at step t-1: DistriFusion; buffer `kv`, (2, B, n*L, D),
 or on a patch axis of 2 the other patch's alone, (2, B, L, D)),
 `band` (own fresh + the last `portion` of the patch above and the first `portion` of the patch
-below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each; on a patch
+below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each (in the heads
+layout (2, B, H, band, D), as `stale`'s are (n, 2, B, H, L, D)); on a patch
 axis of 2 each patch keeps and attends to its one neighbour's band alone, `kv_band`, where the
 missing band would be memory and masked keys costing compute: L + 2 x band keys for L + band,
 1.5x at portion 1). During
@@ -149,7 +150,8 @@ class KV(PatchSite):
         return [own, stale]
 
     def _band_heads(self, mod, kv, own: Keys, row) -> list[Keys]:
-        """PCPP's steady step: the band above (stale), the own fresh K/V, the band below."""
+        """PCPP's steady step: the band above (stale), the own fresh K/V, the band below; on a
+        patch axis of 2 the own K/V and the one neighbour's band (`kv_band`)."""
         band = self._band(kv.shape[3], row)
         shape = kv.shape[:3] + (band,) + kv.shape[4:]
         idx = self._index()
