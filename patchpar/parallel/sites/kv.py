@@ -6,11 +6,10 @@ Modes: `all` (every patch's fresh K/V, all-gathered every step), `local` (own on
 or on a patch axis of 2 the other patch's alone, (2, B, L, D)),
 `band` (own fresh + the last `portion` of the patch above and the first `portion` of the patch
 below, as at step t-1: PCPP; buffers `kv_above`, `kv_below`, (2, B, band, D) each (in the heads
-layout (2, B, H, band, D), as `stale`'s are (n, 2, B, H, L, D)); on a patch
-axis of 2 each patch keeps and attends to its one neighbour's band alone, `kv_band`, where the
-missing band would be memory and masked keys costing compute: L + 2 x band keys for L + band,
-1.5x at portion 1). During
-warm-up `stale` and `band` gather exactly and write their buffers. `send=full` sends the whole
+layout (2, B, H, band, D), as `stale`'s are (n, 2, B, H, L, D)); on a patch axis of 2 each patch
+keeps and attends to its one neighbour's band alone, `kv_band`, where the missing band would be
+memory and masked keys costing compute: L + 2 x band keys for L + band, 1.5x at portion 1).
+During warm-up `stale` and `band` gather exactly and write their buffers. `send=full` sends the whole
 neighbour K/V and crops at the receiver (PCPP's code); `send=band` only the rows used. The band
 is `portion` of the patch's tokens (`align=tokens`, PCPP's code) or of its image rows, rounded
 up to whole rows (`align=rows`: the model passes `row`, its tokens per image row; a whole-row
@@ -154,11 +153,11 @@ class KV(PatchSite):
         patch axis of 2 the own K/V and the one neighbour's band (`kv_band`)."""
         band = self._band(kv.shape[3], row)
         shape = kv.shape[:3] + (band,) + kv.shape[4:]
-        idx = self._index()
         if self.n == 2:  # one neighbour each: its band alone, nothing masked
             other = mod.variable(STALE, "kv_band", jnp.zeros, shape, kv.dtype)
             sources = [own, Keys(other.value[None])]
         else:  # no band above device 0 or below the last
+            idx = self._index()
             above = mod.variable(STALE, "kv_above", jnp.zeros, shape, kv.dtype)
             below = mod.variable(STALE, "kv_below", jnp.zeros, shape, kv.dtype)
             has = lambda exists: jnp.broadcast_to(exists, (1, 1, band))  # noqa: E731
