@@ -22,7 +22,7 @@
 #              every speedup (SHARD_MODELS=, SHARD_RESOLUTIONS=, SHARD_PATCHES=,
 #              SHARD_STRATEGIES= choose; SHARD_OPTIONS="k=v ..." strategy options;
 #              SHARD_STALE= stand_in, left_out or both (default) for a stale strategy's
-#              exchanges; SHARD_SCAN=1 scans the blocks; SHARD_PROFILE=1 traces two calls of each
+#              exchanges; SHARD_LIMIT= the part's seconds (default 400); SHARD_SCAN=1 scans the blocks; SHARD_PROFILE=1 traces two calls of each
 #              point into shards/trace/)
 #   shards_base  the same points run from BASE=<folder>, an earlier commit's tree (its
 #              patchpar and experiments/, e.g. `git archive <commit> patchpar experiments`;
@@ -151,7 +151,7 @@ for p in "${PARTS[@]}"; do
               --attention ${BLOCKS:-$K:512x512 $K:512x1024 $K:1024x1024 $K:1024x2048 $K:2048x2048} ;;
     large) part large 400 $PY "${FTS[@]}" --models "${DITS[@]}" "${UNETS[@]}" \
              --resolutions 2048 --attention ${KERNELS:-$K} ;;
-    shards) part shards 400 $PY experiments/device/shard_timing.py "${FT[@]:1}" \
+    shards) part shards ${SHARD_LIMIT:-400} $PY experiments/device/shard_timing.py "${FT[@]:1}" \
               --models ${SHARD_MODELS:-"${DITS[0]}"} --resolutions ${SHARD_RESOLUTIONS:-"${RES[0]}"} \
               --patches ${SHARD_PATCHES:-1 2 4 8} --strategies ${SHARD_STRATEGIES:-sync_patch distrifusion} \
               ${SHARD_PROFILE:+--profile "$DEST/shards/trace"} ${SHARD_SCAN:+--scan} \
