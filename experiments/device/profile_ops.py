@@ -4,7 +4,7 @@ the slowest ops, their FLOP rate and what bounds them.
 
     here:  pip install xprof   (a separate environment will do: it is not patchpar's need)
            python experiments/device/profile_ops.py results/tpu_v5e/profile/trace \
-               --calls 2 --out results/tpu_v5e/profile/ops.md
+               --calls 2 --out results/tpu_v5e/profile/ops.md    [--by-shape]
 
 Each DIR/<point>/ holds one jax.profiler trace of `--calls` calls of one compiled program. The
 table per point: the device's busy time per call (the sum of the ops' self time over the calls),
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -28,6 +29,11 @@ def parse(argv):
     p.add_argument("--calls", type=int, default=2, help="calls traced per point")
     p.add_argument("--top", type=int, default=12, help="ops listed per point")
     p.add_argument("--out", type=Path, help="markdown file (default: stdout)")
+    p.add_argument(
+        "--by-shape", action="store_true",
+        help="list ops grouped by category and result shape (an unrolled program runs each "
+        "layer's ops as ops of their own: grouped, the per-layer ops of one kind sum)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -45,7 +51,33 @@ def hlo_stats(xplanes: list[Path]) -> list[dict]:
     ]
 
 
-def summarize(name: str, ops: list[dict], calls: int, top: int, flops: float | None) -> list[str]:
+def by_shape(ops: list[dict]) -> list[dict]:
+    """Ops of one category with one result shape and layout (the expression's type, e.g.
+    `bf16[2,16,512,72]{2,3,1,0:...}`) as one row: occurrences and self time summed, named by
+    the first; the rest (a custom call, an expression without a type) unchanged."""
+    rows, groups = [], {}
+    for o in ops:
+        m = _TYPE.match(o.get("hlo_op_expression") or "")
+        if not m:
+            rows.append(o)
+            continue
+        key = (o["category"], m.group(1))
+        if key in groups:
+            g = groups[key]
+            g["occurrences"] += o["occurrences"]
+            g["total_self_time"] += o["total_self_time"]
+        else:
+            groups[key] = {**o, "hlo_op_name": f"{o['hlo_op_name']} (+ same shape)"}
+            rows.append(groups[key])
+    return rows
+
+
+_TYPE = re.compile(r"%[\w.\-]+ = (.+?) [\w\-]+\(")
+
+
+def summarize(
+    name: str, ops: list[dict], calls: int, top: int, flops: float | None, shapes: bool = False
+) -> list[str]:
     """Markdown: busy time per call, the split by op category with the FLOP rate XLA's cost
     model gives each, the custom calls' rate from the program's FLOPs (`flops`, the point's
     record) less what XLA counts in the other ops, and the slowest ops."""
@@ -80,7 +112,8 @@ def summarize(name: str, ops: list[dict], calls: int, top: int, flops: float | N
         "| op | category | calls | ms per call | share | TFLOP/s | bound by | expression |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for o in sorted(by_kernel(ops), key=lambda o: -o["total_self_time"])[:top]:
+    rows = by_shape(by_kernel(ops)) if shapes else by_kernel(ops)
+    for o in sorted(rows, key=lambda o: -o["total_self_time"])[:top]:
         t = o["total_self_time"] / calls / 1e3
         expr = (o.get("hlo_op_expression") or "").replace("|", "/").replace("\n", " ")[:90]
         rate = (o.get("model_flop_rate") or 0.0) / 1e3
@@ -146,7 +179,7 @@ def main(argv=None) -> None:
         if not ops:  # XLA:CPU records no per-op device events
             lines += [f"### {point.name}", "", "no device ops in this trace", ""]
             continue
-        lines += summarize(point.name, ops, a.calls, a.top, flops.get(point.name))
+        lines += summarize(point.name, ops, a.calls, a.top, flops.get(point.name), a.by_shape)
     text = "\n".join(lines)
     if a.out:
         a.out.write_text(text)
