@@ -59,7 +59,7 @@ PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorde
 TEST_XLA := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" JAX_PLATFORMS=cpu
 
 test: $(STAMP) $(FMNIST)
-	$(TEST_XLA) $(PYTEST)
+	$(TEST_XLA) $(PYTEST) --durations=15  # the slowest tests named: the suite keeps to 12 minutes
 
 test-slow: $(STAMP) $(FMNIST)
 	$(TEST_ENV) $(PYTEST) -m slow

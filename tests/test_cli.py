@@ -39,6 +39,11 @@ def test_generate_writes_pngs_and_latent(tmp_path, micro_folder):
     assert latent.shape == (2, 16, 24, 4) and np.isfinite(latent).all()
     record = json.loads((out / "generate.json").read_text())
     assert record["config"]["prompt"] == ["a red bag", "a blue shoe"]
+    # which stage took what: each waited for, together within the whole generation's time
+    stages = record["stages_s"]
+    assert list(stages) == ["encode_s", "compile_s", "denoise_s", "decode_s"]
+    assert all(v > 0 for v in stages.values())
+    assert sum(stages.values()) <= record["generate_s_including_compile"] + 0.01
     # the same seed gives the same latent
     assert main(args[:-1] + [str(tmp_path / "again")]) == 0
     np.testing.assert_array_equal(np.load(tmp_path / "again" / "latent.npy"), latent)

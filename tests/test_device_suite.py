@@ -329,3 +329,81 @@ def test_profile_summary_splits_time_by_category_and_prices_the_kernel_by_subtra
     assert "| custom-call | 30.0 | 30% | 3.00 | 100 |" in text  # 12 - 9 TFLOP in 30 ms
     assert "| splash.* | custom-call | 2 | 30.00 |" in text  # both kernel calls, one row
     assert "| data formatting | 10.0 | 10% | 0.00 | - |" in text
+
+
+def test_profile_by_shape_sums_one_kind_of_op_over_an_unrolled_programs_layers():
+    """`--by-shape`: ops of one category and one result type (each layer's own op in an
+    unrolled program) as one row, their calls and time summed; another shape or category, or
+    an expression without a type, stays a row of its own."""
+    sys.path.insert(0, str(REPO / "experiments" / "device"))
+    from profile_ops import summarize
+
+    def op(name, cat, us, typ):
+        expr = f"%{name} = {typ} fusion(bf16[8]{{0}} %p)" if typ else name
+        return {"hlo_op_name": name, "category": cat, "total_self_time": us, "occurrences": 2,
+                "model_flop_rate": 0.0, "bound_by": "HBM", "hlo_op_expression": expr}  # fmt: skip
+
+    block = "(bf16[2,16,512,72]{2,3,1,0}, bf16[2,16,512,72]{2,3,1,0})"
+    ops = [  # two calls traced: three layers' slices of one type, one of another, a copy
+        op("slice.1", "loop fusion", 2_000, block),
+        op("slice.2", "loop fusion", 2_000, block),
+        op("slice.3", "loop fusion", 2_000, block),
+        op("slice.4", "loop fusion", 4_000, "bf16[4,2]{1,0}"),
+        op("copy.5", "data formatting", 10_000, ""),
+    ]
+    text = "\n".join(summarize("point", ops, calls=2, top=5, flops=None, shapes=True))
+    assert "| slice.1 (+ same shape) | loop fusion | 3 | 3.00 |" in text
+    assert "| slice.4 (+ same shape) | loop fusion | 1 | 2.00 |" in text
+    assert "| copy.5 | data formatting | 1 | 5.00 |" in text
+    plain = "\n".join(summarize("point", ops, calls=2, top=5, flops=None))
+    assert "| slice.2 | loop fusion | 1 | 1.00 |" in plain  # without it: each op its own row
+
+
+def _random_folder():
+    sys.path.insert(0, str(REPO / "experiments" / "device"))
+    from random_folder import main
+
+    return main
+
+
+def test_a_random_folder_of_a_preset_is_written_whole_in_bfloat16(tmp_path, capsys):
+    """random_folder.py: a preset's whole pipeline folder with random weights, its floats
+    stored in bf16, nothing left beside it; bad arguments are one-line errors before any
+    work."""
+    from safetensors.numpy import load_file
+
+    random_folder = _random_folder()
+    out = tmp_path / "tiny-xl"
+    assert random_folder(["--model", "tiny-xl", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert "tiny-xl (bfloat16, seed 0)" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-xl"]  # nothing left beside it
+    for part in ("unet", "vae"):
+        state = load_file(str(out / part / "diffusion_pytorch_model.safetensors"))
+        assert {str(v.dtype) for v in state.values()} == {"bfloat16"}
+    assert (out / "tokenizer_2" / "vocab.json").is_file()
+    assert (out / "model_index.json").is_file()
+
+    for args, says in [
+        (["--model", "sdxxl", "--out", str(tmp_path / "a")], "--model 'sdxxl' is not a preset"),
+        (["--model", "tiny", "--out", str(out)], "exists and is not an empty folder"),
+        (["--model", "tiny", "--out", str(tmp_path / "b"), "--dtype", "fp8"], "--dtype 'fp8'"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            random_folder(args)
+        assert says in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_a_random_bfloat16_folder_loads_and_generates(tmp_path):
+    """The folder random_folder.py writes is a pipeline like any diffusers folder: loaded and
+    run in bf16, it gives images (NaN or Inf would be an error)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from patchpar.pipelines import load_pipeline
+
+    out = tmp_path / "tiny-xl"
+    assert _random_folder()(["--model", "tiny-xl", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    images = load_pipeline(str(out), jnp.bfloat16)("a red bag", 64, 64, steps=2).images
+    assert images.shape == (1, 64, 64, 3) and np.asarray(images, float).std() > 0

@@ -17,7 +17,8 @@ from patchpar.pipelines.checks import NonFiniteError
 def denoise_logged(pipe, cond, latents, sampler, steps, guidance_scale, plan, check_memory, log,
                    guidance_scale_2=None):  # fmt: skip
     """`pipe.denoise_with_state` phase by phase, announced: every phase compiled (and, with
-    `check_memory`, checked to fit) before any runs, then each run in turn."""
+    `check_memory`, checked to fit) before any runs, then each run in turn. -> (final latent,
+    final state, seconds spent compiling every phase)."""
     programs, args = pipe.denoise_phases(
         cond, latents, sampler, steps, guidance_scale, plan, False, guidance_scale_2
     )
@@ -43,7 +44,7 @@ def denoise_logged(pipe, cond, latents, sampler, steps, guidance_scale, plan, ch
     final = to_local(x)
     check_finite_latent(pipe, final, cond, latents, sampler, steps, guidance_scale, plan,
                         guidance_scale_2)  # fmt: skip
-    return final, loop[1]
+    return final, loop[1], sum(c[3] for c in compiled)
 
 
 def check_finite_latent(pipe, final, cond, latents, sampler, steps, guidance_scale, plan=None,

@@ -7,6 +7,7 @@ T5 tokens and their mask, micro-conditions)."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -52,6 +53,7 @@ class Output:
     latents: np.ndarray  # (B, h, w, C) final latent, before VAE scaling, float32
     stale_bytes_per_device: int = 0  # the strategy's stale buffers per device (0: none)
     cache: dict | None = None  # a step cache's report (`sampling.cache.cache_report`): None: none
+    stages: dict | None = None  # seconds per stage (`Pipeline.__call__`)
 
 
 @dataclass
@@ -422,7 +424,10 @@ class Pipeline:
         line per stage as it starts: encoding, compiling and running each phase, decoding (the
         phases then run as their own programs, which chain to the same latent).
         `guidance_scale_2`: a model of two experts' low-noise scale (default `guidance_scale`;
-        `experts_at`)."""
+        `experts_at`). The output's `stages`: seconds of the text encoding, compiling the
+        denoising phases (None without `log`: then in the denoising's figure), the denoising
+        and the decode, each waited for; a stage's first call in a process includes its
+        compile (the encoders', the VAE's)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -444,22 +449,32 @@ class Pipeline:
         if plan is not None and (note := plan.split_note(hw[0], self.unet)):
             say(note)
         say(f"encoding {len(prompts)} prompt(s)")
+        t0 = time.perf_counter()
         cond = self.encode_prompt(prompts, negative_prompts, guidance_scale, height, width)
-        check_finite_conditioning(cond, self.unet.module.dtype)
+        check_finite_conditioning(cond, self.unet.module.dtype)  # reads them back: done
+        stages = {"encode_s": time.perf_counter() - t0}
         if latents is None:
             latents = self.initial_latents(len(prompts), height, width, seed)
         args = (cond, latents, sampler, steps, guidance_scale, plan, check_memory)
-        if log is None:
+        t0 = time.perf_counter()
+        if log is None:  # compiled as it runs: one figure
             final, state = self.denoise_with_state(*args, guidance_scale_2)
+            stages["compile_s"] = None
         else:
-            final, state = denoise_logged(self, *args, log, guidance_scale_2)
+            final, state, stages["compile_s"] = denoise_logged(self, *args, log, guidance_scale_2)
+        jax.block_until_ready(final)
+        stages["denoise_s"] = time.perf_counter() - t0 - (stages["compile_s"] or 0.0)
         say("decoding" + (f" ({vae_plan.mode})" if vae_plan is not None and self.vae else ""))
+        t0 = time.perf_counter()
+        images = self.decode(final, vae_plan)  # uint8 on the host: done
+        stages["decode_s"] = time.perf_counter() - t0
         # float32 on the host whatever the compute dtype: .npy files stay readable by plain NumPy
         return Output(
-            self.decode(final, vae_plan),
+            images,
             np.asarray(final.astype(jnp.float32)),
             stale_bytes_per_device(state),
             self.cache_report(plan, state, steps),
+            stages,
         )
 
     def cache_report(self, plan: Plan | None, state: dict, steps: int) -> dict | None:

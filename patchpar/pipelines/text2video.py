@@ -28,6 +28,7 @@ class VideoOutput:
     latents: np.ndarray  # (B, F, h, w, C) the final latent, float32
     stale_bytes_per_device: int = 0  # the strategy's stale buffers per device (0: none)
     cache: dict | None = None  # a step cache's report (None: none)
+    stages: dict | None = None  # seconds per stage (`Pipeline.__call__`)
 
     @property
     def images(self) -> np.ndarray:
@@ -168,4 +169,4 @@ class VideoPipeline(Pipeline):
             negative_prompts, latents, plan, check_memory, vae_plan, log, guidance_scale_2,
         )  # fmt: skip
         final = np.asarray(pipe.from_tall(out.latents), np.float32)
-        return VideoOutput(out.images, final, out.stale_bytes_per_device, out.cache)
+        return VideoOutput(out.images, final, out.stale_bytes_per_device, out.cache, out.stages)
