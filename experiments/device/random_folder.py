@@ -12,8 +12,9 @@ full-depth model). `--dtype bfloat16` stores the floating-point weights in bf16 
 bytes; a bf16 run computes in bf16 either way). The CLIP tokenizers' BPE comes from the
 package open-clip-torch (its file only: `pip install --no-deps open-clip-torch`).
 The folder appears whole or not at all (written beside it, then renamed); an --out that exists
-and is not empty is refused. SDXL in bf16: about 7 GB on disk, about 20 GB of host memory
-while written.
+and is not empty is refused. Not yet run at full size: SDXL's UNet alone is 10 GB in float32,
+drawn on the default device and held about twice on the host while its file is written (its
+folder in bf16: about 7 GB).
 """
 
 from __future__ import annotations
