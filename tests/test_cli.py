@@ -42,7 +42,8 @@ def test_generate_writes_pngs_and_latent(tmp_path, micro_folder):
     # which stage took what: each waited for, together within the whole generation's time
     stages = record["stages_s"]
     assert list(stages) == ["encode_s", "compile_s", "denoise_s", "decode_s"]
-    assert all(v > 0 for v in stages.values())
+    assert stages["compile_s"] > 0 and stages["denoise_s"] > 0  # rounded to ms: the rest >= 0
+    assert stages["encode_s"] >= 0 and stages["decode_s"] >= 0
     assert sum(stages.values()) <= record["generate_s_including_compile"] + 0.01
     # the same seed gives the same latent
     assert main(args[:-1] + [str(tmp_path / "again")]) == 0

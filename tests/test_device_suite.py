@@ -333,29 +333,37 @@ def test_profile_summary_splits_time_by_category_and_prices_the_kernel_by_subtra
 
 def test_profile_by_shape_sums_one_kind_of_op_over_an_unrolled_programs_layers():
     """`--by-shape`: ops of one category and one result type (each layer's own op in an
-    unrolled program) as one row, their calls and time summed; another shape or category, or
-    an expression without a type, stays a row of its own."""
+    unrolled program) as one row, their calls and time summed and their FLOP rate weighted by
+    time; another type, another category, a custom call (a kernel: `by_kernel`'s) or an
+    expression without a type stays a row of its own."""
     sys.path.insert(0, str(REPO / "experiments" / "device"))
     from profile_ops import summarize
 
-    def op(name, cat, us, typ):
-        expr = f"%{name} = {typ} fusion(bf16[8]{{0}} %p)" if typ else name
+    def op(name, cat, us, typ, rate=0.0, kind="fusion"):
+        expr = f"%{name} = {typ} {kind}(bf16[8]{{0}} %p)" if typ else name
         return {"hlo_op_name": name, "category": cat, "total_self_time": us, "occurrences": 2,
-                "model_flop_rate": 0.0, "bound_by": "HBM", "hlo_op_expression": expr}  # fmt: skip
+                "model_flop_rate": rate, "bound_by": "HBM", "hlo_op_expression": expr}  # fmt: skip
 
     block = "(bf16[2,16,512,72]{2,3,1,0}, bf16[2,16,512,72]{2,3,1,0})"
-    ops = [  # two calls traced: three layers' slices of one type, one of another, a copy
-        op("slice.1", "loop fusion", 2_000, block),
-        op("slice.2", "loop fusion", 2_000, block),
-        op("slice.3", "loop fusion", 2_000, block),
+    ops = [  # two calls traced: three layers' slices of one type, one of another, ...
+        op("slice.1", "loop fusion", 2_000, block, rate=1000.0),
+        op("slice.2", "loop fusion", 2_000, block, rate=4000.0),
+        op("slice.3", "loop fusion", 4_000, block, rate=0.0),
         op("slice.4", "loop fusion", 4_000, "bf16[4,2]{1,0}"),
+        op("copy.6", "data formatting", 6_000, block),  # the slices' type, another category
+        op("kernel.7", "custom-call", 8_000, block, kind="custom-call"),
+        op("other.8", "custom-call", 2_000, block, kind="custom-call"),  # another kernel
         op("copy.5", "data formatting", 10_000, ""),
     ]
-    text = "\n".join(summarize("point", ops, calls=2, top=5, flops=None, shapes=True))
-    assert "| slice.1 (+ same shape) | loop fusion | 3 | 3.00 |" in text
-    assert "| slice.4 (+ same shape) | loop fusion | 1 | 2.00 |" in text
+    text = "\n".join(summarize("point", ops, calls=2, top=9, flops=None, shapes=True))
+    # 4 ms a call of 19; (1 x 2 + 4 x 2 + 0 x 4) / 8 = 1.25 TFLOP/s
+    assert "| slice.1 (+2 same shape) | loop fusion | 3 | 4.00 | 21.1% | 1 |" in text
+    assert "| slice.4 | loop fusion | 1 | 2.00 |" in text
+    assert "| copy.6 | data formatting | 1 | 3.00 |" in text
+    assert "| kernel.* | custom-call | 1 | 4.00 |" in text
+    assert "| other.* | custom-call | 1 | 1.00 |" in text  # two kernels: never one row
     assert "| copy.5 | data formatting | 1 | 5.00 |" in text
-    plain = "\n".join(summarize("point", ops, calls=2, top=5, flops=None))
+    plain = "\n".join(summarize("point", ops, calls=2, top=9, flops=None))
     assert "| slice.2 | loop fusion | 1 | 1.00 |" in plain  # without it: each op its own row
 
 
@@ -366,7 +374,7 @@ def _random_folder():
     return main
 
 
-def test_a_random_folder_of_a_preset_is_written_whole_in_bfloat16(tmp_path, capsys):
+def test_a_random_folder_of_a_preset_is_written_whole_in_bfloat16(tmp_path, capsys, monkeypatch):
     """random_folder.py: a preset's whole pipeline folder with random weights, its floats
     stored in bf16, nothing left beside it; bad arguments are one-line errors before any
     work."""
@@ -383,15 +391,33 @@ def test_a_random_folder_of_a_preset_is_written_whole_in_bfloat16(tmp_path, caps
     assert (out / "tokenizer_2" / "vocab.json").is_file()
     assert (out / "model_index.json").is_file()
 
+    empty = tmp_path / "empty"  # an empty --out: the folder written in its place
+    empty.mkdir()
+    assert random_folder(["--model", "tiny", "--out", str(empty)]) == 0
+    assert (empty / "model_index.json").is_file()
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
     for args, says in [
         (["--model", "sdxxl", "--out", str(tmp_path / "a")], "--model 'sdxxl' is not a preset"),
         (["--model", "tiny", "--out", str(out)], "exists and is not an empty folder"),
         (["--model", "tiny", "--out", str(tmp_path / "b"), "--dtype", "fp8"], "--dtype 'fp8'"),
+        (["--model", "tiny", "--out", "."], "is the working folder or holds it"),
     ]:
         with pytest.raises(SystemExit) as e:
             random_folder(args)
         assert says in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+    def no_bpe():
+        raise CheckpointError("the CLIP BPE vocabulary comes from open-clip-torch, not installed")
+
+    from patchpar.models import tokenizer
+    from patchpar.models.loading import CheckpointError
+
+    monkeypatch.setattr(tokenizer, "open_clip_bpe_path", no_bpe)  # said before any weights
+    with pytest.raises(SystemExit, match="tiny-xl has CLIP text encoders: the CLIP BPE"):
+        random_folder(["--model", "tiny-xl", "--out", str(tmp_path / "c")])
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.slow

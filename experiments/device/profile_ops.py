@@ -51,28 +51,45 @@ def hlo_stats(xplanes: list[Path]) -> list[dict]:
     ]
 
 
+_TYPE = re.compile(r"(?:ROOT )?%?[\w.\-]+ = (.+?) [\w\-]+\(")  # an HLO expression's result type
+
+
 def by_shape(ops: list[dict]) -> list[dict]:
-    """Ops of one category with one result shape and layout (the expression's type, e.g.
-    `bf16[2,16,512,72]{2,3,1,0:...}`) as one row: occurrences and self time summed, named by
-    the first; the rest (a custom call, an expression without a type) unchanged."""
+    """Ops of one category with one result type (shape and layout, e.g.
+    `bf16[2,16,512,72]{2,3,1,0:...}`) as one row: occurrences and self time summed, the FLOP
+    rate weighted by time, named by the first and how many more (`fusion.7 (+27 same
+    shape)`); custom calls (`by_kernel` groups them) and an expression without a type stay
+    rows of their own."""
     rows, groups = [], {}
     for o in ops:
         m = _TYPE.match(o.get("hlo_op_expression") or "")
-        if not m:
+        if o["category"] == "custom-call" or not m:
             rows.append(o)
             continue
         key = (o["category"], m.group(1))
-        if key in groups:
-            g = groups[key]
-            g["occurrences"] += o["occurrences"]
-            g["total_self_time"] += o["total_self_time"]
+        if key not in groups:
+            groups[key] = [o]
+            rows.append(key)
         else:
-            groups[key] = {**o, "hlo_op_name": f"{o['hlo_op_name']} (+ same shape)"}
-            rows.append(groups[key])
-    return rows
+            groups[key].append(o)
+    return [_merged(groups[r]) if isinstance(r, tuple) else r for r in rows]
 
 
-_TYPE = re.compile(r"%[\w.\-]+ = (.+?) [\w\-]+\(")
+def _merged(ops: list[dict]) -> dict:
+    """One row for ops of one kind (`by_shape`)."""
+    if len(ops) == 1:
+        return ops[0]
+    time = sum(o["total_self_time"] for o in ops)
+    rate = sum((o.get("model_flop_rate") or 0.0) * o["total_self_time"] for o in ops)
+    bound = {o.get("bound_by") for o in ops}
+    return {
+        **ops[0],
+        "hlo_op_name": f"{ops[0]['hlo_op_name']} (+{len(ops) - 1} same shape)",
+        "occurrences": sum(o["occurrences"] for o in ops),
+        "total_self_time": time,
+        "model_flop_rate": rate / time if time else 0.0,
+        "bound_by": bound.pop() if len(bound) == 1 else "mixed",
+    }
 
 
 def summarize(
@@ -118,7 +135,7 @@ def summarize(
         expr = (o.get("hlo_op_expression") or "").replace("|", "/").replace("\n", " ")[:90]
         rate = (o.get("model_flop_rate") or 0.0) / 1e3
         lines.append(
-            f"| {o['hlo_op_name']} | {o['category']} | {o['occurrences'] // calls} | {t:.2f} | "
+            f"| {o['hlo_op_name']} | {o['category']} | {int(o['occurrences'] // calls)} | {t:.2f} | "
             f"{t / busy:.1%} | {rate:.0f} | {o.get('bound_by') or '-'} | `{expr}` |"
         )
     return lines + [""]
@@ -163,11 +180,13 @@ def main(argv=None) -> None:
         sys.exit("profile_ops: needs xprof (pip install xprof) to read the .xplane.pb traces")
     points = sorted(d for d in a.traces.iterdir() if d.is_dir()) if a.traces.is_dir() else []
     if not points:
-        sys.exit(f"profile_ops: no traced points under {a.traces} (family_timing.py --profile)")
+        sys.exit(f"profile_ops: no traced points under {a.traces} (family_timing.py or "
+                 "shard_timing.py --profile)")  # fmt: skip
     flops = point_flops(a.traces)
     lines = [
         f"Per-op device time: xprof's hlo_stats of jax.profiler traces of {a.calls} calls per "
-        "point (`family_timing.py --profile`; read by `profile_ops.py`)",
+        "point (`family_timing.py` or `shard_timing.py --profile`; read by `profile_ops.py`"
+        + (", ops of one category and result type summed: `--by-shape`)" if a.by_shape else ")"),
         "",
     ]
     for point in points:

@@ -11,10 +11,13 @@ unit-normal embeddings, unit norm scales, zero biases, so activations stay finit
 full-depth model). `--dtype bfloat16` stores the floating-point weights in bf16 (half the
 bytes; a bf16 run computes in bf16 either way). The CLIP tokenizers' BPE comes from the
 package open-clip-torch (its file only: `pip install --no-deps open-clip-torch`).
-The folder appears whole or not at all (written beside it, then renamed); an --out that exists
-and is not empty is refused. Not yet run at full size: SDXL's UNet alone is 10 GB in float32,
-drawn on the default device and held about twice on the host while its file is written (its
-folder in bf16: about 7 GB).
+The folder appears whole or not at all (written beside it as `.<name>-*`, then renamed); an
+--out that exists and is not empty is refused. A process killed mid-way (out of memory, say)
+leaves that hidden folder behind: delete it. Not yet run at full size: SDXL's UNet alone is
+10 GB in float32, drawn on the default device and held about twice on the host while its file
+is written; the floats are written in float32 first, so the disk needs the float32 folder
+(about 14 GB for SDXL) and the largest component's bf16 copy beside it, for a bf16 folder of
+about 7 GB.
 """
 
 from __future__ import annotations
@@ -43,15 +46,31 @@ def parse(argv):
 
 def check(a) -> None:
     """Every bad argument as a one-line error, before any work."""
+    from patchpar.models.loading import CheckpointError
     from patchpar.models.presets import PRESETS
+    from patchpar.models.tokenizer import open_clip_bpe_path
 
     if a.model not in PRESETS:
         sys.exit(f"random_folder: --model {a.model!r} is not a preset; presets: {sorted(PRESETS)}")
     if a.dtype not in DTYPES:
         sys.exit(f"random_folder: --dtype {a.dtype!r}; known: {list(DTYPES)}")
-    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
+    out = a.out.resolve()
+    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+        sys.exit(f"random_folder: --out {str(a.out)!r} is the working folder or holds it; "
+                 "give a new folder")  # fmt: skip
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         sys.exit(f"random_folder: --out {str(a.out)!r} exists and is not an empty folder; "
                  "give a new one")  # fmt: skip
+    clip = any(
+        c.get("architectures", [""])[0].startswith("CLIPText")
+        for c in PRESETS[a.model].values()
+        if isinstance(c, dict)
+    )
+    if clip:  # its tokenizers' BPE file: missing, said now, not after the weights are written
+        try:
+            open_clip_bpe_path()
+        except CheckpointError as e:
+            sys.exit(f"random_folder: {a.model} has CLIP text encoders: {e}")
 
 
 def to_bfloat16(folder: Path) -> None:
@@ -79,15 +98,19 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     out = a.out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    except OSError as e:
+        sys.exit(f"random_folder: cannot write beside --out {str(a.out)!r}: {e.strerror}")
     try:
         write_random_folder(tmp, PRESETS[a.model], a.seed)
         if a.dtype == "bfloat16":
             to_bfloat16(tmp)
-        if out.exists():  # empty (checked): replaced by the whole folder
-            out.rmdir()
-        os.replace(tmp, out)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 -> a folder as mkdir makes it
+        os.replace(tmp, out)  # onto an empty --out too, in one step
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())

@@ -326,8 +326,8 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
     hits, compiled = compile_cache.hits() - hits, compile_cache.compiled() - compiled
     if cache_folder is not None:
         log(f"{hits} program(s) read from the compile cache ({cache_folder}), {compiled} compiled")
-    log("stages: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in out.stages.items()
-                               if v is not None))  # fmt: skip
+    log("stages: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s"
+                               for k, v in (out.stages or {}).items() if v is not None))  # fmt: skip
     record = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         "images": [],
@@ -352,7 +352,7 @@ def generate(config: GenerateConfig, log=lambda msg: None, checked: bool = False
         "generate_s_including_compile": round(t_gen, 3),
         # each stage waited for: the text encoding (its first call's compile in it), the
         # denoising phases' compile, the denoising, the decode (its compile in it)
-        "stages_s": {k: None if v is None else round(v, 3) for k, v in out.stages.items()},
+        "stages_s": {k: None if v is None else round(v, 3) for k, v in (out.stages or {}).items()},
     }
     if not is_writer():  # with several processes, process 0 alone writes
         return record

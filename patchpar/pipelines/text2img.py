@@ -197,8 +197,9 @@ class Pipeline:
         width: int,
     ) -> Conditioning:
         """The prompts' conditioning stacked over guidance (`check_finite_conditioning` says
-        whether it holds NaN or Inf; the callers that make images check it once, outside any
-        timed call)."""
+        whether it holds NaN or Inf; the callers that make images check it once: `__call__`
+        inside its encoding stage, where reading it back is also what waits for it; the lab's
+        timed encodes outside their timed calls)."""
         self._check_guidance(guidance_scale, negative_prompts)
         negative = negative_prompts or [""] * len(prompts)
         if len(negative) != len(prompts):
