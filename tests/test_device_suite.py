@@ -226,15 +226,22 @@ def test_the_tpu_suite_in_miniature(tmp_path):
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
         ["bash", "experiments/device/tpu_suite.sh", "families", "flops", "blocks", "shards",
-         "attention_sources", "quant", "compile"],
+         "attention_sources", "quant", "compile", "pipeline"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     dest = tmp_path / "tpu"
-    for part in ("families", "flops", "blocks", "shards", "attention_sources", "quant", "compile"):
+    parts = ("families", "flops", "blocks", "shards", "attention_sources", "quant", "compile",
+             "pipeline")  # fmt: skip
+    for part in parts:
         recs = [json.loads(x) for x in (dest / part / "records.jsonl").read_text().splitlines()]
         assert recs and all(r["status"] == "ok" for r in recs), (part, recs)
     assert (tmp_path / "tpu_suite.tgz").stat().st_size > 0
+    (whole,) = [
+        json.loads(x) for x in (dest / "pipeline" / "records.jsonl").read_text().splitlines()
+    ]
+    assert whole["image_s_median"] > 0 and whole["cold_ready_s"] > 0  # a whole image, staged
+    assert whole["warm_stages_s"]["compile_s"] < whole["cold_stages_s"]["compile_s"]  # the cache
     done = subprocess.run(
         [sys.executable, "experiments/device/tpu_tables.py", str(dest)], cwd=REPO,
         capture_output=True, text=True, timeout=120,

@@ -48,6 +48,11 @@
 #              TRAIN_CLASSIFIER= a fitted classifier/ to reuse); needs Debian's four
 #              Fashion-MNIST files carried (PATCHPAR_FASHION_MNIST=) and EXTRA_PACKAGES="tqdm
 #              matplotlib sentencepiece tokenizers"
+#   pipeline   pipeline_timing.py: a whole image of SDXL and PixArt-α at 1024² (PIPELINE_MODELS=
+#              chooses), random weights written on the machine (random_folder.py), 20 steps:
+#              the stages warm per image, and a fresh process's first image with an empty and a
+#              filled compile cache; needs EXTRA_PACKAGES="sentencepiece tokenizers" and
+#              open-clip-torch's wheel in .whl-tpu (its CLIP BPE file; wheels_tpu.sh fetches it)
 #   compile    compile_timing.py: sync_patch's and DistriFusion's phase programs compiled, the
 #              blocks unrolled and scanned, the stale phases one after the other and in two
 #              threads (PixArt-α at 1024²; COMPILE_MODELS= chooses)
@@ -119,6 +124,7 @@ if [ -n "${MINI:-}" ]; then  # small models on the CPU: the suite's path, not it
   PEER=(--model tiny:norm_num_groups=32 --resolution 64 --dtype float32 --repeats 1 --ours xla
         --peer default --hardware cpu-gloo)
   AT=(--tokens 256 --heads 2 --head-dim 8 --patches 2 --repeats 1 --dtype float32)
+  PT=(--models tiny-xl --resolution 64 --steps 2 --dtype float32 --repeats 1 --hardware cpu-gloo)
   VMODELS=(tiny-wan)
   VSIZES=(64x64x5 64x64x9)
 else
@@ -134,6 +140,7 @@ else
   CT=()
   PEER=(--repeats 5 --ours ${OURS:-splash:1024x1024 xla} --peer ${PEERS:-default split_head_dim})
   AT=(--patches 2 4 8)
+  PT=(--models ${PIPELINE_MODELS:-sdxl pixart-alpha} --hardware tpu-v5e)
   VMODELS=(wan2.1-1.3b)
   VSIZES=(480x832x81 720x1280x81)
 fi
@@ -195,9 +202,11 @@ for p in "${PARTS[@]}"; do
           --steps ${TRAIN_STEPS:-1000 2000 4000} ${TRAIN_ARGS:-}
         first=$work
       done ;;
+    pipeline) part pipeline 540 $PY experiments/device/pipeline_timing.py "${PT[@]}" \
+                --work /tmp/pipeline_timing ;;
     compile) part compile 400 $PY experiments/device/compile_timing.py \
                --models ${COMPILE_MODELS:-"${DITS[0]}"} "${CT[@]}" ;;
-    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards shards_base attention_sources quant profile profile_mmdit peer video video_shards video_train compile"
+    *) echo "tpu_suite: unknown part $p; known: families dits unets flops blocks large shards shards_base attention_sources quant profile profile_mmdit peer video video_shards video_train pipeline compile"
        exit 2 ;;
   esac
 done

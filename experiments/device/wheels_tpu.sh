@@ -2,17 +2,19 @@
 # The wheels a lent TPU machine needs beside what its own package index holds, into .whl-tpu/
 # (ignored by git; `carry` it to the device). The index there has jax, flax, numpy, pyyaml
 # (tpu_suite.sh installs them from it); it lacks tyro (patchpar's command line) with its needs,
-# and qwix (quantized inference). Versions are this checkout's .venv's, so the device runs what
-# the tests here ran. Pure-Python wheels: one download, whatever the machine's glibc. Beside
-# them the JAX peer of peer_unet.py: diffusers 0.35.2, the last with Flax models, as a zip put
-# on PYTHONPATH (its needs come from the machine's index), without its pipelines' torch code:
-# the device tool carries at most 64 MiB with the tree.
+# qwix (quantized inference) and open-clip-torch (installed without its needs: its CLIP BPE
+# vocabulary file alone, for the tokenizers of a random full-size folder, random_folder.py).
+# Versions are this checkout's .venv's, so the device runs what the tests here ran.
+# Pure-Python wheels: one download, whatever the machine's glibc. Beside them the JAX peer of
+# peer_unet.py: diffusers 0.35.2, the last with Flax models, as a zip put on PYTHONPATH (its
+# needs come from the machine's index), without its pipelines' torch code: the device tool
+# carries at most 64 MiB with the tree.
 #
 #   bash experiments/device/wheels_tpu.sh        then: device run ... carry [".whl-tpu"]
 set -euo pipefail
 DEST=${DEST:-.whl-tpu}
 PY=${PY:-.venv/bin/python}
-PACKAGES=(tyro docstring-parser typeguard qwix)
+PACKAGES=(tyro docstring-parser typeguard qwix open-clip-torch)  # open-clip: its CLIP BPE file
 pins=()
 for name in "${PACKAGES[@]}"; do
   version=$($PY -c "from importlib.metadata import version; print(version('$name'))") || {
