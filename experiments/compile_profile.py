@@ -11,7 +11,8 @@ phases, in this process, one after another:
 - compile_s: XLA's passes and code generation (`.compile()`); with a warm persistent cache this
   is the cache read;
 - stablehlo_ops: operations in the lowered module (before XLA's passes);
-- hlo_instructions: instructions of the optimised HLO, every computation counted.
+- hlo_instructions: instructions of the optimised HLO, every computation counted;
+- hlo_opcodes: the same by opcode (where two programs' sizes differ).
 A point's total is what its run waits for before timing starts. The programs a point shares
 with an earlier one (same HLO) hit JAX's in-process caches only when they are the same
 function; this profile makes every point's functions anew, as a fresh `patchpar run` does.
@@ -47,6 +48,18 @@ def hlo_instructions(text: str) -> int:
     return len(_INSTR.findall(text))
 
 
+_OPCODE = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+ = .*? ([a-z][a-z\-]*)\(", re.M)
+
+
+def hlo_opcodes(text: str) -> dict[str, int]:
+    """Instructions of an HLO module's text by opcode (fusion, add, parameter, ...), over all
+    its computations (a fused computation's own instructions included), most first."""
+    counts: dict[str, int] = {}
+    for op in _OPCODE.findall(text):
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def stablehlo_ops(text: str) -> int:
     """Operations of a StableHLO/MLIR module's text (dialect.op lines)."""
     return len(_OP.findall(text))
@@ -67,6 +80,7 @@ def _row(label, devices, model, phase, steps, times, low, compiled, log) -> dict
         "compile_s": t3 - t2,
         "stablehlo_ops": stablehlo_ops(low.as_text()),
         "hlo_instructions": hlo_instructions(compiled.as_text()),
+        "hlo_opcodes": hlo_opcodes(compiled.as_text()),
     }
     log(
         f"  {model} {label} on {devices}: {phase} trace {r['trace_s']:.2f} s, lower "

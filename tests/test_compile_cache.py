@@ -243,3 +243,35 @@ def test_a_second_run_reads_its_programs_back(tmp_path, micro_folder):
     for a, b in zip(first["images"], second["images"], strict=True):
         assert (folder / a).read_bytes() == (folder / b).read_bytes()
     assert list((tmp_path / "home" / "compile-cache").iterdir())
+
+
+def test_compile_profile_counts_a_programs_instructions_by_opcode():
+    """experiments/compile_profile.py's opcode counts of a compiled program's HLO text: every
+    computation's instructions (a fused computation's too), ROOT ones included, as many in
+    all as `hlo_instructions` counts; on a real program, its own text."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+    from compile_profile import hlo_instructions, hlo_opcodes
+
+    text = """HloModule m
+
+%fused (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(f32[4]{0} %p0)
+}
+
+ENTRY %main (a: f32[4], b: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %add.1 = f32[4]{0} add(f32[4]{0} %a, f32[4]{0} %b)
+  %fusion = f32[4]{0} fusion(f32[4]{0} %add.1), kind=kLoop, calls=%fused
+  ROOT %tuple = (f32[4]{0}, f32[4]{0}) tuple(f32[4]{0} %add.1, f32[4]{0} %fusion)
+}
+"""
+    assert hlo_opcodes(text) == {"parameter": 3, "negate": 1, "add": 1, "fusion": 1, "tuple": 1}
+    compiled = jax.jit(lambda x: jnp.sin(x) @ x.T + 1).lower(jnp.ones((8, 8))).compile()
+    real = compiled.as_text()
+    ops = hlo_opcodes(real)
+    assert ops.get("parameter", 0) >= 1 and sum(ops.values()) == hlo_instructions(real)
