@@ -92,3 +92,37 @@ def test_tpu_projection_rederived_from_its_workloads_and_the_chips_timings(tmp_p
         for a, b in zip(ours, committed, strict=True):
             assert a[key] == pytest.approx(b[key], rel=1e-6), b
     assert {r["compute_source"] for r in ours} >= {"measured"}
+
+
+def test_a_steady_program_timed_with_its_sends_dropped_is_no_runs_program(tmp_path):
+    """shard_timing.py --stale-exchange dropped: the steady program with its stale exchange
+    left out and no next state returned (on a DiT, sync_patch's with its gathers fed in) is
+    timed and recorded as such, carried from call to call without a state of its own; the
+    projection never takes it for a run's compute."""
+    import importlib.util
+
+    from patchpar.lab.config import build_plan
+
+    path = REPO / "experiments" / "device" / "shard_timing.py"
+    spec = importlib.util.spec_from_file_location("shard_timing_dropped", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "timing"
+    script.main(
+        [
+            "--model", "tiny-dit", "--resolutions", "64", "--patches", "2",
+            "--strategies", "distrifusion", "--stale-exchange", "dropped", "--repeats", "2",
+            "--dtype", "float32", "--hardware", "cpu-gloo", "--out", str(out),
+        ]
+    )  # fmt: skip
+    recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [(r["patches"], r["phase"], r["status"], r["stale_exchange"]) for r in recs] == [
+        (2, "steady", "ok", "dropped"),
+    ]
+    assert len(recs[0]["unet_call_s_all"]) == 2 and recs[0]["unet_call_s_median"] > 0
+    single = {**recs[0], "patches": 1, "strategy": "single()", "stale_exchange": "stand_in"}
+    recs.append(single)  # with a single program beside it, still not the run's compute
+    w = WorkloadCache(tmp_path / "w.jsonl")
+    wl = w.get("tiny-dit", 64, build_plan("distrifusion", {}, 2, 1), 1, "float32")
+    assert wl.strategy == recs[0]["strategy"]
+    assert timed_compute(recs, "cpu-gloo", wl) is None  # only a dropped program: not measured

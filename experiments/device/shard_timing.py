@@ -25,7 +25,12 @@ its stale exchanges stood in by local copies on the core (`stand_in`, as every c
 with them left out, the sends returned and the buffers kept as given (`left_out`,
 `Plan(stale_exchange=False)`): on a TPU or GPU those exchanges overlap the step on the
 interconnect's DMA engines, so `left_out` is the per-device compute the projection should use
-for them; records name which (`stale_exchange`).
+for them; records name which (`stale_exchange`). `--stale-exchange dropped` times the steady
+program with the stale exchange left out and its sends dropped too (the next state not
+returned): on a DiT, whose only stale site is its K/V, that is sync_patch's program with its
+gathers' results fed in as inputs (own fresh K/V, the others' read from a buffer the program
+did not make): beside sync_patch's stood-in program, what a gather delivered from outside
+the program costs the attention that reads it.
 Records: <out>/records.jsonl (hardware = the profile name given, device kind, model,
 resolution, patches, strategy, phase, seconds per denoiser call); table: <out>/table.md. Needs
 only jax, flax, numpy and pyyaml.
@@ -78,8 +83,9 @@ def parse(argv):
         help="every program with its runs of identical blocks scanned (model.scan_blocks)",
     )  # fmt: skip
     p.add_argument(
-        "--stale-exchange", choices=("stand_in", "left_out", "both"), default="both",
-        help="a stale strategy's steady exchanges stood in on the core, left out, or both",
+        "--stale-exchange", choices=("stand_in", "left_out", "both", "dropped"), default="both",
+        help="a stale strategy's steady exchanges stood in on the core, left out, both, or "
+        "left out with the sends dropped",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
@@ -122,7 +128,7 @@ def main(argv=None) -> None:
         name = "single" if n == 1 else strategy
         plan = build_plan(name, {} if n == 1 else _options(a.option), n, 1, comm=False)
         phase = "steady" if isinstance(plan.strategy, StaleStrategy) else "warmup"
-        plan = replace(plan, stale_exchange=stale_exchange != "left_out")
+        plan = replace(plan, stale_exchange=stale_exchange not in ("left_out", "dropped"))
         rec = {"hardware": a.hardware, "device_kind": dev.device_kind, "model": model,
                "resolution": r, "patches": n, "strategy": plan.strategy.describe(),
                "phase": phase, "dtype": a.dtype, "attention": kernel.impl,
@@ -164,7 +170,9 @@ def main(argv=None) -> None:
                 _, shapes = jax.eval_shape(fn, params, x, t, cond, shapes)
                 state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             # the stale buffers donated, as the denoising loop carries them (updated in place)
-            donate = (4,) if state is not None else ()
+            donate = (4,) if state is not None and stale_exchange != "dropped" else ()
+            if stale_exchange == "dropped":  # the sends not returned: never computed
+                fn = _output_only(fn)
             step = jax.jit(fn, donate_argnums=donate)
             t0 = time.perf_counter()
             compiled = step.lower(params, x, t, cond, state).compile()
@@ -223,6 +231,15 @@ def _points(a, stale_class, make_strategy):
                         yield model, r, n, strategy, how
 
 
+def _output_only(fn):
+    """`fn` returning its output and no next state (`--stale-exchange dropped`)."""
+
+    def out(*args):
+        return fn(*args)[0], None
+
+    return out
+
+
 def _trace(root: Path, rec: dict, compiled, args, state) -> str:
     """Two more calls of the point traced by jax.profiler into root/<point>/ (the stale state
     carried from call to call, as the timed calls do); the folder's name."""
@@ -234,7 +251,7 @@ def _trace(root: Path, rec: dict, compiled, args, state) -> str:
         for _ in range(2):
             out, new = compiled(*args, state)
             jax.block_until_ready(out)
-            state = new if state is not None else state
+            state = new if new is not None else state  # a dropped next state: the same
     return name
 
 

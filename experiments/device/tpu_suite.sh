@@ -21,9 +21,10 @@
 #              stood in by local copies) per strategy, PixArt-α at 1024²: the compute that bounds
 #              every speedup (SHARD_MODELS=, SHARD_RESOLUTIONS=, SHARD_PATCHES=,
 #              SHARD_STRATEGIES= choose; SHARD_OPTIONS="k=v ..." strategy options;
-#              SHARD_STALE= stand_in, left_out or both (default) for a stale strategy's
-#              exchanges; SHARD_LIMIT= the part's seconds (default 400); SHARD_SCAN=1 scans the blocks; SHARD_PROFILE=1 traces two calls of each
-#              point into shards/trace/)
+#              SHARD_STALE= stand_in, left_out, both (default) or dropped (left out, the
+#              sends dropped: shard_timing.py's docstring) for a stale strategy's exchanges;
+#              SHARD_LIMIT= the part's seconds (default 400); SHARD_SCAN=1 scans the blocks;
+#              SHARD_PROFILE=1 traces two calls of each point into shards/trace/)
 #   shards_base  the same points run from BASE=<folder>, an earlier commit's tree (its
 #              patchpar and experiments/, e.g. `git archive <commit> patchpar experiments`;
 #              BASE_COMMIT=<commit> names it in the records): before and after timed on one

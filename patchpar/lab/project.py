@@ -440,6 +440,8 @@ def timed_compute(records: list[dict], hardware: str, w: Workload) -> dict | Non
         and r.get("unet_batch") == w.unet_batch
     ]
     mine = [r for r in ok if r["patches"] == w.devices and r["strategy"] == w.strategy]
+    # a program timed with its sends dropped (`--stale-exchange dropped`) is no run's program
+    mine = [r for r in mine if r.get("stale_exchange") != "dropped"]
     if not mine:
         return None
     kernel = lambda r: (r.get("attention"), r.get("block_q"), r.get("block_kv"))  # noqa: E731
