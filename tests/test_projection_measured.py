@@ -14,16 +14,22 @@ from patchpar.measure.workload import WorkloadCache
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_device_script_in_miniature_feeds_the_projection(micro_folder, tmp_path, capsys):
-    """experiments/device/shard_timing.py as a lent GPU would run it, on the micro model; its
-    records then replace the fitted compute in `patchpar project --timings`."""
+def _shard_timing():
+    """experiments/device/shard_timing.py as a module."""
     import importlib.util
 
     path = REPO / "experiments" / "device" / "shard_timing.py"
     spec = importlib.util.spec_from_file_location("shard_timing", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.slow
+def test_device_script_in_miniature_feeds_the_projection(micro_folder, tmp_path, capsys):
+    """experiments/device/shard_timing.py as a lent GPU would run it, on the micro model; its
+    records then replace the fitted compute in `patchpar project --timings`."""
+    script = _shard_timing()
     out = tmp_path / "timing"
     script.main(
         [
@@ -99,14 +105,9 @@ def test_a_steady_program_timed_with_its_sends_dropped_is_no_runs_program(tmp_pa
     left out and no next state returned (on a DiT, sync_patch's with its gathers fed in) is
     timed and recorded as such, carried from call to call without a state of its own; the
     projection never takes it for a run's compute."""
-    import importlib.util
-
     from patchpar.lab.config import build_plan
 
-    path = REPO / "experiments" / "device" / "shard_timing.py"
-    spec = importlib.util.spec_from_file_location("shard_timing_dropped", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _shard_timing()
     out = tmp_path / "timing"
     script.main(
         [
